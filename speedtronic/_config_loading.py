@@ -1,0 +1,281 @@
+"""Turning YAML / JSON / dicts into a validated :class:`~speedtronic.config.SpeedtronicConfig`.
+
+Kept apart from the dataclasses so ``config.py`` reads as the reference of every key. Order of
+work in :func:`load_config`: read the source -> expand shorthands (refusing conflicts) -> apply
+``--set`` overrides -> build dataclasses with strict type checks and unknown-key suggestions ->
+fill cross-section defaults and validate ranges (``SpeedtronicConfig.finalize``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from . import config as _c
+from .errors import ConfigError
+
+# PyYAML follows YAML 1.1, where "3e-4" (no dot) is a *string*. Learning rates are written that
+# way all the time, so our loader also resolves such scientific notation to float.
+_FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+    list("-+0123456789."),
+)
+
+_ROOT_TO_RUN = ("name", "seed", "device", "max_steps", "output_dir")
+_ROOT_TO_OPTIMIZER = ("muon_plus", "cautious")
+_SECRET_WORDS = ("token", "secret", "password", "api_key", "access_key")
+
+
+def _parse_yaml(text: str, origin: str) -> Any:
+    try:
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{origin}:{where}: malformed YAML/JSON: {problem}") from None
+
+
+def _read_source(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(source, Mapping):
+        return _deep_copy(dict(source))
+    path = Path(source)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {str(path)!r}" if not path.exists()
+                          else f"config path is not a file: {str(path)!r}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {exc}") from None
+    data = _parse_yaml(text, str(path))  # JSON is valid YAML 1.2 for our purposes
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, "
+                          f"got {type(data).__name__}")
+    return data
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def _move(raw: dict[str, Any], key: str, section: str) -> None:
+    """Move root ``key`` into ``raw[section]``, refusing a conflicting duplicate."""
+    if key not in raw:
+        return
+    value = raw.pop(key)
+    target = raw.setdefault(section, {})
+    if target is None:
+        target = raw[section] = {}
+    if not isinstance(target, dict):
+        raise ConfigError(f"{section}: must be a mapping to combine with root '{key}'")
+    if key in target and target[key] != value:
+        raise ConfigError(f"conflicting values for {section}.{key}: root '{key}: {value}' and "
+                          f"'{section}.{key}: {target[key]}'; set it in one place")
+    target[key] = value
+
+
+def _expand_shorthands(raw: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(raw.get("optimizer"), str):
+        raw["optimizer"] = {"name": raw["optimizer"]}
+    if isinstance(raw.get("precision"), str):
+        raw["precision"] = {"mode": raw["precision"]}
+    if isinstance(raw.get("compile"), dict):
+        extra = sorted(set(raw["compile"]) - {"enabled"})
+        if extra:
+            raise ConfigError(f"compile.{extra[0]}: unknown key; compile accepts only 'enabled'")
+        raw["compile"] = raw["compile"].get("enabled", False)
+    for key in _ROOT_TO_RUN:
+        _move(raw, key, "run")
+    for key in _ROOT_TO_OPTIMIZER:
+        _move(raw, key, "optimizer")
+    if "log_every" in raw:
+        raw["logging"] = raw.get("logging") or {}
+        raw["log_every"] = raw.pop("log_every")
+        _move(raw, "log_every", "logging")
+        raw["logging"]["every_steps"] = raw["logging"].pop("log_every")
+    for name in ("diloco",):
+        if name in raw:
+            if "distributed" in raw:
+                raise ConfigError(f"both '{name}' and 'distributed' are set; use 'distributed'")
+            raw["distributed"] = raw.pop(name)
+    return raw
+
+
+def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> None:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        dotted, text = item.split("=", 1)
+        keys = dotted.strip().split(".")
+        if not all(keys):
+            raise ConfigError(f"--set {item!r}: bad key {dotted!r}")
+        value = _parse_yaml(text, f"--set {dotted}") if text.strip() else None
+        node = raw
+        for depth, key in enumerate(keys[:-1]):
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {dotted}: {'.'.join(keys[:depth + 1])} is not a section")
+            node = child
+        node[keys[-1]] = value
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin in (list, tuple):
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return {type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Return ``value`` checked against annotation ``tp`` (ints widen to float, lists to tuples)."""
+    ok, out = _match(value, tp)
+    if not ok:
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} "
+                          f"{value!r}")
+    return out
+
+
+def _match(value: Any, tp: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return True, value
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            ok, out = _match(value, arg)
+            if ok:
+                return True, out
+        return False, None
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if isinstance(value, str) and value not in choices:
+            lowered = value.lower() if "DEBUG" not in choices else value.upper()
+            if lowered in choices:
+                return True, lowered
+        return (value in choices and type(value) in {type(c) for c in choices}), value
+    if tp is type(None):
+        return value is None, None
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else None
+    if tp is str:
+        return isinstance(value, str), value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            return False, None
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis and len(args) != len(value):
+            return False, None
+        items = []
+        for i, item in enumerate(value):
+            ok, out = _match(item, args[0] if origin is list else args[min(i, len(args) - 1)])
+            if not ok:
+                return False, None
+            items.append(out)
+        return True, tuple(items) if origin is tuple else items
+    return isinstance(value, tp), value
+
+
+def _build(cls: type, raw: Any, prefix: str) -> Any:
+    if raw is None:
+        return cls()
+    if isinstance(raw, cls):
+        return raw
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix}: must be a mapping of keys, got {type(raw).__name__} {raw!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean '{(prefix + '.') if prefix else ''}{close[0]}'?" if close else \
+                f"; valid keys: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key '{dotted}'{hint}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, dotted)
+        else:
+            kwargs[key] = _coerce(value, tp, dotted)
+    return cls(**kwargs)
+
+
+def load_config(source: str | Path | Mapping[str, Any] | _c.SpeedtronicConfig,
+                overrides: Iterable[str] = ()) -> _c.SpeedtronicConfig:
+    """Load, override, type-check and validate a configuration.
+
+    Args:
+        source: a YAML or JSON file path, a dict, or an existing config (re-validated).
+        overrides: ``"section.key=value"`` strings; values are parsed as YAML.
+
+    Raises:
+        ConfigError: naming the full dotted key and what would be valid.
+    """
+    if isinstance(source, _c.SpeedtronicConfig):
+        source = source.to_dict(redact=False)
+    raw = _expand_shorthands(_read_source(source))
+    _apply_overrides(raw, overrides)
+    raw = _expand_shorthands(raw)
+    return _build(_c.SpeedtronicConfig, raw, "").finalize()
+
+
+def _to_plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _to_plain(v) for k, v in value.items()}
+    if isinstance(value, Path):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return f"<{type(value).__name__} object>"  # a live dataset passed from Python
+
+
+def _redact(value: Any) -> Any:
+    """Replace secret-looking values and credentials embedded in URLs."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if item and any(word in key.lower() for word in _SECRET_WORDS):
+                out[key] = "<redacted>"
+            else:
+                out[key] = _redact(item)
+        return out
+    if isinstance(value, list):
+        return [_redact(v) for v in value]
+    if isinstance(value, str):
+        return re.sub(r"(://)[^/@\s]+@", r"\1<redacted>@", value)
+    return value

@@ -1,0 +1,487 @@
+"""The configuration tree: one dataclass per section, loading, overrides, validation, redaction.
+
+A run is described by one :class:`SpeedtronicConfig`. It is built from YAML, JSON or a dict by
+:func:`load_config`, which
+
+* expands the accepted shorthands (``optimizer: muon``, ``precision: bf16``, root ``name`` /
+  ``seed`` / ``device`` / ``max_steps`` / ``output_dir`` / ``log_every`` / ``muon_plus`` /
+  ``cautious``, ``compile: {enabled: ...}``) and refuses two spellings that disagree;
+* applies ``--set section.key=value`` overrides (values parsed as YAML);
+* rejects unknown keys with the full dotted name and the closest valid key;
+* checks every value's type against the field annotation (the string ``"false"`` is not a bool;
+  an int is accepted where a float is expected) and every range rule.
+
+Field docstrings (the string under each field) are the reference documentation for each key.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+from .errors import ConfigError
+
+__all__ = [
+    "ConfigError",
+    "RunConfig",
+    "ModelConfig",
+    "DataConfig",
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "PrecisionConfig",
+    "CheckpointConfig",
+    "LoggingConfig",
+    "ShapeValidationConfig",
+    "DistributedConfig",
+    "SpeedtronicConfig",
+    "load_config",
+]
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+@dataclass
+class RunConfig:
+    """Identity and length of a run."""
+
+    name: str = "speedtronic-run"
+    """Run name; the run directory is ``output_dir/name``."""
+    seed: int = 1234
+    """Seed for model init, data order and dropout (also the default ``data.seed``)."""
+    device: str = "auto"
+    """``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    max_steps: int = 1000
+    """Number of optimizer steps (absolute: a resumed run stops at the same step)."""
+    output_dir: str = "runs"
+    """Base folder for run directories."""
+    eval_every: int = 100
+    """Evaluate on the held-out split every N optimizer steps (0 = only at the end)."""
+    eval_batches: int = 8
+    """Number of held-out micro-batches per evaluation (the same batches every time)."""
+
+    def validate(self, p: str = "run") -> None:
+        _check(bool(self.name.strip()) and "/" not in self.name and self.name not in (".", ".."),
+               f"{p}.name", f"must be a non-empty name without '/', got {self.name!r}")
+        _check(self.max_steps > 0, f"{p}.max_steps", f"must be > 0, got {self.max_steps}")
+        _check(self.eval_every >= 0, f"{p}.eval_every", f"must be >= 0, got {self.eval_every}")
+        _check(self.eval_batches > 0, f"{p}.eval_batches", f"must be > 0, got {self.eval_batches}")
+        _check(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device) is not None, f"{p}.device",
+               f"must be auto, cpu, mps, cuda or cuda:N, got {self.device!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Which model to build and its size (the reference GPT's hyper-parameters)."""
+
+    name: str = "reference_transformer"
+    """Registered model name (see ``speedtronic.models.register_model``)."""
+    vocab_size: int = 256
+    """Vocabulary size; 256 matches the bundled byte-level data (the reference engine used 512)."""
+    max_seq_len: int = 128
+    """Longest sequence the model accepts (RoPE table size); default ``data.block_size``."""
+    n_layer: int = 4
+    """Number of transformer blocks."""
+    n_head: int = 8
+    """Number of query heads."""
+    n_kv_head: int | None = None
+    """Key/value heads for grouped-query attention; must divide ``n_head``. None = ``n_head``."""
+    d_model: int = 256
+    """Residual width; must be divisible by ``n_head`` with an even head dim (RoPE)."""
+    d_ff: int | None = None
+    """SwiGLU hidden width. None = 8/3 * d_model rounded up to a multiple of 64."""
+    dropout: float = 0.0
+    """Dropout probability in [0, 1)."""
+    tie_weights: bool = True
+    """Share the token embedding with the output head."""
+    rope_base: float = 10000.0
+    """RoPE frequency base (> 0)."""
+    gradient_checkpointing: bool = False
+    """Recompute block activations in backward (same as root ``gradient_checkpointing``)."""
+
+    def validate(self, p: str = "model") -> None:
+        for key in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model"):
+            value = getattr(self, key)
+            _check(value > 0, f"{p}.{key}", f"must be > 0, got {value}")
+        if self.n_kv_head is not None:
+            _check(self.n_kv_head > 0 and self.n_head % self.n_kv_head == 0, f"{p}.n_kv_head",
+                   f"must be > 0 and divide n_head={self.n_head}, got {self.n_kv_head}")
+        _check(self.d_model % self.n_head == 0 and (self.d_model // self.n_head) % 2 == 0,
+               f"{p}.d_model", f"must be divisible by n_head={self.n_head} with an even head "
+               f"dim, got {self.d_model}")
+        if self.d_ff is not None:
+            _check(self.d_ff > 0, f"{p}.d_ff", f"must be > 0, got {self.d_ff}")
+        _check(0.0 <= self.dropout < 1.0, f"{p}.dropout", f"must be in [0, 1), got {self.dropout}")
+        _check(self.rope_base > 0, f"{p}.rope_base", f"must be > 0, got {self.rope_base}")
+
+
+@dataclass
+class DataConfig:
+    """Where batches come from. Default: the bundled real-text byte corpus (Python stdlib source)."""
+
+    text_path: str | None = None
+    """A UTF-8 text file, streamed in blocks (never loaded whole), byte-level tokens."""
+    synthetic: bool = False
+    """Random tokens, for benchmarks (no learning signal)."""
+    dataset: Any = None
+    """A user dataset: ``"package.module:factory"`` (called with the config, returns a
+    ``Dataset``/``IterableDataset``) or, from Python, a live dataset object."""
+    stdlib_max_bytes: int = 8_000_000
+    """Size cap of the bundled stdlib corpus (files taken in sorted order)."""
+    eval_fraction: float = 0.05
+    """Share of the corpus held out for evaluation (a deterministic split)."""
+    num_tokens: int = 1_000_000
+    """Length of the synthetic token stream."""
+    block_size: int | None = None
+    """Tokens per sample. None = ``model.max_seq_len``."""
+    micro_batch_size: int = 8
+    """Samples per forward/backward pass."""
+    target_batch_size: int | None = None
+    """Samples per optimizer step (a multiple of ``micro_batch_size``); None = one micro-batch."""
+    num_workers: int = 0
+    """DataLoader worker processes for user map-style datasets."""
+    pin_memory: bool | None = None
+    """Pin host memory; None = when training on CUDA."""
+    shuffle: bool = True
+    """Shuffle sample order (seeded; ignored for streams, which are read in a seeded order)."""
+    seed: int | None = None
+    """Data-order seed; None = ``run.seed``."""
+
+    def validate(self, p: str = "data") -> None:
+        sources = [self.text_path is not None, self.synthetic, self.dataset is not None]
+        _check(sum(sources) <= 1, p, "set at most one of text_path, synthetic, dataset "
+               f"(got text_path={self.text_path!r}, synthetic={self.synthetic}, "
+               f"dataset={self.dataset!r})")
+        if self.text_path is not None:
+            path = Path(self.text_path)
+            _check(path.is_file(), f"{p}.text_path", f"file not found: {str(path)!r}")
+        _check(self.stdlib_max_bytes > 0, f"{p}.stdlib_max_bytes", "must be > 0")
+        _check(0.0 < self.eval_fraction < 0.5, f"{p}.eval_fraction",
+               f"must be in (0, 0.5), got {self.eval_fraction}")
+        _check(self.num_tokens > 0, f"{p}.num_tokens", f"must be > 0, got {self.num_tokens}")
+        if self.block_size is not None:
+            _check(self.block_size > 0, f"{p}.block_size", f"must be > 0, got {self.block_size}")
+        _check(self.micro_batch_size > 0, f"{p}.micro_batch_size",
+               f"must be > 0, got {self.micro_batch_size}")
+        if self.target_batch_size is not None:
+            _check(self.target_batch_size >= self.micro_batch_size
+                   and self.target_batch_size % self.micro_batch_size == 0,
+                   f"{p}.target_batch_size", f"must be a multiple of micro_batch_size="
+                   f"{self.micro_batch_size}, got {self.target_batch_size}")
+        _check(self.num_workers >= 0, f"{p}.num_workers", "must be >= 0")
+
+
+@dataclass
+class OptimizerConfig:
+    """The optimizer. ``adamw`` trains every parameter with AdamW; ``muon`` routes hidden 2-D
+    matrices to Muon and everything else (embeddings, head, norms, biases) to AdamW."""
+
+    name: Literal["adamw", "muon"] = "adamw"
+    """``adamw`` or ``muon`` (hybrid Muon + AdamW)."""
+    lr: float = 3e-4
+    """AdamW learning rate (peak, before the schedule)."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas, each in [0, 1)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (matrices only; see ``decay_embeddings``/``decay_norms``)."""
+    decay_embeddings: bool = False
+    """Apply weight decay to embeddings and the (tied) output head too."""
+    decay_norms_and_biases: bool = False
+    """Apply weight decay to norm gains and biases too."""
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value; None disables clipping."""
+    fused: bool | None = None
+    """Use a fused AdamW implementation when available; None = automatic."""
+    muon_lr: float = 0.02
+    """Muon learning rate (Muon's updates are orthogonal, so its lr is not AdamW's)."""
+    muon_weight_decay: float = 0.01
+    """Muon decoupled weight decay."""
+    muon_momentum: float = 0.95
+    """Muon momentum in [0, 1)."""
+    muon_nesterov: bool = True
+    """Nesterov-style momentum for Muon."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations."""
+    muon_coefficients: Union[str, list[float]] = "quintic"
+    """Newton-Schulz polynomial: ``quintic`` (3.4445, -4.7750, 2.0315), ``polar_express``
+    (a per-iteration schedule), or an explicit list of 3 (or 3 x ns_steps) floats."""
+    muon_eps: float = 1e-7
+    """Epsilon of the Frobenius pre-normalization before Newton-Schulz."""
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = "original"
+    """Shape-dependent lr scale: ``original`` = sqrt(max(1, rows/cols)) (torch.optim.Muon's
+    default), ``match_rms_adamw`` = 0.2 * sqrt(max(rows, cols))."""
+    muon_ns_dtype: Literal["auto", "bf16", "fp32"] = "auto"
+    """Newton-Schulz matmul dtype: auto = bf16 on CUDA, fp32 on CPU."""
+    muon_plus: bool = False
+    """Muon+: normalize rows then columns after orthogonalization (requires name: muon)."""
+    muon_norm_eps: float = 1e-8
+    """Epsilon inside the square root of the Muon+ normalization."""
+    cautious: bool = False
+    """Cautious masking: drop update entries whose sign disagrees with the gradient."""
+    cautious_rescale: bool = True
+    """Rescale kept entries by numel / (kept + 1) as in the Cautious Optimizers paper."""
+
+    def validate(self, p: str = "optimizer") -> None:
+        for key in ("lr", "eps", "muon_lr", "muon_eps", "muon_norm_eps"):
+            value = getattr(self, key)
+            _check(value > 0, f"{p}.{key}", f"must be > 0, got {value}")
+        for key in ("weight_decay", "muon_weight_decay"):
+            value = getattr(self, key)
+            _check(value >= 0, f"{p}.{key}", f"must be >= 0, got {value}")
+        _check(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), f"{p}.betas",
+               f"must be two values in [0, 1), got {list(self.betas)}")
+        if self.grad_clip is not None:
+            _check(self.grad_clip > 0, f"{p}.grad_clip", f"must be > 0 or null, got {self.grad_clip}")
+        _check(0.0 <= self.muon_momentum < 1.0, f"{p}.muon_momentum",
+               f"must be in [0, 1), got {self.muon_momentum}")
+        _check(self.muon_ns_steps > 0, f"{p}.muon_ns_steps", f"must be > 0, got {self.muon_ns_steps}")
+        coeffs = self.muon_coefficients
+        if isinstance(coeffs, str):
+            _check(coeffs in ("quintic", "polar_express"), f"{p}.muon_coefficients",
+                   f"must be 'quintic', 'polar_express' or a list of floats, got {coeffs!r}")
+        else:
+            _check(len(coeffs) in (3, 3 * self.muon_ns_steps), f"{p}.muon_coefficients",
+                   f"a list must hold 3 or 3 x muon_ns_steps={3 * self.muon_ns_steps} floats, "
+                   f"got {len(coeffs)}")
+        _check(not self.muon_plus or self.name == "muon", f"{p}.muon_plus",
+               f"requires optimizer.name: muon (got name: {self.name}); Muon+ normalizes "
+               "orthogonalized updates, which AdamW does not produce")
+
+
+@dataclass
+class SchedulerConfig:
+    """Learning-rate schedule, applied to every parameter group (keeps the Muon/AdamW ratio)."""
+
+    name: Literal["cosine", "constant"] = "cosine"
+    """``cosine`` (linear warmup, cosine decay to min_lr_ratio) or ``constant`` (warmup, flat)."""
+    warmup_steps: int = 100
+    """Linear warmup length in optimizer steps."""
+    max_steps: int | None = None
+    """Horizon of the cosine decay; None = ``run.max_steps``."""
+    min_lr_ratio: float = 0.1
+    """Final lr as a fraction of the peak (cosine only), in [0, 1]."""
+
+    def validate(self, p: str = "scheduler") -> None:
+        _check(self.warmup_steps >= 0, f"{p}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if self.max_steps is not None:
+            _check(self.max_steps > 0, f"{p}.max_steps", f"must be > 0, got {self.max_steps}")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, f"{p}.min_lr_ratio",
+               f"must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class PrecisionConfig:
+    """Numeric precision of forward/backward (parameters and optimizer state stay fp32)."""
+
+    mode: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
+    """``auto``: bf16 on CUDA that supports it, fp16 + GradScaler on other CUDA, fp32 on CPU.
+    An explicit mode the device cannot run falls back with a warning."""
+
+    def validate(self, p: str = "precision") -> None:
+        pass
+
+
+@dataclass
+class CheckpointConfig:
+    """Atomic, resumable checkpoints in ``<run dir>/<directory>``."""
+
+    enabled: bool = True
+    """Write checkpoints."""
+    directory: str = "checkpoints"
+    """Folder, relative to the run directory."""
+    every_steps: int = 500
+    """Save every N optimizer steps (and at the end of the run)."""
+    keep_last: int | None = 3
+    """Keep the newest N checkpoints; None keeps all."""
+    resume: bool = False
+    """Resume from the newest valid checkpoint (same as ``train --resume``)."""
+
+    def validate(self, p: str = "checkpoint") -> None:
+        _check(self.every_steps > 0, f"{p}.every_steps", f"must be > 0, got {self.every_steps}")
+        if self.keep_last is not None:
+            _check(self.keep_last > 0, f"{p}.keep_last", f"must be > 0 or null, got {self.keep_last}")
+
+
+@dataclass
+class LoggingConfig:
+    """Console lines, metrics.jsonl (always written in the run directory) and integrations."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level of the ``speedtronic`` loggers."""
+    every_steps: int = 10
+    """Print and record train metrics every N optimizer steps."""
+    file: str | None = None
+    """Also write the text log to this file."""
+    progress_bar: bool | None = None
+    """tqdm progress bar; None = only when stdout is a terminal."""
+    tensorboard: bool = False
+    """Write TensorBoard scalars to ``<run dir>/tensorboard`` (needs the ``tensorboard`` extra)."""
+    wandb: bool = False
+    """Log to Weights & Biases (needs the ``wandb`` extra)."""
+    wandb_project: str | None = None
+    """W&B project name; None = ``speedtronic``."""
+
+    def validate(self, p: str = "logging") -> None:
+        _check(self.every_steps > 0, f"{p}.every_steps", f"must be > 0, got {self.every_steps}")
+
+
+@dataclass
+class ShapeValidationConfig:
+    """Startup table of GEMM dimensions that are not multiples of the hardware's alignment."""
+
+    enabled: bool = True
+    """Run the check at startup (warnings only; never changes the model)."""
+    alignment: Union[Literal["auto", "none"], int] = "auto"
+    """``auto`` (from device and precision), ``none`` (disable everywhere) or a positive int."""
+    check_batch: bool = True
+    """Check micro-batch x sequence length."""
+    check_sequence: bool = True
+    """Check the sequence length."""
+    check_model: bool = True
+    """Check Linear / Embedding / attention dims."""
+    check_vocab: bool = True
+    """Check the vocabulary size (embedding rows and output head)."""
+    warn_on_cpu: bool = False
+    """Also warn on CPU (alignment matters little there)."""
+
+    def validate(self, p: str = "shape_validation") -> None:
+        if isinstance(self.alignment, int):
+            _check(self.alignment > 0, f"{p}.alignment",
+                   f"must be auto, none or a positive int, got {self.alignment}")
+
+
+@dataclass
+class DistributedConfig:
+    """DiLoCo-style asynchronous multi-node training over a shared store."""
+
+    enabled: bool = False
+    """Turn DiLoCo on."""
+    role: Literal["master", "worker"] = "worker"
+    """``master`` applies outer steps and publishes globals; ``worker`` trains and sends deltas."""
+    node_id: str | None = None
+    """This node's id (letters, digits, ``-_.``); None = hostname-pid."""
+    store: str | None = None
+    """Store URL: ``file:///path``, ``s3://bucket/prefix`` or ``hf://user/repo``. Credentials
+    come only from the environment and are never written to disk."""
+    inner_steps: int = 500
+    """H: inner optimizer steps between deltas."""
+    poll_interval: float = 60.0
+    """Seconds between background polls of the global pointer (workers) or deltas (master)."""
+    outer_lr: float = 0.7
+    """Outer learning rate."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum in [0, 1)."""
+
+    def validate(self, p: str = "distributed") -> None:
+        if self.enabled:
+            _check(self.store is not None, f"{p}.store",
+                   "is required when distributed.enabled is true (file:///..., s3://..., hf://...)")
+        if self.node_id is not None:
+            _check(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.node_id) is not None,
+                   f"{p}.node_id", f"must be 1-64 of [A-Za-z0-9_.-] not starting with '.', "
+                   f"got {self.node_id!r}")
+        _check(self.inner_steps > 0, f"{p}.inner_steps", f"must be > 0, got {self.inner_steps}")
+        _check(self.poll_interval > 0, f"{p}.poll_interval", "must be > 0")
+        _check(self.outer_lr > 0, f"{p}.outer_lr", f"must be > 0, got {self.outer_lr}")
+        _check(0.0 <= self.outer_momentum < 1.0, f"{p}.outer_momentum",
+               f"must be in [0, 1), got {self.outer_momentum}")
+
+
+_SECTIONS: dict[str, type] = {
+    "run": RunConfig,
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optimizer": OptimizerConfig,
+    "scheduler": SchedulerConfig,
+    "precision": PrecisionConfig,
+    "checkpoint": CheckpointConfig,
+    "logging": LoggingConfig,
+    "distributed": DistributedConfig,
+    "shape_validation": ShapeValidationConfig,
+}
+
+
+@dataclass
+class SpeedtronicConfig:
+    """The whole run: one section per concern plus four root switches."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    shape_validation: ShapeValidationConfig = field(default_factory=ShapeValidationConfig)
+    compile: bool = False
+    """Compile the model with ``torch.compile`` (falls back to eager, with the reason logged)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory (same as model.gradient_checkpointing)."""
+    ooo_backprop: bool = False
+    """Out-of-order backprop: defer weight gradients to side CUDA streams (opt-in)."""
+    ooo_streams: int = 4
+    """Side streams for out-of-order backprop, 1..8."""
+
+    def finalize(self) -> SpeedtronicConfig:
+        """Fill cross-section defaults, then validate every section. Returns self."""
+        if self.data.block_size is None:
+            self.data.block_size = self.model.max_seq_len
+        if self.data.target_batch_size is None:
+            self.data.target_batch_size = self.data.micro_batch_size
+        if self.data.seed is None:
+            self.data.seed = self.run.seed
+        if self.scheduler.max_steps is None:
+            self.scheduler.max_steps = self.run.max_steps
+        if self.gradient_checkpointing or self.model.gradient_checkpointing:
+            self.gradient_checkpointing = self.model.gradient_checkpointing = True
+        for name in _SECTIONS:
+            getattr(self, name).validate(name)
+        _check(1 <= self.ooo_streams <= 8, "ooo_streams", f"must be in 1..8, got {self.ooo_streams}")
+        _check(self.data.block_size <= self.model.max_seq_len, "data.block_size",
+               f"must be <= model.max_seq_len={self.model.max_seq_len}, got {self.data.block_size}")
+        return self
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        target = self.data.target_batch_size or self.data.micro_batch_size
+        return target // self.data.micro_batch_size
+
+    @property
+    def run_dir(self) -> Path:
+        """``run.output_dir / run.name``."""
+        return Path(self.run.output_dir) / self.run.name
+
+    def to_dict(self, redact: bool = True) -> dict[str, Any]:
+        """A JSON/YAML-safe nested dict; with ``redact``, secrets are replaced by ``<redacted>``."""
+        out = _to_plain(self)
+        return _redact(out) if redact else out
+
+    def save(self, path: str | Path) -> None:
+        """Write the resolved config (always redacted) as YAML (.yaml/.yml) or JSON."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.to_dict(redact=True)
+        if path.suffix in (".yaml", ".yml"):
+            text = yaml.safe_dump(data, sort_keys=False)
+        else:
+            text = json.dumps(data, indent=2) + "\n"
+        path.write_text(text, encoding="utf-8")
+
+
+Config = SpeedtronicConfig
+
+# Loading lives in its own module (parsing, shorthands, overrides, type checks); it needs the
+# classes above, hence the import at the bottom.
+from ._config_loading import _redact, _to_plain, load_config  # noqa: E402
