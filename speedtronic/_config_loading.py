@@ -38,7 +38,8 @@ _Loader.add_implicit_resolver(
 
 _ROOT_TO_RUN = ("name", "seed", "device", "max_steps", "output_dir")
 _ROOT_TO_OPTIMIZER = ("muon_plus", "cautious")
-_SECRET_WORDS = ("token", "secret", "password", "api_key", "access_key")
+# Key names that hold credentials ("num_tokens" is not one: match whole words only).
+_SECRET_KEY = re.compile(r"(^|_)(token|secret|password|api_key|access_key|secret_key)$")
 
 
 def _parse_yaml(text: str, origin: str) -> Any:
@@ -269,7 +270,7 @@ def _redact(value: Any) -> Any:
     if isinstance(value, dict):
         out = {}
         for key, item in value.items():
-            if item and any(word in key.lower() for word in _SECRET_WORDS):
+            if item and isinstance(item, str) and _SECRET_KEY.search(key.lower()):
                 out[key] = "<redacted>"
             else:
                 out[key] = _redact(item)

@@ -20,7 +20,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 import yaml
 
@@ -124,7 +124,7 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """Where batches come from. Default: the bundled real-text byte corpus (Python stdlib source)."""
+    """Where batches come from. Default: the bundled real-text byte corpus (stdlib source)."""
 
     text_path: str | None = None
     """A UTF-8 text file, streamed in blocks (never loaded whole), byte-level tokens."""
@@ -211,7 +211,7 @@ class OptimizerConfig:
     """Nesterov-style momentum for Muon."""
     muon_ns_steps: int = 5
     """Newton-Schulz iterations."""
-    muon_coefficients: Union[str, list[float]] = "quintic"
+    muon_coefficients: str | list[float] = "quintic"
     """Newton-Schulz polynomial: ``quintic`` (3.4445, -4.7750, 2.0315), ``polar_express``
     (a per-iteration schedule), or an explicit list of 3 (or 3 x ns_steps) floats."""
     muon_eps: float = 1e-7
@@ -240,10 +240,12 @@ class OptimizerConfig:
         _check(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), f"{p}.betas",
                f"must be two values in [0, 1), got {list(self.betas)}")
         if self.grad_clip is not None:
-            _check(self.grad_clip > 0, f"{p}.grad_clip", f"must be > 0 or null, got {self.grad_clip}")
+            _check(self.grad_clip > 0, f"{p}.grad_clip",
+                   f"must be > 0 or null, got {self.grad_clip}")
         _check(0.0 <= self.muon_momentum < 1.0, f"{p}.muon_momentum",
                f"must be in [0, 1), got {self.muon_momentum}")
-        _check(self.muon_ns_steps > 0, f"{p}.muon_ns_steps", f"must be > 0, got {self.muon_ns_steps}")
+        _check(self.muon_ns_steps > 0, f"{p}.muon_ns_steps",
+               f"must be > 0, got {self.muon_ns_steps}")
         coeffs = self.muon_coefficients
         if isinstance(coeffs, str):
             _check(coeffs in ("quintic", "polar_express"), f"{p}.muon_coefficients",
@@ -271,7 +273,8 @@ class SchedulerConfig:
     """Final lr as a fraction of the peak (cosine only), in [0, 1]."""
 
     def validate(self, p: str = "scheduler") -> None:
-        _check(self.warmup_steps >= 0, f"{p}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        _check(self.warmup_steps >= 0, f"{p}.warmup_steps",
+               f"must be >= 0, got {self.warmup_steps}")
         if self.max_steps is not None:
             _check(self.max_steps > 0, f"{p}.max_steps", f"must be > 0, got {self.max_steps}")
         _check(0.0 <= self.min_lr_ratio <= 1.0, f"{p}.min_lr_ratio",
@@ -308,7 +311,8 @@ class CheckpointConfig:
     def validate(self, p: str = "checkpoint") -> None:
         _check(self.every_steps > 0, f"{p}.every_steps", f"must be > 0, got {self.every_steps}")
         if self.keep_last is not None:
-            _check(self.keep_last > 0, f"{p}.keep_last", f"must be > 0 or null, got {self.keep_last}")
+            _check(self.keep_last > 0, f"{p}.keep_last",
+                   f"must be > 0 or null, got {self.keep_last}")
 
 
 @dataclass
@@ -340,7 +344,7 @@ class ShapeValidationConfig:
 
     enabled: bool = True
     """Run the check at startup (warnings only; never changes the model)."""
-    alignment: Union[Literal["auto", "none"], int] = "auto"
+    alignment: Literal["auto", "none"] | int = "auto"
     """``auto`` (from device and precision), ``none`` (disable everywhere) or a positive int."""
     check_batch: bool = True
     """Check micro-batch x sequence length."""
@@ -447,7 +451,8 @@ class SpeedtronicConfig:
             self.gradient_checkpointing = self.model.gradient_checkpointing = True
         for name in _SECTIONS:
             getattr(self, name).validate(name)
-        _check(1 <= self.ooo_streams <= 8, "ooo_streams", f"must be in 1..8, got {self.ooo_streams}")
+        _check(1 <= self.ooo_streams <= 8, "ooo_streams",
+               f"must be in 1..8, got {self.ooo_streams}")
         _check(self.data.block_size <= self.model.max_seq_len, "data.block_size",
                f"must be <= model.max_seq_len={self.model.max_seq_len}, got {self.data.block_size}")
         return self
