@@ -1,0 +1,271 @@
+"""The reference GPT-style decoder: RoPE, grouped-query attention, SwiGLU, RMSNorm, tied head.
+
+Design choices that matter for speed (see ``docs/reference-engine-v2.md`` section 5.2 for what
+the v2 engine got wrong):
+
+* attention always goes through ``F.scaled_dot_product_attention(..., is_causal=True)`` with no
+  dense mask tensor, so SDPA can pick flash / memory-efficient kernels;
+* grouped-query attention uses SDPA's ``enable_gqa`` (torch >= 2.5) instead of materialising
+  repeated K/V; older torch expands K/V through a broadcast view;
+* RoPE cos/sin tables are precomputed non-persistent buffers: no mutable Python cache, so
+  ``torch.compile`` sees a static graph with no guards on cache length;
+* the model never shifts labels: the data pipeline already gives ``labels[t] = input_ids[t+1]``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import ModelConfig
+from .registry import register_model
+
+__all__ = ["ReferenceTransformer", "RMSNorm", "apply_rope", "rope_tables", "swiglu_hidden"]
+
+
+def _sdpa_supports_gqa() -> bool:
+    """True when ``F.scaled_dot_product_attention`` accepts ``enable_gqa`` (torch >= 2.5)."""
+    return "enable_gqa" in (F.scaled_dot_product_attention.__doc__ or "")
+
+
+_SDPA_GQA = _sdpa_supports_gqa()
+_HAS_RMS_NORM = hasattr(F, "rms_norm")
+
+
+def swiglu_hidden(d_model: int, d_ff: int | None) -> int:
+    """SwiGLU hidden width: ``d_ff`` if given, else 8/3 * d_model rounded up to a multiple of 64.
+
+    8/3 keeps the parameter count of a 4x GELU MLP (three matrices instead of two); the
+    multiple of 64 keeps the GEMM dims aligned for tensor cores.
+    """
+    if d_ff is not None:
+        return d_ff
+    return 64 * math.ceil(8 * d_model / 3 / 64)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned gain (no bias, no mean subtraction)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., C) -> (..., C)
+        if _HAS_RMS_NORM:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        xf = x.float()  # mean square in fp32 whatever the activation dtype
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin tables, each ``(max_seq_len, head_dim // 2)``, for the half-split RoPE form."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (B, H, T, hd) by position: pairs are (x[i], x[i + hd/2]).
+
+    ``cos``/``sin`` are (T, hd/2) and broadcast over batch and heads.
+    """
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]  # (B, H, T, hd/2) each
+    cos = cos.to(x.dtype)
+    sin = sin.to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention with grouped K/V heads and rotary positions (bias-free)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.n_kv_head = cfg.n_kv_head or cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.dropout = cfg.dropout
+        self.q_proj = nn.Linear(cfg.d_model, self.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, KV, hd = self.n_head, self.n_kv_head, self.head_dim
+        q = self.q_proj(x).view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_proj(x).view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
+        v = self.v_proj(x).view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        p = self.dropout if self.training else 0.0
+        if KV == H:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        elif _SDPA_GQA:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
+                                               enable_gqa=True)
+        else:
+            # Query head h uses K/V head h // (H // KV): broadcast view, then one reshape copy.
+            k = k[:, :, None].expand(B, KV, H // KV, T, hd).reshape(B, H, T, hd)
+            v = v[:, :, None].expand(B, KV, H // KV, T, hd).reshape(B, H, T, hd)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = y.transpose(1, 2).reshape(B, T, H * hd)  # (B, T, H*hd)
+        return self.o_proj(y)
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, bias-free."""
+
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model)
+        self.mlp = SwiGLU(cfg.d_model, swiglu_hidden(cfg.d_model, cfg.d_ff))
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin))
+        return x + self.resid_dropout(self.mlp(self.mlp_norm(x)))
+
+
+class ReferenceTransformer(nn.Module):
+    """GPT-style decoder over token ids.
+
+    ``forward(input_ids, labels=None)``: with labels (already shifted, ``-100`` = ignored) it
+    returns the scalar mean cross-entropy; without, the logits ``(B, T, vocab_size)``.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.vocab_size = cfg.vocab_size
+        self.max_seq_len = cfg.max_seq_len
+        self.n_kv_head = cfg.n_kv_head or cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.gradient_checkpointing = False
+
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.embed_dropout = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.final_norm = RMSNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.lm_head.weight = self.embed.weight
+        # The optimizer router sends these to AdamW even though their weights are 2-D.
+        self.embed._speedtronic_optimizer_role = "adamw"
+        self.lm_head._speedtronic_optimizer_role = "adamw"
+
+        cos, sin = rope_tables(self.head_dim, cfg.max_seq_len, cfg.rope_base)
+        # Non-persistent: derived from the config, so not part of checkpoints.
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, hd/2) fp32
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+        if cfg.gradient_checkpointing:
+            self.set_gradient_checkpointing(True)
+
+    # -- contracts with other components ---------------------------------------------------
+    @property
+    def ooo_stage_names(self) -> list[str]:
+        """Qualified names of the transformer blocks, in forward order (out-of-order backprop)."""
+        return [f"blocks.{i}" for i in range(len(self.blocks))]
+
+    def speedtronic_shape_metadata(self) -> dict[str, Any]:
+        """GEMM-relevant sizes for the startup shape-alignment table."""
+        cfg = self.config
+        return {
+            "vocab_size": cfg.vocab_size,
+            "d_model": cfg.d_model,
+            "n_layer": cfg.n_layer,
+            "n_head": cfg.n_head,
+            "n_kv_head": self.n_kv_head,
+            "head_dim": self.head_dim,
+            "d_ff": swiglu_hidden(cfg.d_model, cfg.d_ff),
+            "seq_len": cfg.max_seq_len,
+        }
+
+    def set_gradient_checkpointing(self, enabled: bool = True) -> None:
+        """Recompute each block's activations during backward (saves memory, costs ~1 forward)."""
+        self.gradient_checkpointing = bool(enabled)
+
+    # -- init ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """N(0, 0.02) everywhere; residual output projections scaled by 1/sqrt(2 * n_layer).
+
+        The scaling keeps the residual stream's variance roughly independent of depth (GPT-2).
+        With tied weights the shared matrix is initialised once (as the embedding).
+        """
+        std = 0.02
+        resid_std = std / math.sqrt(2 * max(1, len(self.blocks)))
+        nn.init.normal_(self.embed.weight, 0.0, std)
+        if self.lm_head.weight is not self.embed.weight:
+            nn.init.normal_(self.lm_head.weight, 0.0, std)
+        for block in self.blocks:
+            for lin in (block.attn.q_proj, block.attn.k_proj, block.attn.v_proj,
+                        block.mlp.gate_proj, block.mlp.up_proj):
+                nn.init.normal_(lin.weight, 0.0, std)
+            nn.init.normal_(block.attn.o_proj.weight, 0.0, resid_std)
+            nn.init.normal_(block.mlp.down_proj.weight, 0.0, resid_std)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    # -- forward ---------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor,
+                labels: torch.Tensor | None = None) -> torch.Tensor:
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (batch, seq_len), got shape "
+                             f"{tuple(input_ids.shape)}")
+        T = input_ids.shape[1]
+        if T > self.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds model.max_seq_len={self.max_seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # (T, hd/2) each
+        x = self.embed_dropout(self.embed(input_ids))  # (B, T, C)
+        use_ckpt = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
+        for block in self.blocks:
+            if use_ckpt:
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        logits = self.lm_head(self.final_norm(x))  # (B, T, V)
+        if labels is None:
+            return logits
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)} "
+                             f"(already shifted by the data), got {tuple(labels.shape)}")
+        # Sum / count instead of reduction="mean": an all-ignored batch gives 0, not NaN,
+        # and the count stays on the device (no host sync).
+        loss_sum = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                   ignore_index=-100, reduction="sum")
+        count = (labels != -100).sum().clamp_min(1)
+        return loss_sum / count
+
+
+@register_model("reference_transformer")
+def build_reference_transformer(cfg: ModelConfig) -> ReferenceTransformer:
+    """Factory for the built-in reference GPT (also registered as ``gpt``)."""
+    return ReferenceTransformer(cfg)
+
+
+register_model("gpt", build_reference_transformer)

@@ -1,0 +1,132 @@
+"""Model registry: names -> factories ``factory(cfg: ModelConfig) -> nn.Module``.
+
+Besides registered names, ``model.name`` may be an import string ``"package.module:factory"``,
+so a YAML-only CLI run can use a user model without any Python glue (the v2 engine could not:
+its registry was process-local only).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from ..errors import SpeedtronicError
+
+__all__ = ["register_model", "build_model", "registered_models", "extract_loss", "ModelFactory"]
+
+logger = logging.getLogger("speedtronic.models")
+
+ModelFactory = Callable[[ModelConfig], nn.Module]
+F = TypeVar("F", bound=ModelFactory)
+
+_REGISTRY: dict[str, ModelFactory] = {}
+
+
+def register_model(name: str, factory: F | None = None) -> Any:
+    """Register ``factory`` under ``name``; usable as ``@register_model("name")`` or directly.
+
+    Re-registering a name replaces the old factory (with a log line), so notebooks can iterate.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"model name must be a non-empty string, got {name!r}")
+
+    def decorator(fn: F) -> F:
+        if not callable(fn):
+            raise TypeError(f"model factory for {name!r} must be callable, got {fn!r}")
+        if name in _REGISTRY and _REGISTRY[name] is not fn:
+            logger.info("model registry: %r re-registered (replacing the previous factory)", name)
+        _REGISTRY[name] = fn
+        return fn
+
+    return decorator(factory) if factory is not None else decorator
+
+
+def _ensure_builtins() -> None:
+    from . import reference  # noqa: F401  (registers reference_transformer / gpt)
+
+
+def registered_models() -> list[str]:
+    """Sorted names of all registered models (built-ins included)."""
+    _ensure_builtins()
+    return sorted(_REGISTRY)
+
+
+def _import_factory(spec: str) -> ModelFactory:
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"model.name: cannot import module {module_name!r} from {spec!r}: "
+                          f"{exc}") from exc
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"model.name: {spec!r}: module {module_name!r} has no callable "
+                          f"{attr!r}")
+    return factory
+
+
+def build_model(cfg: Any) -> nn.Module:
+    """Build the model named by ``cfg.model.name`` (or ``cfg.name`` for a bare ModelConfig).
+
+    Applies ``model.gradient_checkpointing`` through ``set_gradient_checkpointing`` and raises
+    :class:`ConfigError` for an unknown name, listing the registered ones.
+    """
+    model_cfg: ModelConfig = cfg.model if hasattr(cfg, "model") else cfg
+    name = model_cfg.name
+    _ensure_builtins()
+    if name in _REGISTRY:
+        factory = _REGISTRY[name]
+    elif ":" in name:
+        factory = _import_factory(name)
+    else:
+        raise ConfigError(f"model.name: unknown model {name!r}; registered models: "
+                          f"{', '.join(registered_models())} (or use 'package.module:factory')")
+    model = factory(model_cfg)
+    if not isinstance(model, nn.Module):
+        raise SpeedtronicError(f"model factory {name!r} returned {type(model).__name__}, "
+                               "expected a torch.nn.Module")
+    wants_ckpt = model_cfg.gradient_checkpointing or bool(getattr(cfg, "gradient_checkpointing",
+                                                                  False))
+    setter = getattr(model, "set_gradient_checkpointing", None)
+    if wants_ckpt:
+        if setter is None:
+            raise ConfigError(f"gradient_checkpointing: model {name!r} has no "
+                              "set_gradient_checkpointing(bool) method; disable the option or "
+                              "implement the method")
+        setter(True)
+    n_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    logger.info("model: %s, %s parameters, gradient checkpointing %s", name, f"{n_params:,}",
+                "on" if wants_ckpt else "off")
+    return model
+
+
+def extract_loss(output: Any) -> torch.Tensor:
+    """The scalar loss from a model's output: a tensor, ``{"loss": t}`` or ``(t, ...)``.
+
+    Raises :class:`SpeedtronicError` naming what was returned otherwise.
+    """
+    loss = output
+    if isinstance(output, dict):
+        if "loss" not in output:
+            raise SpeedtronicError(f"model returned a dict without 'loss' (keys: "
+                                   f"{sorted(output)}); was it called without labels?")
+        loss = output["loss"]
+    elif isinstance(output, (tuple, list)):
+        if not output:
+            raise SpeedtronicError("model returned an empty tuple; expected (loss, ...)")
+        loss = output[0]
+    elif hasattr(output, "loss") and not isinstance(output, torch.Tensor):
+        loss = output.loss  # dataclass-style outputs (e.g. Hugging Face ModelOutput)
+    if not isinstance(loss, torch.Tensor):
+        raise SpeedtronicError(f"model must return a loss tensor, {{'loss': tensor}} or "
+                               f"(loss, ...); got {type(loss).__name__}")
+    if loss.numel() != 1:
+        raise SpeedtronicError(f"model returned a loss of shape {tuple(loss.shape)}; expected a "
+                               "scalar (reduce it, e.g. with .mean())")
+    return loss.reshape(())
