@@ -1,0 +1,7 @@
+"""``python -m speedtronic`` is the ``speedtronic`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

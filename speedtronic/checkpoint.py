@@ -1,0 +1,263 @@
+"""Durable, verifiable, resumable checkpoints.
+
+Layout of ``<run dir>/checkpoints/``::
+
+    step_00000100.pt        torch.save of a dict of tensors / plain Python values
+    step_00000100.sha256    hex digest of the .pt file (written before the .pt is renamed in)
+    latest                  name of the newest committed checkpoint (one line)
+
+Write protocol (each step survives a crash at any instant): stream the state into a hidden temp
+file while hashing it -> fsync -> write the digest file atomically -> rename the temp file onto
+its final name -> fsync the directory -> rewrite ``latest`` atomically -> prune old checkpoints.
+A crash leaves at worst an orphaned temp file (removed at the next start) and an older ``latest``.
+
+Loading never unpickles arbitrary objects: ``torch.load(weights_only=True)``. A checkpoint whose
+digest does not match, or that fails to load, is skipped with a warning and the next older one is
+used, so one torn or bit-flipped file never loses a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import random
+import re
+import signal
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+
+from .errors import SpeedtronicError
+
+logger = logging.getLogger("speedtronic.checkpoint")
+
+_NAME_RE = re.compile(r"^step_(\d{8,})\.pt$")
+# Test hook for crash-safety tests: "<step>:<point>" makes the writer SIGKILL its own process at
+# that point of the save of that step. Points: mid_write, before_rename, before_pointer.
+CRASH_ENV = "SPEEDTRONIC_CHECKPOINT_CRASH"
+
+
+class CheckpointError(SpeedtronicError):
+    """No usable checkpoint, or a checkpoint that does not fit the run."""
+
+
+def _crash_point(step: int, point: str) -> None:
+    spec = os.environ.get(CRASH_ENV)
+    if spec and spec == f"{step}:{point}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable (POSIX); a no-op where directories cannot be opened (Windows)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` via temp file + fsync + rename + directory fsync."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class _HashingWriter:
+    """File wrapper for ``torch.save``: hashes what it writes; can crash mid-write for tests."""
+
+    def __init__(self, f: BinaryIO, crash_after: int | None) -> None:
+        self._f = f
+        self.sha = hashlib.sha256()
+        self.written = 0
+        self._crash_after = crash_after
+
+    def write(self, data: bytes) -> int:
+        if self._crash_after is not None and self.written + len(data) >= self._crash_after:
+            cut = max(0, self._crash_after - self.written)
+            self._f.write(bytes(memoryview(data)[:cut]))
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.sha.update(data)
+        self.written += len(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def _sha256_file(path: Path) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+class CheckpointManager:
+    """Saves, lists, prunes and loads checkpoints of one run.
+
+    Args:
+        directory: checkpoint folder (created on first save).
+        keep_last: keep the newest N checkpoints (None keeps all).
+    """
+
+    def __init__(self, directory: str | Path, keep_last: int | None = 3) -> None:
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self._remove_stale_temp_files()
+
+    def _remove_stale_temp_files(self) -> None:
+        if not self.directory.is_dir():
+            return
+        for tmp in self.directory.glob(".*.tmp-*"):
+            logger.info("checkpoint: removing unfinished temp file %s (an interrupted save)", tmp)
+            tmp.unlink(missing_ok=True)
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"step_{step:08d}.pt"
+
+    def list(self) -> list[tuple[int, Path]]:
+        """Committed checkpoints as (step, path), newest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for p in self.directory.iterdir():
+            m = _NAME_RE.match(p.name)
+            if m:
+                found.append((int(m.group(1)), p))
+        return sorted(found, reverse=True)
+
+    def save(self, step: int, state: dict[str, Any]) -> Path:
+        """Durably write ``state`` as the checkpoint of ``step`` and point ``latest`` at it."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        final = self.path_for(step)
+        tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
+        spec = os.environ.get(CRASH_ENV)
+        crash_after = 4096 if spec == f"{step}:mid_write" else None
+        try:
+            with open(tmp, "wb") as f:
+                writer = _HashingWriter(f, crash_after)
+                torch.save(state, writer)  # type: ignore[arg-type]
+                f.flush()
+                os.fsync(f.fileno())
+            atomic_write_text(final.with_suffix(".sha256"), writer.sha.hexdigest() + "\n")
+            _crash_point(step, "before_rename")
+            os.replace(tmp, final)
+            _fsync_dir(self.directory)
+        finally:
+            tmp.unlink(missing_ok=True)
+        _crash_point(step, "before_pointer")
+        atomic_write_text(self.directory / "latest", final.name + "\n")
+        self.prune()
+        return final
+
+    def prune(self) -> None:
+        """Delete all but the newest ``keep_last`` checkpoints (never the one ``latest`` names)."""
+        if self.keep_last is None:
+            return
+        pointed = self._pointer()
+        for _, path in self.list()[self.keep_last:]:
+            if pointed is not None and path.name == pointed.name:
+                continue
+            path.unlink(missing_ok=True)
+            path.with_suffix(".sha256").unlink(missing_ok=True)
+
+    def _pointer(self) -> Path | None:
+        try:
+            name = (self.directory / "latest").read_text(encoding="utf-8").strip()
+        except OSError:
+            return None
+        return self.directory / name if _NAME_RE.match(name) else None
+
+    def candidates(self) -> list[Path]:
+        """Paths to try, in order: the ``latest`` target, then every other newest first."""
+        ordered = [p for _, p in self.list()]
+        pointed = self._pointer()
+        if pointed is not None and pointed in ordered:
+            ordered.remove(pointed)
+            ordered.insert(0, pointed)
+        return ordered
+
+    def load_latest(self) -> tuple[dict[str, Any], Path] | None:
+        """Load the newest valid checkpoint; falls back past corrupt ones. None if there is none."""
+        candidates = self.candidates()
+        for i, path in enumerate(candidates):
+            try:
+                state = self.load(path)
+            except CheckpointError as exc:
+                nxt = candidates[i + 1].name if i + 1 < len(candidates) else None
+                logger.warning("checkpoint: %s; %s", exc,
+                               f"falling back to {nxt}" if nxt else "no older checkpoint left")
+                continue
+            return state, path
+        if candidates:
+            raise CheckpointError(f"no loadable checkpoint in {self.directory} "
+                                  f"({len(candidates)} found, all corrupt)")
+        return None
+
+    def load(self, path: str | Path) -> dict[str, Any]:
+        """Verify ``path`` against its digest and load it with ``weights_only=True``."""
+        path = Path(path)
+        digest_file = path.with_suffix(".sha256")
+        if digest_file.is_file():
+            expected = digest_file.read_text(encoding="utf-8").strip()
+            if _sha256_file(path) != expected:
+                raise CheckpointError(f"{path.name} is corrupt (sha256 mismatch)")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:  # torn zip, pickle refusing an unsafe type, I/O error
+            raise CheckpointError(f"{path.name} cannot be loaded ({type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        if not isinstance(state, dict) or "model" not in state or "step" not in state:
+            raise CheckpointError(f"{path.name} is not a Speedtronic checkpoint")
+        return state
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """Python, NumPy, torch CPU and (if initialized) every CUDA generator, as load-safe values."""
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        # The NumPy key array is uint32; store it as int64 so weights_only loading accepts it.
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]),
+                  int(np_state[3]), float(np_state[4])),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state` (CUDA states only if the device count matches)."""
+    random.setstate(_tuples(state["python"]))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+    torch.set_rng_state(state["torch"])
+    cuda = state.get("cuda")
+    if cuda is not None and torch.cuda.is_available():
+        if len(cuda) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(cuda)
+        else:
+            logger.warning("checkpoint: saved %d CUDA RNG states but %d devices exist; CUDA RNG "
+                           "not restored (dropout masks will differ)", len(cuda),
+                           torch.cuda.device_count())
+
+
+def _tuples(value: Any) -> Any:
+    """``random.setstate`` needs tuples; some serializers hand back lists."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_tuples(v) for v in value)
+    return value

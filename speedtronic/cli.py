@@ -1,0 +1,194 @@
+"""The ``speedtronic`` command: train | validate | env | plot.
+
+Every subcommand is two functions, ``_add_<name>(subparsers)`` and ``_cmd_<name>(args)``,
+listed in :data:`SUBCOMMANDS`; adding one (e.g. ``compare``) is one entry plus those two
+functions. Heavy imports (torch) happen inside the ``_cmd_*`` functions, so ``validate`` and
+``--help`` never load torch.
+
+Any error a user can cause prints one line ``speedtronic: error: ...`` on stderr and exits 2;
+``--debug`` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable, Sequence
+
+from .errors import SpeedtronicError
+
+EXIT_USER_ERROR = 2
+_USER_ERRORS = (SpeedtronicError, ValueError, FileNotFoundError, OSError)
+
+
+class _ConsoleFormatter(logging.Formatter):
+    """``HH:MM:SS message`` for info, ``HH:MM:SS WARNING message`` for anything louder."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        stamp = self.formatTime(record, "%H:%M:%S")
+        level = "" if record.levelno <= logging.INFO else f"{record.levelname} "
+        return f"{stamp} {level}{record.getMessage()}"
+
+
+def _setup_logging(debug: bool) -> None:
+    root = logging.getLogger("speedtronic")
+    if not any(getattr(h, "_speedtronic_console", False) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(_ConsoleFormatter())
+        handler._speedtronic_console = True  # type: ignore[attr-defined]
+        root.addHandler(handler)
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+    root.propagate = False
+
+
+# ----------------------------------------------------------------------------------- train
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train from a YAML/JSON config")
+    p.add_argument("--config", required=True, help="YAML or JSON config file")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest valid checkpoint in the run directory")
+    p.add_argument("--device", help="auto, cpu, cuda, cuda:N or mps (overrides run.device)")
+    p.add_argument("--max-steps", type=int, help="optimizer steps (overrides run.max_steps)")
+    p.add_argument("--output-dir", help="base folder of run directories (run.output_dir)")
+    _add_set(p)
+
+
+def _add_set(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set optimizer.lr=1e-3 (repeatable, "
+                        "values parsed as YAML)")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .config import load_config
+
+    overrides = list(args.overrides)
+    if args.max_steps is not None:
+        overrides.append(f"run.max_steps={args.max_steps}")
+    if args.output_dir is not None:
+        overrides.append(f"run.output_dir={json.dumps(args.output_dir)}")
+    if args.device is not None:
+        overrides.append(f"run.device={json.dumps(args.device)}")
+    cfg = load_config(args.config, overrides)
+
+    from .runtime import train_from_config
+
+    result = train_from_config(cfg, resume=args.resume)
+
+    def fmt(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.4f}"
+
+    print(f"done: steps={result.steps} tokens={result.tokens} loss={fmt(result.final_loss)} "
+          f"eval_loss={fmt(result.final_eval_loss)} run_dir={result.run_dir}", flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------- validate
+def _add_validate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("validate", help="check a config and print it resolved (secrets redacted)")
+    p.add_argument("--config", required=True, help="YAML or JSON config file")
+    p.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    _add_set(p)
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    import yaml
+
+    from .config import load_config
+
+    data = load_config(args.config, args.overrides).to_dict(redact=True)
+    if args.format == "json":
+        print(json.dumps(data, indent=2))
+    else:
+        print(yaml.safe_dump(data, sort_keys=False), end="")
+    return 0
+
+
+# ----------------------------------------------------------------------------------- env
+def _add_env(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("env", help="print versions, devices, threads and kernel status")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    from .env import collect_env, format_env
+
+    info = collect_env()
+    print(json.dumps(info, indent=2) if args.json else format_env(info))
+    return 0
+
+
+# ----------------------------------------------------------------------------------- plot
+def _add_plot(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plot", help="PNG of train/eval loss curves, one line per run")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    p.add_argument("-o", "--output", help="PNG path (default: <first RUN_DIR>/loss.png)")
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from .plot import plot_runs
+
+    print(f"wrote {plot_runs(args.run_dirs, args.output)}")
+    return 0
+
+
+# name -> (add its parser, run it). Append new subcommands here.
+SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None],
+                             Callable[[argparse.Namespace], int]]] = {
+    "train": (_add_train, _cmd_train),
+    "validate": (_add_validate, _cmd_validate),
+    "env": (_add_env, _cmd_env),
+    "plot": (_add_plot, _cmd_plot),
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # same one-line format and exit code as our errors
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USER_ERROR, f"speedtronic: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = _Parser(prog="speedtronic", description="Speedtronic training engine")
+    parser.add_argument("--version", action="version", version=f"speedtronic {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show full tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for add, _ in SUBCOMMANDS.values():
+        add(sub)
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if isinstance(exc, OSError) and not isinstance(exc, SpeedtronicError) and exc.filename:
+        text = f"{exc.strerror or text}: {exc.filename!r}"
+    return text
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``speedtronic`` console script; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(debug)
+    try:
+        return SUBCOMMANDS[args.command][1](args)
+    except _USER_ERRORS as exc:
+        if debug:
+            raise
+        print(f"speedtronic: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("speedtronic: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

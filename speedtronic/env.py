@@ -1,0 +1,94 @@
+"""Diagnostics for ``speedtronic env``: versions, devices, threads, optional components.
+
+Each line is a fact a bug report needs; nothing here changes state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import platform
+import sys
+from typing import Any
+
+
+def _version(module: str) -> str | None:
+    if importlib.util.find_spec(module) is None:
+        return None
+    try:
+        return str(getattr(__import__(module), "__version__", "installed"))
+    except Exception as exc:  # a broken optional install should be reported, not crash env
+        return f"broken ({type(exc).__name__}: {exc})"
+
+
+def collect_env() -> dict[str, Any]:
+    """A dict of environment facts (JSON-serializable)."""
+    import torch
+
+    from . import __version__
+
+    info: dict[str, Any] = {
+        "speedtronic": __version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "cuda_devices": [],
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS"),
+    }
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            info["cuda_devices"].append({
+                "index": i, "name": p.name, "capability": f"{p.major}.{p.minor}",
+                "memory_gib": round(p.total_memory / 2**30, 1),
+                "bf16": bool(torch.cuda.is_bf16_supported()),
+            })
+    mps = getattr(torch.backends, "mps", None)
+    info["mps_available"] = bool(mps is not None and mps.is_available())
+    for pkg in ("numpy", "yaml", "safetensors", "tqdm", "matplotlib", "tensorboard", "wandb"):
+        info[pkg] = _version(pkg)
+    kernels = _kernel_status()
+    if kernels is not None:
+        info["kernels"] = kernels
+    return info
+
+
+def _kernel_status() -> Any:
+    """The kernels module's own report, when it exists (it is added by the kernels issue)."""
+    if importlib.util.find_spec(f"{__package__}.kernels") is None:
+        return None
+    from . import kernels
+
+    status = getattr(kernels, "status", None)
+    if not callable(status):
+        return None
+    report = status()
+    if dataclasses.is_dataclass(report) and not isinstance(report, type):
+        return {k: (list(v) if isinstance(v, tuple) else v)
+                for k, v in dataclasses.asdict(report).items()}
+    return report
+
+
+def format_env(info: dict[str, Any]) -> str:
+    """Human-readable ``key: value`` lines."""
+    lines = []
+    for key, value in info.items():
+        if key == "cuda_devices":
+            if not value:
+                lines.append(f"{key:16s}: none")
+            for dev in value:
+                lines.append(f"{'cuda:' + str(dev['index']):16s}: {dev['name']} (sm "
+                             f"{dev['capability']}, {dev['memory_gib']} GiB, bf16={dev['bf16']})")
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                lines.append(f"{key + '.' + k:16s}: {v}")
+        else:
+            missing = {"OMP_NUM_THREADS": "unset", "torch_cuda": "none (CPU-only torch)"}.get(
+                key, "not installed")
+            lines.append(f"{key:16s}: {missing if value is None else value}")
+    return "\n".join(lines)

@@ -1,0 +1,190 @@
+"""Where training numbers go: one console line per log step, ``metrics.jsonl``, hooks, TB/W&B.
+
+``metrics.jsonl`` (one JSON object per event, flushed per line) is the source of truth; the
+console line, the tqdm bar, TensorBoard and W&B are views of the same events. Hooks are plain
+callables ``hook(event, payload)``; a failing hook is reported once and never stops training.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from .errors import SpeedtronicError
+
+logger = logging.getLogger("speedtronic.metrics")
+
+Hook = Callable[[str, dict[str, Any]], None]
+EVENTS = ("train_start", "train_step", "eval", "checkpoint", "train_end")
+
+
+def _fmt_count(x: float) -> str:
+    for unit, div in (("M", 1e6), ("k", 1e3)):
+        if abs(x) >= div:
+            return f"{x / div:.1f}{unit}"
+    return f"{x:.0f}"
+
+
+def format_step_line(m: dict[str, Any], max_steps: int) -> str:
+    """``step 50/500 | loss 2.3456 | lr 3.00e-04 | gnorm 0.84 | 12.3k tok/s | ...``."""
+    parts = [f"step {m['step']}/{max_steps}", f"loss {m['loss']:.4f}"]
+    if m.get("lr") is not None:
+        parts.append(f"lr {m['lr']:.2e}")
+    if m.get("grad_norm") is not None:
+        parts.append(f"gnorm {m['grad_norm']:.3f}")
+    parts.append(f"{_fmt_count(m['tokens_per_sec'])} tok/s")
+    parts.append(f"{m['samples_per_sec']:.1f} samples/s")
+    parts.append(f"{m['step_ms']:.0f} ms/step")
+    if m.get("memory_bytes") is not None:
+        parts.append(f"mem {m['memory_bytes'] / 2**30:.2f} GiB")
+    return " | ".join(parts)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON has no NaN/inf; keep it visible instead of crashing
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return str(value)
+
+
+class MetricsLogger:
+    """Fans every event out to metrics.jsonl, the console, the progress bar and the hooks.
+
+    Args:
+        path: the ``metrics.jsonl`` file (appended to, so a resumed run continues it).
+        max_steps: the step target (for the console line and the bar).
+        hooks: ``(event, payload)`` callables.
+        progress_bar: tqdm bar; None = only when stdout is a terminal.
+        start_step: the step the run starts from (the bar's initial position).
+    """
+
+    def __init__(self, path: str | Path, *, max_steps: int, hooks: Iterable[Hook] = (),
+                 progress_bar: bool | None = None, start_step: int = 0) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self.max_steps = max_steps
+        self.hooks: list[Hook] = list(hooks)
+        self._failed_hooks: set[int] = set()
+        self._t0 = time.time()
+        use_bar = sys.stdout.isatty() if progress_bar is None else progress_bar
+        self._bar = None
+        if use_bar:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=max_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                             file=sys.stdout)
+
+    def line(self, text: str) -> None:
+        """Print one human-readable line (above the bar when one is shown)."""
+        if self._bar is not None:
+            self._bar.write(text)
+        else:
+            logger.info(text)
+
+    def emit(self, event: str, payload: dict[str, Any]) -> None:
+        """Record ``event`` in metrics.jsonl and pass it to every hook."""
+        record = {"event": event, "time": round(time.time() - self._t0, 3), **payload}
+        self._file.write(json.dumps(_jsonable(record)) + "\n")
+        self._file.flush()
+        for hook in self.hooks:
+            try:
+                hook(event, payload)
+            except Exception as exc:  # a metrics sink must never kill a training run
+                if id(hook) not in self._failed_hooks:
+                    self._failed_hooks.add(id(hook))
+                    logger.warning("metrics hook %r failed on %r: %s: %s (reported once; "
+                                   "training continues)", hook, event, type(exc).__name__, exc)
+
+    def advance(self, steps: int = 1, postfix: dict[str, Any] | None = None) -> None:
+        """Move the progress bar (no-op without one)."""
+        if self._bar is not None:
+            self._bar.update(steps)
+            if postfix:
+                self._bar.set_postfix(postfix, refresh=False)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        for hook in self.hooks:
+            close = getattr(hook, "close", None)
+            if callable(close):
+                close()
+        if not self._file.closed:
+            self._file.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """Parse a metrics.jsonl file; a torn last line (crash mid-write) is ignored."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+class TensorBoardHook:
+    """Writes numeric payload values as ``<event>/<key>`` scalars at ``payload['step']``."""
+
+    def __init__(self, log_dir: str | Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise SpeedtronicError("logging.tensorboard: true needs TensorBoard; install it with "
+                                   "pip install 'speedtronic[tensorboard]'") from None
+        self._writer = SummaryWriter(log_dir=str(log_dir))
+
+    def __call__(self, event: str, payload: dict[str, Any]) -> None:
+        step = payload.get("step")
+        if step is None or event not in ("train_step", "eval"):
+            return
+        for key, value in payload.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(f"{event}/{key}", value, global_step=step)
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class WandbHook:
+    """Logs numeric values of ``train_step``/``eval`` events to Weights & Biases."""
+
+    def __init__(self, project: str | None, run_name: str, config: dict[str, Any],
+                 run_dir: str | Path) -> None:
+        try:
+            import wandb
+        except ImportError:
+            raise SpeedtronicError("logging.wandb: true needs wandb; install it with "
+                                   "pip install 'speedtronic[wandb]'") from None
+        self._wandb = wandb
+        self._run = wandb.init(project=project or "speedtronic", name=run_name, config=config,
+                               dir=str(run_dir))
+
+    def __call__(self, event: str, payload: dict[str, Any]) -> None:
+        step = payload.get("step")
+        if step is None or event not in ("train_step", "eval"):
+            return
+        data = {f"{event}/{k}": v for k, v in payload.items()
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self._run.log(data, step=step)
+
+    def close(self) -> None:
+        self._run.finish()

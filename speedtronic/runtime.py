@@ -1,0 +1,275 @@
+"""Config -> a running trainer: seeds, device, precision, model, data, optimizer, schedule,
+checkpoints, metrics, callbacks. The one place where the parts are wired together.
+
+Optional components (optimizer package, shape check, out-of-order backprop, DiLoCo) are looked
+up with :func:`optional_attr`, so each lands independently of the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import math
+import os
+import random
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from .checkpoint import CheckpointManager
+from .config import SpeedtronicConfig, load_config
+from .errors import SpeedtronicError
+from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook
+from .precision import resolve_device, resolve_precision
+from .trainer import Trainer, TrainResult
+
+logger = logging.getLogger("speedtronic.runtime")
+
+__all__ = ["build_trainer", "train_from_config", "build_scheduler", "build_optimizer",
+           "lr_factor", "optional_attr", "seed_everything"]
+
+
+def optional_attr(module: str, attr: str) -> Any:
+    """``speedtronic.<module>.<attr>`` if that module exists, else None.
+
+    A module that exists but fails to import raises (a bug must not look like a missing part).
+    """
+    name = f"{__package__}.{module}"
+    try:
+        if importlib.util.find_spec(name) is None:
+            return None
+    except ModuleNotFoundError:
+        return None
+    return getattr(importlib.import_module(name), attr, None)
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices) for reproducible init and data order."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def lr_factor(step: int, warmup: int, horizon: int, name: str, min_ratio: float) -> float:
+    """Multiplier of the peak lr before optimizer step ``step`` (0-based).
+
+    Linear warmup ``(step+1)/warmup`` for ``step < warmup``; then 1 (constant) or a cosine from 1
+    down to ``min_ratio`` at ``horizon`` (held there after it).
+    """
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if name == "constant":
+        return 1.0
+    progress = min(1.0, max(0.0, (step - warmup) / max(1, horizon - warmup)))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer,
+                    cfg: SpeedtronicConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """One LambdaLR over every param group, so per-group lrs (Muon vs AdamW) keep their ratio.
+
+    The factor is a closure, not a callable object, so LambdaLR's state_dict stores only the
+    step counter: a resumed run uses the schedule of *its* config.
+    """
+    s = cfg.scheduler
+    horizon = s.max_steps or cfg.run.max_steps
+
+    def factor(step: int) -> float:
+        return lr_factor(step, s.warmup_steps, horizon, s.name, s.min_lr_ratio)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _fallback_adamw(model: nn.Module, cfg: SpeedtronicConfig) -> torch.optim.Optimizer:
+    """AdamW over ALL trainable parameters, with no-decay groups for norms/biases/embeddings."""
+    o = cfg.optimizer
+    embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        is_embed = id(p) in embed_ids
+        if (p.ndim >= 2 and not is_embed) or (is_embed and o.decay_embeddings) or \
+                (p.ndim < 2 and o.decay_norms_and_biases):
+            decay.append(p)
+        else:
+            no_decay.append(p)
+    groups = [{"params": decay, "weight_decay": o.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=tuple(o.betas),
+                             eps=o.eps)
+
+
+def build_optimizer(model: nn.Module, cfg: SpeedtronicConfig) -> torch.optim.Optimizer:
+    """``speedtronic.optim.build_optimizer`` when present, else a local AdamW (logged)."""
+    build = optional_attr("optim", "build_optimizer")
+    if build is not None:
+        return build(model, cfg.optimizer)
+    # TODO(engine): remove once speedtronic.optim.build_optimizer has landed everywhere.
+    if cfg.optimizer.name != "adamw":
+        raise SpeedtronicError(f"optimizer.name: {cfg.optimizer.name} needs speedtronic.optim, "
+                               "which is not available in this build; use optimizer: adamw")
+    logger.info("optimizer: AdamW over all trainable parameters (engine fallback; "
+                "speedtronic.optim.build_optimizer not found)")
+    return _fallback_adamw(model, cfg)
+
+
+def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
+    """A fresh run never mixes with an old one: a used run dir is moved aside, not deleted."""
+    used = run_dir.is_dir() and any((run_dir / n).exists()
+                                    for n in ("metrics.jsonl", "checkpoints", "config.yaml"))
+    if used and not resume:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        aside = run_dir.with_name(f"{run_dir.name}.old-{stamp}")
+        n = 1
+        while aside.exists():
+            aside = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{n}")
+            n += 1
+        os.replace(run_dir, aside)
+        logger.warning("run dir %s held an earlier run; moved it to %s (use --resume to continue "
+                       "a run instead)", run_dir, aside)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+
+def _build_model(cfg: SpeedtronicConfig) -> nn.Module:
+    build = optional_attr("models", "build_model")
+    if build is None:
+        raise SpeedtronicError("speedtronic.models.build_model is not available in this build")
+    return build(cfg.model)
+
+
+def _build_data(cfg: SpeedtronicConfig) -> Any:
+    build = optional_attr("data", "build_data")
+    if build is None:
+        raise SpeedtronicError("speedtronic.data.build_data is not available in this build")
+    return build(cfg, rank=0, world=1)
+
+
+def _metric_hooks(cfg: SpeedtronicConfig, run_dir: Path) -> list[Hook]:
+    hooks: list[Hook] = []
+    if cfg.logging.tensorboard:
+        hooks.append(TensorBoardHook(run_dir / "tensorboard"))
+    if cfg.logging.wandb:
+        hooks.append(WandbHook(cfg.logging.wandb_project, cfg.run.name, cfg.to_dict(redact=True),
+                               run_dir))
+    return hooks
+
+
+def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool = False,
+                  device: str | torch.device | None = None, hooks: Iterable[Hook] = (),
+                  callbacks: Sequence[Any] = (), model: nn.Module | None = None,
+                  data: Any = None) -> Trainer:
+    """Build every part of a run and return a ready :class:`Trainer` (resumed if asked).
+
+    ``model`` / ``data`` replace the registry model and the configured data (for Python users
+    and tests); ``device`` overrides ``run.device``.
+    """
+    cfg = config if isinstance(config, SpeedtronicConfig) else load_config(config)
+    resume = resume or cfg.checkpoint.resume
+    run_dir = cfg.run_dir
+    _prepare_run_dir(run_dir, resume)
+    level = getattr(logging, cfg.logging.level)
+    logging.getLogger("speedtronic").setLevel(level)
+    if cfg.logging.file:
+        handler = logging.FileHandler(cfg.logging.file, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.set_name("speedtronic-run-file")
+        logging.getLogger("speedtronic").addHandler(handler)
+    cfg.save(run_dir / "config.yaml")
+
+    seed_everything(cfg.run.seed)
+    dev = resolve_device(device if device is not None else cfg.run.device)
+    plan = resolve_precision(cfg.precision.mode, dev)
+    logger.info("device: %s | precision: %s (%s) | threads: %d", dev, plan.mode, plan.reason,
+                torch.get_num_threads())
+    if model is None:
+        model = _build_model(cfg)
+    model = model.to(dev)
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    logger.info("model: %s, %.2fM trainable parameters", type(model).__name__, n_params / 1e6)
+    if data is None:
+        data = _build_data(cfg)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg)
+    callbacks = list(callbacks)
+    if cfg.distributed.enabled:
+        build_cb = optional_attr("diloco", "build_callbacks")
+        if build_cb is None:
+            raise SpeedtronicError("distributed.enabled: true needs speedtronic.diloco, which is "
+                                   "not available in this build")
+        callbacks.extend(build_cb(cfg))
+    checkpoints = None
+    if cfg.checkpoint.enabled:
+        checkpoints = CheckpointManager(run_dir / cfg.checkpoint.directory,
+                                        keep_last=cfg.checkpoint.keep_last)
+    metrics = MetricsLogger(run_dir / "metrics.jsonl", max_steps=cfg.run.max_steps,
+                            hooks=[*_metric_hooks(cfg, run_dir), *hooks],
+                            progress_bar=cfg.logging.progress_bar)
+    trainer = Trainer(model, optimizer, data, cfg, device=dev, precision=plan,
+                      scheduler=scheduler, checkpoints=checkpoints, metrics=metrics,
+                      callbacks=callbacks, run_dir=run_dir)
+    if resume:
+        _resume(trainer, checkpoints, run_dir / cfg.checkpoint.directory)
+    return trainer
+
+
+def _resume(trainer: Trainer, checkpoints: CheckpointManager | None, directory: Path) -> None:
+    manager = checkpoints or CheckpointManager(directory, keep_last=None)
+    found = manager.load_latest()
+    if found is None:
+        logger.warning("resume: no checkpoint in %s; starting from step 0", directory)
+        return
+    state, path = found
+    saved = state.get("config") or {}
+    current = trainer.config.to_dict(redact=True)
+    changed = [f"{sec}.{k}" for sec in ("model", "scheduler", "data", "optimizer")
+               for k, v in (saved.get(sec) or {}).items()
+               if (current.get(sec) or {}).get(k) != v]
+    if changed:
+        logger.warning("resume: config differs from the checkpoint's in %s; the run will not "
+                       "match an uninterrupted one", ", ".join(changed[:8]))
+    trainer.load_state_dict(state)
+    logger.info("resume: loaded %s (step %d of %d)", path, trainer.step,
+                trainer.config.run.max_steps)
+
+
+def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: bool = False,
+                      device: str | torch.device | None = None, hooks: Iterable[Hook] = (),
+                      callbacks: Sequence[Any] = (), model: nn.Module | None = None,
+                      data: Any = None, plot: bool = True) -> TrainResult:
+    """Build the run from ``config`` and train to ``run.max_steps``.
+
+    Leaves ``metrics.jsonl``, ``config.yaml`` (redacted), checkpoints and ``loss.png`` (when
+    matplotlib is installed and ``plot``) in ``run.output_dir/run.name``.
+    """
+    trainer = build_trainer(config, resume=resume, device=device, hooks=hooks,
+                            callbacks=callbacks, model=model, data=data)
+    try:
+        result = trainer.fit()
+    finally:
+        trainer.metrics.close()
+        for h in list(logging.getLogger("speedtronic").handlers):
+            if h.get_name() == "speedtronic-run-file":
+                logging.getLogger("speedtronic").removeHandler(h)
+                h.close()
+    if plot:
+        _write_plot(result.run_dir)
+    return result
+
+
+def _write_plot(run_dir: Path) -> None:
+    from . import plot
+
+    if not plot.matplotlib_available():
+        logger.info("loss plot: skipped (matplotlib not installed; pip install "
+                    "'speedtronic[plot]')")
+        return
+    out = plot.plot_runs([run_dir], run_dir / "loss.png")
+    logger.info("loss plot: %s", out)
+

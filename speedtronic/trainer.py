@@ -1,0 +1,427 @@
+"""The training loop: accumulation, precision, clipping, schedule, eval, checkpoints, callbacks.
+
+The loop never reads a device value per micro-batch: losses are summed into a device tensor and
+read only at log/eval steps, so a CUDA run queues work ahead of the host. Everything the loop
+needs is built by :mod:`speedtronic.runtime`; the :class:`Trainer` can also be constructed
+directly around any model whose forward is ``model(input_ids, labels) -> loss``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from .config import SpeedtronicConfig
+from .errors import SpeedtronicError
+from .metrics import MetricsLogger, format_step_line
+from .precision import PrecisionPlan, max_memory_bytes
+
+logger = logging.getLogger("speedtronic.trainer")
+
+
+@runtime_checkable
+class TrainerCallback(Protocol):
+    """Plug-in attached to a :class:`Trainer` (DiLoCo's worker/master use this).
+
+    Subclass it to inherit the no-op defaults; any object with some of these methods also works.
+    ``state_dict()`` is saved in checkpoints under ``name`` and handed back on resume.
+    """
+
+    name: str = "callback"
+
+    def on_train_start(self, trainer: Trainer) -> None:
+        """Called once before the first step of ``fit`` (after a resume is applied)."""
+
+    def after_optimizer_step(self, trainer: Trainer, step: int) -> None:
+        """Called after every optimizer + scheduler step; ``step`` is the new step count."""
+
+    def on_train_end(self, trainer: Trainer) -> None:
+        """Called once when ``fit`` ends (also after an exception)."""
+
+    def state_dict(self) -> dict:
+        """State to checkpoint (tensors and plain Python values only)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+
+@dataclass
+class TrainResult:
+    """Outcome of a run (counters are cumulative over resumes)."""
+
+    steps: int
+    tokens: int
+    final_loss: float | None
+    final_eval_loss: float | None
+    run_dir: Path
+    metrics_path: Path
+
+
+def loss_from_output(out: Any) -> torch.Tensor:
+    """Normalize a model output: a scalar tensor, ``{"loss": t}`` or ``(loss, ...)``."""
+    if isinstance(out, Mapping):
+        if "loss" not in out:
+            raise SpeedtronicError(f"model returned a mapping without 'loss' (keys: {list(out)})")
+        out = out["loss"]
+    elif isinstance(out, (tuple, list)):
+        if not out:
+            raise SpeedtronicError("model returned an empty tuple; expected (loss, ...)")
+        out = out[0]
+    if not isinstance(out, torch.Tensor):
+        raise SpeedtronicError(f"model must return a loss tensor, {{'loss': ...}} or (loss, ...); "
+                               f"got {type(out).__name__}")
+    if out.ndim != 0:
+        raise SpeedtronicError(f"model returned a loss of shape {tuple(out.shape)}; expected a "
+                               "scalar (labels are already shifted by the data: y[t] = x[t+1])")
+    return out
+
+
+def _compile_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean 'the compiler failed', not 'the model is wrong'."""
+    types: list[type[BaseException]] = []
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+
+        types.append(TorchDynamoException)
+    except ImportError:
+        pass
+    try:
+        from torch._inductor import exc as inductor_exc
+
+        for name in ("InductorError", "CppCompileError", "CUDACompileError"):
+            if isinstance(getattr(inductor_exc, name, None), type):
+                types.append(getattr(inductor_exc, name))
+    except ImportError:
+        pass
+    return tuple(types)
+
+
+class Trainer:
+    """Runs optimizer steps until ``config.run.max_steps`` (an absolute step target).
+
+    Args:
+        model: the module to train (already on ``device``).
+        optimizer: one optimizer over every trainable parameter.
+        data: an object with ``.train`` (iterator of ``(input_ids, labels)`` micro-batches with
+            ``state_dict``/``load_state_dict``) and ``.eval_batches(n)``.
+        config: the resolved config.
+        device: where the model lives.
+        precision: from :func:`speedtronic.precision.resolve_precision`.
+        scheduler: LR scheduler stepped once per optimizer step (None = constant lr).
+        checkpoints: None disables checkpointing.
+        metrics: the metrics fan-out (None = metrics.jsonl in ``run_dir`` without a bar).
+        callbacks: :class:`TrainerCallback` objects.
+        run_dir: the run directory.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, data: Any,
+                 config: SpeedtronicConfig, *, device: torch.device, precision: PrecisionPlan,
+                 scheduler: Any = None, checkpoints: CheckpointManager | None = None,
+                 metrics: MetricsLogger | None = None, callbacks: Sequence[Any] = (),
+                 run_dir: str | Path | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.data = data
+        self.config = config
+        self.device = device
+        self.precision = precision
+        self.scheduler = scheduler
+        self.checkpoints = checkpoints
+        self.run_dir = Path(run_dir) if run_dir is not None else config.run_dir
+        self.metrics = metrics or MetricsLogger(self.run_dir / "metrics.jsonl",
+                                                max_steps=config.run.max_steps, progress_bar=False)
+        self.callbacks = list(callbacks)
+        self.step = 0
+        self.tokens = 0
+        self.samples = 0
+        self.accumulation_steps = config.accumulation_steps
+        self.scaler = precision.grad_scaler()
+        self.last_loss: float | None = None
+        self.last_eval_loss: float | None = None
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self._eval_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._forward = model
+        self._compile_pending = False
+        self._ooo = None
+        self._shape_report = None
+        self._last_saved_step = -1
+        self._configure_features()
+
+    # ----------------------------------------------------------------------------- setup
+    def _configure_features(self) -> None:
+        cfg = self.config
+        if cfg.gradient_checkpointing:
+            hook = getattr(self.model, "set_gradient_checkpointing", None)
+            if callable(hook):
+                hook(True)
+                logger.info("gradient checkpointing: on")
+            else:
+                logger.warning("gradient checkpointing: off (%s has no "
+                               "set_gradient_checkpointing(bool))", type(self.model).__name__)
+        if cfg.compile:
+            self._forward = torch.compile(self.model)
+            self._compile_pending = True  # real compilation happens on the first forward
+            logger.info("torch.compile: requested (compiles on the first step; falls back to "
+                        "eager if the compiler fails)")
+        else:
+            logger.info("torch.compile: off (set compile: true to enable)")
+
+    def log_metrics(self, values: dict[str, Any]) -> None:
+        """Record extra values (e.g. from a callback) as a ``train_step``-style event."""
+        self.metrics.emit("metrics", {"step": self.step, **values})
+
+    def _start_features(self) -> None:
+        from .runtime import optional_attr
+
+        check_shapes = optional_attr("shapes", "check_shapes")
+        if check_shapes is not None and self.config.shape_validation.enabled:
+            self._shape_report = check_shapes(self.model, self.config, self.device,
+                                              self.precision.dtype)
+            self.metrics.line(self._shape_report.format_table())
+        build_ooo = optional_attr("ooo", "build_ooo_scheduler")
+        if build_ooo is not None:
+            self._ooo = build_ooo(self.model, self.config, self.device)
+
+    # ----------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue bit-exactly (see :mod:`speedtronic.checkpoint`)."""
+        train = getattr(self.data, "train", None)
+        return {
+            "format": 1,
+            "step": self.step,
+            "tokens": self.tokens,
+            "samples": self.samples,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "rng": capture_rng_state(),
+            "data": train.state_dict() if hasattr(train, "state_dict") else None,
+            "callbacks": {self._cb_name(cb): cb.state_dict() for cb in self.callbacks
+                          if callable(getattr(cb, "state_dict", None))},
+            "config": self.config.to_dict(redact=True),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checkpoint made by :meth:`state_dict`."""
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as exc:
+            raise SpeedtronicError(f"checkpoint does not fit this model (did model.* change?): "
+                                   f"{str(exc).splitlines()[0]}") from None
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        train = getattr(self.data, "train", None)
+        if state.get("data") is not None and hasattr(train, "load_state_dict"):
+            train.load_state_dict(state["data"])
+        saved_cb = state.get("callbacks") or {}
+        for cb in self.callbacks:
+            name = self._cb_name(cb)
+            if name in saved_cb and callable(getattr(cb, "load_state_dict", None)):
+                cb.load_state_dict(saved_cb[name])
+        self.step = int(state["step"])
+        self.tokens = int(state.get("tokens", 0))
+        self.samples = int(state.get("samples", 0))
+        self._last_saved_step = self.step
+        restore_rng_state(state["rng"])
+
+    @staticmethod
+    def _cb_name(cb: Any) -> str:
+        return str(getattr(cb, "name", type(cb).__name__))
+
+    def save_checkpoint(self) -> Path | None:
+        """Write a checkpoint of the current step (no-op if checkpointing is off)."""
+        if self.checkpoints is None or self._last_saved_step == self.step:
+            return None
+        path = self.checkpoints.save(self.step, self.state_dict())
+        self._last_saved_step = self.step
+        self.metrics.emit("checkpoint", {"step": self.step, "path": str(path)})
+        return path
+
+    # ----------------------------------------------------------------------------- loop
+    def _call(self, method: str, *args: Any) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, method, None)
+            if callable(fn):
+                fn(self, *args)
+
+    def _next_batch(self, it: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = next(it)
+        nb = self.device.type == "cuda"
+        return x.to(self.device, non_blocking=nb), y.to(self.device, non_blocking=nb)
+
+    def _micro_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Forward + backward of one micro-batch; returns the detached loss (on device)."""
+        with self.precision.autocast():
+            loss = loss_from_output(self._forward(x, y))
+        scaled = loss / self.accumulation_steps
+        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        return loss.detach().float()
+
+    def _first_compiled_micro_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Run the first compiled forward; on a *compiler* failure, fall back to eager.
+
+        Only compiler exceptions are caught: a model bug raises again from the eager re-run, so
+        it is never hidden. The RNG is rewound so the eager re-run sees the same dropout masks.
+        """
+        self._compile_pending = False
+        rng = torch.get_rng_state()
+        try:
+            loss = self._micro_step(x, y)
+            logger.info("torch.compile: on")
+            return loss
+        except _compile_error_types() as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            logger.warning("torch.compile: off (compiler failed, running eager: %s: %s)",
+                           type(exc).__name__, reason[:300])
+            self._forward = self.model
+            self.optimizer.zero_grad(set_to_none=True)
+            torch.set_rng_state(rng)
+            return self._micro_step(x, y)
+
+    def evaluate(self) -> float:
+        """Mean loss over the fixed held-out batches (the same batches every call)."""
+        if self._eval_cache is None:
+            self._eval_cache = [(x.to(self.device), y.to(self.device)) for x, y in
+                                self.data.eval_batches(self.config.run.eval_batches)]
+        was_training = self.model.training
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        with torch.no_grad():
+            for x, y in self._eval_cache:
+                with self.precision.autocast():
+                    total += loss_from_output(self.model(x, y)).float()
+        self.model.train(was_training)
+        value = float(total.item()) / max(1, len(self._eval_cache))
+        self.last_eval_loss = value
+        self.metrics.emit("eval", {"step": self.step, "eval_loss": value})
+        self.metrics.line(f"eval step {self.step} | eval_loss {value:.4f}")
+        return value
+
+    def _clip_and_step(self, need_norm: bool) -> torch.Tensor | None:
+        """Flush deferred grads, unscale, clip, step, zero grads, advance the schedule.
+
+        Returns the global grad norm (a device tensor, not read here): from clipping, or computed
+        only when ``need_norm`` (a log step) if clipping is off.
+        """
+        if self._ooo is not None:
+            self._ooo.flush()  # deferred weight gradients must land before they are read
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        clip = self.config.optimizer.grad_clip
+        norm = None
+        if clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
+        elif need_norm:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            if grads:
+                norm = torch.linalg.vector_norm(
+                    torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return norm
+
+    def fit(self) -> TrainResult:
+        """Train from ``self.step`` to ``config.run.max_steps``; returns the result."""
+        cfg = self.config
+        target = cfg.run.max_steps
+        log_every, eval_every = cfg.logging.every_steps, cfg.run.eval_every
+        ckpt_every = cfg.checkpoint.every_steps
+        self._start_features()
+        report = self._shape_report
+        self.metrics.emit("train_start", {
+            "step": self.step, "target_step": target, "device": str(self.device),
+            "precision": self.precision.mode, "accumulation_steps": self.accumulation_steps,
+            "parameters": sum(p.numel() for p in self.params),
+            "shape_alignment": getattr(report, "alignment", None),
+            "shape_warning_count": getattr(report, "warning_count", None),
+            "compile": cfg.compile, "ooo_backprop": self._ooo is not None,
+        })
+        self._call("on_train_start")
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        it = iter(self.data.train)
+        if self.step == 0 and self.step < target:
+            self.evaluate()  # baseline: the loss of the untrained model
+        loss_sum = torch.zeros((), device=self.device)  # fp32, summed on device between logs
+        micro_since_log = 0
+        t_log, steps_at_log = time.perf_counter(), self.step
+        tokens_at_log, samples_at_log = self.tokens, self.samples
+        grad_norm: torch.Tensor | None = None
+        try:
+            while self.step < target:
+                for _ in range(self.accumulation_steps):
+                    x, y = self._next_batch(it)
+                    if self._compile_pending:
+                        loss_sum += self._first_compiled_micro_step(x, y)
+                    else:
+                        loss_sum += self._micro_step(x, y)
+                    micro_since_log += 1
+                    self.tokens += x.numel()
+                    self.samples += x.shape[0]
+                last = self.step + 1 == target
+                log_now = (self.step + 1) % log_every == 0 or last
+                grad_norm = self._clip_and_step(need_norm=log_now)
+                self.step += 1
+                self._call("after_optimizer_step", self.step)
+                if log_now:
+                    now = time.perf_counter()
+                    dt = max(now - t_log, 1e-9)
+                    n_steps = max(1, self.step - steps_at_log)
+                    # The only host syncs of the loop: one per log step.
+                    self.last_loss = float(loss_sum.item()) / max(1, micro_since_log)
+                    record = {
+                        "step": self.step,
+                        "loss": self.last_loss,
+                        "lr": float(self.optimizer.param_groups[0]["lr"]),
+                        "grad_norm": float(grad_norm.item()) if grad_norm is not None else None,
+                        "tokens_per_sec": (self.tokens - tokens_at_log) / dt,
+                        "samples_per_sec": (self.samples - samples_at_log) / dt,
+                        "step_ms": 1000.0 * dt / n_steps,
+                        "tokens": self.tokens,
+                        "memory_bytes": max_memory_bytes(self.device),
+                    }
+                    self.metrics.emit("train_step", record)
+                    self.metrics.line(format_step_line(record, target))
+                    self.metrics.advance(self.step - steps_at_log,
+                                         {"loss": f"{self.last_loss:.3f}"})
+                    loss_sum.zero_()
+                    micro_since_log = 0
+                    t_log, steps_at_log = time.perf_counter(), self.step
+                    tokens_at_log, samples_at_log = self.tokens, self.samples
+                if (eval_every and self.step % eval_every == 0) or last:
+                    self.evaluate()
+                if self.checkpoints is not None and (self.step % ckpt_every == 0 or last):
+                    self.save_checkpoint()
+        finally:
+            if self._ooo is not None:
+                self._ooo.close()
+            self._call("on_train_end")
+        self.metrics.emit("train_end", {"step": self.step, "tokens": self.tokens,
+                                        "loss": self.last_loss, "eval_loss": self.last_eval_loss})
+        return TrainResult(steps=self.step, tokens=self.tokens, final_loss=self.last_loss,
+                           final_eval_loss=self.last_eval_loss, run_dir=self.run_dir,
+                           metrics_path=self.metrics.path)
+
+
+def trainable_parameters(model: nn.Module) -> Iterable[nn.Parameter]:
+    """Every parameter with ``requires_grad`` (what the optimizer must cover)."""
+    return (p for p in model.parameters() if p.requires_grad)
