@@ -155,8 +155,8 @@ def build_data(cfg: Any, *, rank: int = 0, world: int = 1,
         corpus = stdlib_corpus(d.stdlib_max_bytes, d.eval_fraction)
         bundle = _windows_bundle(
             ArrayStore(corpus.train), ArrayStore(corpus.eval),
-            f"python {python_tag()} stdlib source bytes ({corpus.train_files} files "
-            f"{corpus.train.size / 1e6:.2f} MB train / {corpus.eval_files} files "
+            f"python {python_tag()} stdlib source bytes ({len(corpus.train_paths)} files "
+            f"{corpus.train.size / 1e6:.2f} MB train / {len(corpus.eval_paths)} files "
             f"{corpus.eval.size / 1e6:.2f} MB eval, held out by file; built in "
             f"{corpus.seconds:.2f} s{shard})", BYTE_VOCAB, cfg, T, B, seed, rank, world, pin)
     logger.info("data: %s; block %d, micro-batch %d", bundle.description, T, B)

@@ -114,8 +114,9 @@ class StdlibCorpus:
 
     train: np.ndarray
     eval: np.ndarray
-    train_files: int
-    eval_files: int
+    train_paths: tuple[str, ...]
+    """Relative paths (under ``root``) of the train files, in corpus order."""
+    eval_paths: tuple[str, ...]
     root: str
     seconds: float
 
@@ -153,6 +154,8 @@ def stdlib_corpus(max_bytes: int, eval_fraction: float) -> StdlibCorpus:
                                "to a UTF-8 text file instead")
     train_parts: list[bytes] = []
     eval_parts: list[bytes] = []
+    train_paths: list[str] = []
+    eval_paths: list[str] = []
     total = 0
     for rel in rels:
         if total >= max_bytes:
@@ -162,15 +165,17 @@ def stdlib_corpus(max_bytes: int, eval_fraction: float) -> StdlibCorpus:
         except OSError:  # unreadable file (permissions, broken link): skip it
             continue
         total += len(data)
-        (eval_parts if _path_fraction(rel) < eval_fraction else train_parts).append(data)
+        held = _path_fraction(rel) < eval_fraction
+        (eval_parts if held else train_parts).append(data)
+        (eval_paths if held else train_paths).append(rel)
     train = np.frombuffer(b"".join(train_parts), dtype=np.uint8)
-    held = np.frombuffer(b"".join(eval_parts), dtype=np.uint8)
-    if train.size == 0 or held.size == 0:
+    held_out = np.frombuffer(b"".join(eval_parts), dtype=np.uint8)
+    if train.size == 0 or held_out.size == 0:
         raise SpeedtronicError(f"stdlib corpus too small to split: {len(train_parts)} train / "
                                f"{len(eval_parts)} eval files within data.stdlib_max_bytes="
                                f"{max_bytes}; raise data.stdlib_max_bytes or data.eval_fraction")
-    return StdlibCorpus(train=train, eval=held, train_files=len(train_parts),
-                        eval_files=len(eval_parts), root=root,
+    return StdlibCorpus(train=train, eval=held_out, train_paths=tuple(train_paths),
+                        eval_paths=tuple(eval_paths), root=root,
                         seconds=time.perf_counter() - t0)
 
 
