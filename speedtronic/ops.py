@@ -1,0 +1,504 @@
+"""The Speedtronic op registry: every custom op in the ``speedtronic`` namespace.
+
+Each op is defined once here with :func:`torch.library.custom_op` and a fixed schema (the CUDA
+kernels in ``csrc/`` implement exactly these schemas). What is registered:
+
+* the pure-PyTorch implementation as the ``CompositeExplicitAutograd`` kernel, i.e. the default
+  for every device. A ``TORCH_LIBRARY_IMPL(speedtronic, CUDA, m)`` kernel overrides it on CUDA,
+  and the Python API above the ops does not change;
+* a fake (meta) implementation so ``torch.compile`` traces the ops without graph breaks;
+* mutated arguments marked in the schema (``Tensor(a!)[]``), so functionalization is correct.
+
+Ops (see each function's docstring for the exact math):
+
+``newton_schulz``            odd quintic polar-factor iteration, ``(m, n)`` or ``(b, m, n)``
+``muon_plus_normalize``      Muon+ row-then-column L2 normalization (arXiv 2602.21545)
+``cautious_mask_``           cautious masking of a list of updates (arXiv 2411.16085)
+``muon_pre_orthogonalize_``  momentum EMA + Nesterov + stack + Frobenius normalization
+``muon_post_update_``        Muon+ / cautious post-pass + decoupled weight decay + param update
+``cautious_adamw_step_``     AdamW (optionally cautious) over lists of tensors
+
+Coefficient schedules for ``newton_schulz`` are named in :data:`COEFFICIENT_SCHEDULES` and
+resolved with :func:`resolve_coefficients`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "COEFFICIENT_SCHEDULES",
+    "QUINTIC",
+    "POLAR_EXPRESS_PUBLISHED",
+    "polar_express_coefficients",
+    "resolve_coefficients",
+    "resolve_compute_dtype",
+    "newton_schulz",
+    "muon_plus_normalize",
+    "cautious_mask_",
+    "muon_pre_orthogonalize_",
+    "muon_post_update_",
+    "cautious_adamw_step_",
+]
+
+QUINTIC: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+"""Keller Jordan's quintic (a, b, c), the same every iteration (torch.optim.Muon's default)."""
+
+# Published per-iteration (a, b, c) of Polar Express, degree 5 (Amsel, Persson, Musco, Gower,
+# arXiv 2505.16932, Algorithm 1). Iterations past the 8th repeat the last entry, which is the
+# limit polynomial (15x - 10x^3 + 3x^5)/8 rescaled. The paper divides every entry but the last by
+# the safety factor 1.01 (a/1.01, b/1.01^3, c/1.01^5) and normalizes by 1.01*||X||_F.
+POLAR_EXPRESS_PUBLISHED: tuple[tuple[float, float, float], ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+_PE_SAFETY = 1.01
+
+COEFFICIENT_SCHEDULES = ("quintic", "polar_express")
+"""Names accepted wherever Newton-Schulz coefficients are configured."""
+
+
+def polar_express_coefficients(steps: int) -> list[float]:
+    """Flat ``3 * steps`` Polar Express schedule, equivalent to the paper's Algorithm 1.
+
+    The safety factor is applied as published. The paper's extra ``1.01`` in the normalization
+    (X / (1.01 ||X||_F)) is folded into the first polynomial: p(x / s) has coefficients
+    (a/s, b/s^3, c/s^5), so our ops keep the plain Frobenius normalization.
+    """
+    if steps < 1:
+        raise ValueError(f"polar_express needs steps >= 1, got {steps}")
+    s = _PE_SAFETY
+    table = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_PUBLISHED[:-1]]
+    table.append(POLAR_EXPRESS_PUBLISHED[-1])
+    table = table[:steps] + [table[-1]] * max(0, steps - len(table))
+    a, b, c = table[0]
+    table[0] = (a / s, b / s**3, c / s**5)
+    return [float(v) for abc in table for v in abc]
+
+
+def resolve_coefficients(spec: str | Sequence[float], steps: int) -> list[float]:
+    """Turn a schedule name or an explicit list into a flat list of 3 or ``3 * steps`` floats.
+
+    ``"quintic"`` gives :data:`QUINTIC` (3 floats, reused every iteration); ``"polar_express"``
+    gives :func:`polar_express_coefficients`; a list of 3 or ``3 * steps`` floats is returned as
+    floats. Anything else raises ``ValueError`` naming the valid choices.
+    """
+    if isinstance(spec, str):
+        if spec == "quintic":
+            return list(QUINTIC)
+        if spec == "polar_express":
+            return polar_express_coefficients(steps)
+        raise ValueError(f"unknown Newton-Schulz coefficient schedule {spec!r}; valid: "
+                         f"{', '.join(COEFFICIENT_SCHEDULES)} or a list of 3 or 3*steps floats")
+    flat = [float(v) for v in spec]
+    if len(flat) not in (3, 3 * steps):
+        raise ValueError(f"Newton-Schulz coefficients must hold 3 or 3*steps={3 * steps} floats, "
+                         f"got {len(flat)}")
+    return flat
+
+
+def resolve_compute_dtype(device: torch.device, dtype: torch.dtype,
+                          requested: torch.dtype | None = None) -> torch.dtype:
+    """Newton-Schulz matmul dtype: ``requested`` if given; else float64 stays float64, bf16 on
+    CUDA and fp32 elsewhere (bf16 GEMM is ~70x slower than fp32 on AVX2-only CPUs: 0.7-0.8 vs
+    51-64 GFLOP/s at 768x3072x768, muon-kernels-research.md section 6)."""
+    if requested is not None:
+        return requested
+    if dtype == torch.float64:
+        return torch.float64
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# newton_schulz
+# ---------------------------------------------------------------------------------------------
+
+# On CPU the Gram form (iterate on the small m x m matrix R = X X^T, apply Q to X at a restart and
+# at the end) does ~1.8x fewer FLOPs at aspect 4 (8m^2n + ~30m^3 vs 5(4m^2n + 2m^3)). Measured
+# here, 1 thread, fp32, 4x256x1024, 5 quintic steps: 53 ms vs 70 ms, error vs float64 2.1e-6 vs
+# 2.4e-6; 2x768x3072: 673 vs 888 ms. Used only for fp32/fp64 math (half precision needs fp16
+# and more restarts, research section 1.6).
+GRAM_MIN_ASPECT = 2
+_GRAM_RESTART = 2  # re-form X and R after this many iterations (bounds drift of R)
+
+
+def _check_ns_args(G: Tensor, steps: int, coefficients: Sequence[float]) -> None:
+    if G.dim() not in (2, 3):
+        raise ValueError(f"newton_schulz expects a (m, n) or (b, m, n) tensor, got shape "
+                         f"{tuple(G.shape)}")
+    if not G.is_floating_point():
+        raise ValueError(f"newton_schulz expects a floating-point tensor, got {G.dtype}")
+    if steps < 1:
+        raise ValueError(f"newton_schulz steps must be >= 1, got {steps}")
+    if len(coefficients) not in (3, 3 * steps):
+        raise ValueError(f"newton_schulz coefficients must hold 3 or 3*steps={3 * steps} floats, "
+                         f"got {len(coefficients)}")
+
+
+def _iter_coefficients(coefficients: Sequence[float], steps: int) -> list[tuple[float, ...]]:
+    flat = [float(v) for v in coefficients]
+    if len(flat) == 3:
+        return [tuple(flat)] * steps
+    return [tuple(flat[3 * k:3 * k + 3]) for k in range(steps)]
+
+
+def _ns_standard(X: Tensor, coeffs: list[tuple[float, ...]], fuse_epilogue: bool) -> Tensor:
+    # X: (b, m, n), m <= n, already Frobenius-normalized, in the compute dtype.
+    for a, b, c in coeffs:
+        A = torch.bmm(X, X.mT)                                    # (b, m, m)
+        if fuse_epilogue:
+            B = torch.baddbmm(A, A, A, beta=b, alpha=c)           # bA + cA^2
+            X = torch.baddbmm(X, B, X, beta=a)                    # aX + BX
+        else:
+            # CPU: addmm with beta != 0 is 1.3-1.5x slower than mm + add (96 vs 75 ms at
+            # 768x768x3072, research section 6), so keep GEMMs plain and add in place.
+            B = torch.bmm(A, A).mul_(c).add_(A, alpha=b)          # (b, m, m)
+            X = torch.bmm(B, X).add_(X, alpha=a)                  # (b, m, n)
+    return X
+
+
+def _ns_gram(X: Tensor, coeffs: list[tuple[float, ...]]) -> Tensor:
+    # Same polynomial, evaluated on R = X X^T (m x m). With P_k = aI + bR_k + cR_k^2:
+    # X_{k+1} = P_k X_k and R_{k+1} = P_k R_k P_k (P_k is a polynomial in R_k, so they commute).
+    # Only the first R and the final Q X touch the long side n.
+    m = X.size(-2)
+    R = torch.bmm(X, X.mT)                                        # (b, m, m)
+    Q: Tensor | None = None
+    last = len(coeffs) - 1
+    for k, (a, b, c) in enumerate(coeffs):
+        P = torch.bmm(R, R).mul_(c).add_(R, alpha=b)              # (b, m, m)
+        P.diagonal(dim1=-2, dim2=-1).add_(a)
+        Q = P if Q is None else torch.bmm(P, Q)
+        if k == last:
+            break
+        if (k + 1) % _GRAM_RESTART == 0:
+            X = torch.bmm(Q, X)                                   # (b, m, n)
+            R = torch.bmm(X, X.mT)
+            Q = None
+        else:
+            R = torch.bmm(P, torch.bmm(R, P))
+    assert Q is not None and m == Q.size(-1)
+    return torch.bmm(Q, X)
+
+
+def _newton_schulz_impl(G: Tensor, steps: int, coefficients: Sequence[float], eps: float,
+                        compute_dtype: torch.dtype | None) -> Tensor:
+    _check_ns_args(G, steps, coefficients)
+    dtype = resolve_compute_dtype(G.device, G.dtype, compute_dtype)
+    X = G if G.dim() == 3 else G.unsqueeze(0)                     # (b, m, n)
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT                                                  # (b, n, m) view, now wide
+    # Normalization in fp32 (or fp64) even when the iteration runs in bf16.
+    norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
+    X = (X.to(norm_dtype) / (norm + eps)).to(dtype)               # fresh tensor; G untouched
+    coeffs = _iter_coefficients(coefficients, steps)
+    m, n = X.size(-2), X.size(-1)
+    if X.device.type == "cpu" and dtype in (torch.float32, torch.float64) \
+            and n >= GRAM_MIN_ASPECT * m:
+        X = _ns_gram(X, coeffs)
+    else:
+        # bf16/fp16: baddbmm rounds once per product+add (fp32 accumulation), as torch does.
+        fuse = X.device.type != "cpu" or dtype in (torch.bfloat16, torch.float16)
+        X = _ns_standard(X, coeffs, fuse_epilogue=fuse)
+    if tall:
+        X = X.mT
+    if G.dim() == 2:
+        X = X.squeeze(0)
+    return X.to(G.dtype).contiguous()
+
+
+@torch.library.custom_op(
+    "speedtronic::newton_schulz", mutates_args=(), device_types=None,
+    schema="(Tensor G, int steps=5, float[] coefficients=[3.4445,-4.775,2.0315], float eps=1e-7, "
+           "ScalarType? compute_dtype=None) -> Tensor")
+def newton_schulz(G: Tensor, steps: int = 5, coefficients: Sequence[float] = QUINTIC,
+                  eps: float = 1e-7, compute_dtype: torch.dtype | None = None) -> Tensor:
+    """Approximate polar factor of ``G`` by an odd quintic Newton-Schulz iteration.
+
+    ``G`` is ``(m, n)`` or a batch ``(b, m, n)`` (each matrix independently). Each matrix is
+    divided by ``||G||_F + eps`` (so an all-zero matrix stays exactly zero), then ``steps`` times
+    ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, on the wide orientation (tall matrices are
+    transposed internally). ``coefficients`` holds 3 floats (used every iteration) or
+    ``3 * steps`` floats (a per-iteration schedule, e.g. :func:`polar_express_coefficients`).
+    With the default quintic the singular values land in roughly [0.68, 1.13] rather than at 1.
+
+    ``compute_dtype`` is the matmul dtype: None = bf16 on CUDA, fp32 elsewhere (fp64 input stays
+    fp64). The result has ``G``'s dtype and shape. ``G`` is not modified.
+    """
+    return _newton_schulz_impl(G, steps, coefficients, eps, compute_dtype)
+
+
+@newton_schulz.register_fake
+def _(G, steps=5, coefficients=QUINTIC, eps=1e-7, compute_dtype=None):
+    _check_ns_args(G, steps, coefficients)
+    return torch.empty_like(G, memory_format=torch.contiguous_format)
+
+
+# ---------------------------------------------------------------------------------------------
+# muon_plus_normalize
+# ---------------------------------------------------------------------------------------------
+
+def _check_matrix(U: Tensor, what: str) -> None:
+    if U.dim() not in (2, 3) or not U.is_floating_point():
+        raise ValueError(f"{what} expects a floating (m, n) or (b, m, n) tensor, got "
+                         f"{U.dtype} {tuple(U.shape)}")
+
+
+def _muon_plus_impl(U: Tensor, eps: float) -> Tensor:
+    # Low-precision inputs are normalized in fp32 and cast back.
+    work = U.float() if U.dtype in (torch.bfloat16, torch.float16) else U
+    rows = work.square().sum(dim=-1, keepdim=True).add_(eps).rsqrt_()   # (..., m, 1)
+    out = work * rows
+    cols = out.square().sum(dim=-2, keepdim=True).add_(eps).rsqrt_()    # (..., 1, n)
+    return out.mul_(cols).to(U.dtype)
+
+
+@torch.library.custom_op("speedtronic::muon_plus_normalize", mutates_args=(), device_types=None,
+                         schema="(Tensor U, float eps=1e-8) -> Tensor")
+def muon_plus_normalize(U: Tensor, eps: float = 1e-8) -> Tensor:
+    """Muon+ normalization (arXiv 2602.21545, ``row_col`` mode): divide each row of ``U`` by
+    ``sqrt(sum_j U_ij^2 + eps)``, then each column of the result by ``sqrt(sum_i V_ij^2 + eps)``.
+
+    Rows and columns are those of the parameter's layout (rows = fan_out of an ``nn.Linear``).
+    ``U`` is ``(m, n)`` or ``(b, m, n)``; bf16/fp16 are computed in fp32 and returned in ``U``'s
+    dtype."""
+    _check_matrix(U, "muon_plus_normalize")
+    return _muon_plus_impl(U, eps)
+
+
+@muon_plus_normalize.register_fake
+def _(U, eps=1e-8):
+    _check_matrix(U, "muon_plus_normalize")
+    return torch.empty_like(U)
+
+
+# ---------------------------------------------------------------------------------------------
+# cautious_mask_
+# ---------------------------------------------------------------------------------------------
+
+def _cautious_mask_impl(updates: Sequence[Tensor], grads: Sequence[Tensor], rescale: bool) -> None:
+    if len(updates) != len(grads):
+        raise ValueError(f"cautious_mask_: {len(updates)} updates but {len(grads)} grads")
+    # One tensor at a time: the only temporaries are one mask (and one product) of the
+    # largest tensor, never a copy of every parameter.
+    for u, g in zip(updates, grads, strict=True):
+        mask = (u * g) > 0                                        # bool, u's shape
+        u.mul_(mask)
+        if rescale:
+            # numel / (kept + 1), as a 0-d tensor: no host sync.
+            u.mul_(mask.numel() / (mask.sum(dtype=torch.float32) + 1))
+
+
+@torch.library.custom_op("speedtronic::cautious_mask_", mutates_args=("updates",),
+                         device_types=None,
+                         schema="(Tensor(a!)[] updates, Tensor[] grads, bool rescale=True) -> ()")
+def cautious_mask_(updates: Sequence[Tensor], grads: Sequence[Tensor],
+                   rescale: bool = True) -> None:
+    """Cautious masking in place (Liang et al., arXiv 2411.16085).
+
+    For every pair, zero the entries of ``update`` whose sign disagrees with ``grad``
+    (keep where ``update * grad > 0``; ``update`` is the quantity that will be *subtracted*).
+    With ``rescale`` the kept entries are multiplied by ``numel / (kept + 1)`` per tensor, the
+    paper's ``dim / (nnz + 1)``; ``rescale=False`` is the plain mask."""
+    _cautious_mask_impl(updates, grads, rescale)
+
+
+@cautious_mask_.register_fake
+def _(updates, grads, rescale=True):
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# muon_pre_orthogonalize_
+# ---------------------------------------------------------------------------------------------
+
+def _check_same_shape(tensors: Sequence[Tensor], what: str) -> None:
+    if len(tensors) == 0:
+        raise ValueError(f"{what}: needs at least one tensor")
+    shape = tensors[0].shape
+    if len(shape) != 2 or any(t.shape != shape for t in tensors):
+        raise ValueError(f"{what}: all tensors must be 2-D with one shape, got "
+                         f"{sorted({tuple(t.shape) for t in tensors})}")
+
+
+def _muon_pre_impl(bufs: Sequence[Tensor], grads: Sequence[Tensor], momentum: float,
+                   nesterov: bool, eps: float, out_dtype: torch.dtype) -> Tensor:
+    _check_same_shape(bufs, "muon_pre_orthogonalize_")
+    if len(grads) != len(bufs):
+        raise ValueError(f"muon_pre_orthogonalize_: {len(bufs)} buffers but {len(grads)} grads")
+    for buf in bufs:
+        if buf.dtype != torch.float32:
+            raise ValueError(f"muon_pre_orthogonalize_: momentum buffers must be float32, got "
+                             f"{buf.dtype}")
+    m, n = bufs[0].shape
+    out = torch.empty((len(bufs), m, n), dtype=torch.float32, device=bufs[0].device)  # (b, m, n)
+    views = list(out.unbind(0))
+    torch._foreach_copy_(views, list(grads))                      # g in fp32
+    torch._foreach_lerp_(list(bufs), views, 1.0 - momentum)       # B <- mu B + (1 - mu) g
+    if nesterov:
+        torch._foreach_lerp_(views, list(bufs), momentum)         # g + mu (B - g)
+    else:
+        torch._foreach_copy_(views, list(bufs))
+    norm = torch.linalg.vector_norm(out, dim=(-2, -1), keepdim=True)  # (b, 1, 1)
+    out.div_(norm.add_(eps))
+    return out if out_dtype == torch.float32 else out.to(out_dtype)
+
+
+@torch.library.custom_op(
+    "speedtronic::muon_pre_orthogonalize_", mutates_args=("momentum_buffers",), device_types=None,
+    schema="(Tensor(a!)[] momentum_buffers, Tensor[] grads, float momentum, bool nesterov, "
+           "float eps, ScalarType out_dtype) -> Tensor")
+def muon_pre_orthogonalize_(momentum_buffers: Sequence[Tensor], grads: Sequence[Tensor],
+                            momentum: float, nesterov: bool, eps: float,
+                            out_dtype: torch.dtype) -> Tensor:
+    """Muon's pre-orthogonalization pass for ``b`` same-shape ``(m, n)`` matrices.
+
+    Updates the fp32 momentum buffers in place as torch.optim.Muon does (an EMA,
+    ``B <- mu B + (1 - mu) g``), forms the Nesterov update ``g + mu (B - g)`` (or ``B``), stacks
+    the updates into a new ``(b, m, n)`` tensor of ``out_dtype`` and divides each matrix by
+    ``||.||_F + eps``. Gradients may be any float dtype; the math is fp32."""
+    return _muon_pre_impl(momentum_buffers, grads, momentum, nesterov, eps, out_dtype)
+
+
+@muon_pre_orthogonalize_.register_fake
+def _(momentum_buffers, grads, momentum, nesterov, eps, out_dtype):
+    _check_same_shape(momentum_buffers, "muon_pre_orthogonalize_")
+    m, n = momentum_buffers[0].shape
+    return momentum_buffers[0].new_empty((len(momentum_buffers), m, n), dtype=out_dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# muon_post_update_
+# ---------------------------------------------------------------------------------------------
+
+def _muon_post_impl(params: Sequence[Tensor], orth: Tensor, grads: Sequence[Tensor], lr: float,
+                    weight_decay: float, lr_scale: float, muon_plus: bool, norm_eps: float,
+                    cautious: bool, cautious_rescale: bool) -> None:
+    if orth.dim() != 3 or orth.size(0) != len(params):
+        raise ValueError(f"muon_post_update_: orthogonalized must be (b, m, n) with b="
+                         f"{len(params)}, got {tuple(orth.shape)}")
+    if muon_plus:
+        upd = _muon_plus_impl(orth.float(), norm_eps)             # fresh fp32 (b, m, n)
+    elif cautious or orth.dtype != torch.float32:
+        upd = orth.float() if orth.dtype != torch.float32 else orth.clone()
+    else:
+        upd = orth                                                # read-only use below
+    views = list(upd.unbind(0))
+    if cautious:
+        _cautious_mask_impl(views, grads, cautious_rescale)
+    params = list(params)
+    if weight_decay != 0.0:
+        torch._foreach_mul_(params, 1.0 - lr * weight_decay)      # decoupled, unscaled lr
+    torch._foreach_add_(params, views, alpha=-lr * lr_scale)
+
+
+@torch.library.custom_op(
+    "speedtronic::muon_post_update_", mutates_args=("params",), device_types=None,
+    schema="(Tensor(a!)[] params, Tensor orthogonalized, Tensor[] grads, float lr, "
+           "float weight_decay, float lr_scale, bool muon_plus, float norm_eps, bool cautious, "
+           "bool cautious_rescale) -> ()")
+def muon_post_update_(params: Sequence[Tensor], orthogonalized: Tensor, grads: Sequence[Tensor],
+                      lr: float, weight_decay: float, lr_scale: float, muon_plus: bool,
+                      norm_eps: float, cautious: bool, cautious_rescale: bool) -> None:
+    """Muon's post-orthogonalization pass for ``b`` same-shape parameters.
+
+    ``params[i] <- params[i] * (1 - lr * weight_decay) - lr * lr_scale * post(orth[i])`` where
+    ``post`` applies, in order, the Muon+ row-then-column normalization (if ``muon_plus``) and
+    the cautious mask against ``grads[i]`` (if ``cautious``; rescaled per matrix by
+    ``numel / (kept + 1)`` if ``cautious_rescale``). Weight decay uses the unscaled ``lr`` as in
+    torch.optim.Muon. Math in fp32; ``orthogonalized`` is not modified."""
+    _muon_post_impl(params, orthogonalized, grads, lr, weight_decay, lr_scale, muon_plus,
+                    norm_eps, cautious, cautious_rescale)
+
+
+@muon_post_update_.register_fake
+def _(params, orthogonalized, grads, lr, weight_decay, lr_scale, muon_plus, norm_eps, cautious,
+      cautious_rescale):
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# cautious_adamw_step_
+# ---------------------------------------------------------------------------------------------
+
+# Tensors are processed in chunks of at most this many elements so the update temporaries stay
+# bounded (16 MiB of fp32) instead of one copy of every parameter.
+_ADAMW_CHUNK_NUMEL = 1 << 22
+
+
+def _chunks(n_items: int, numels: Sequence[int]) -> list[range]:
+    out, start, total = [], 0, 0
+    for i in range(n_items):
+        if i > start and total + numels[i] > _ADAMW_CHUNK_NUMEL:
+            out.append(range(start, i))
+            start, total = i, 0
+        total += numels[i]
+    if n_items:
+        out.append(range(start, n_items))
+    return out
+
+
+def _adamw_impl(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
+                cautious, cautious_rescale) -> None:
+    n = len(params)
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
+        raise ValueError("cautious_adamw_step_: params, grads, exp_avgs and exp_avg_sqs must have "
+                         "the same length")
+    if step < 1:
+        raise ValueError(f"cautious_adamw_step_: step must be >= 1 (1-based), got {step}")
+    bias1 = 1.0 - beta1 ** step
+    bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    for idx in _chunks(n, [p.numel() for p in params]):
+        p = [params[i] for i in idx]
+        g = [grads[i] for i in idx]
+        m = [exp_avgs[i] for i in idx]
+        v = [exp_avg_sqs[i] for i in idx]
+        if weight_decay != 0.0:
+            torch._foreach_mul_(p, 1.0 - lr * weight_decay)
+        torch._foreach_lerp_(m, g, 1.0 - beta1)                   # m <- b1 m + (1 - b1) g
+        torch._foreach_mul_(v, beta2)
+        torch._foreach_addcmul_(v, g, g, 1.0 - beta2)             # v <- b2 v + (1 - b2) g^2
+        upd = torch._foreach_sqrt(v)                              # the chunk's only temporary
+        torch._foreach_div_(upd, bias2_sqrt)
+        torch._foreach_add_(upd, eps)
+        torch._foreach_reciprocal_(upd)
+        torch._foreach_mul_(upd, m)                               # m / (sqrt(v_hat) + eps)
+        if cautious:
+            _cautious_mask_impl(upd, g, cautious_rescale)
+        torch._foreach_add_(p, upd, alpha=-lr / bias1)
+
+
+@torch.library.custom_op(
+    "speedtronic::cautious_adamw_step_", mutates_args=("params", "exp_avgs", "exp_avg_sqs"),
+    device_types=None,
+    schema="(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+           "float lr, float beta1, float beta2, float eps, float weight_decay, int step, "
+           "bool cautious, bool cautious_rescale) -> ()")
+def cautious_adamw_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
+                         exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], lr: float,
+                         beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+                         cautious: bool, cautious_rescale: bool) -> None:
+    """One AdamW step (decoupled weight decay, bias-corrected, ``step`` is 1-based) over lists,
+    optionally cautious: the Adam direction ``u = m_hat / (sqrt(v_hat) + eps)`` is masked where
+    ``u * g <= 0`` (and rescaled by ``numel / (kept + 1)`` if ``cautious_rescale``) before
+    ``p <- p (1 - lr wd) - lr u``. Weight decay is not masked (C-AdamW)."""
+    _adamw_impl(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
+                cautious, cautious_rescale)
+
+
+@cautious_adamw_step_.register_fake
+def _(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, cautious,
+      cautious_rescale):
+    return None

@@ -1,0 +1,42 @@
+"""Keep fp32 optimizer state fp32 across ``load_state_dict``.
+
+``torch.optim.Optimizer.load_state_dict`` casts every floating state tensor (except ``step``) to
+its parameter's dtype. For bf16 parameters that would silently turn Muon's fp32 momentum into
+bf16 on resume; this mixin restores the saved values (cast to fp32, never through bf16).
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from typing import Any
+
+import torch
+
+FP32_STATE_KEYS = frozenset({"momentum_buffer"})
+"""State keys that are always float32 regardless of the parameter dtype."""
+
+
+class Fp32StateMixin:
+    """Mixin for ``torch.optim.Optimizer`` subclasses; see the module docstring."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        saved_groups = state_dict.get("param_groups", [])
+        saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
+        keep: dict[int, dict[str, torch.Tensor]] = {}
+        for pid, st in state_dict.get("state", {}).items():
+            if isinstance(st, dict):
+                found = {k: v for k, v in st.items()
+                         if k in FP32_STATE_KEYS and isinstance(v, torch.Tensor)}
+                if found:
+                    keep[pid] = found
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        groups = self.param_groups  # type: ignore[attr-defined]
+        params = list(chain.from_iterable(g["params"] for g in groups))
+        id_map = dict(zip(saved_ids, params, strict=False))
+        for pid, found in keep.items():
+            p = id_map.get(pid)
+            if p is None:
+                continue
+            for key, value in found.items():
+                self.state[p][key] = value.to(device=p.device, dtype=torch.float32,  # type: ignore[attr-defined]
+                                              copy=True)

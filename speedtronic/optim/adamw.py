@@ -1,0 +1,145 @@
+"""AdamW branch: torch's fused/foreach AdamW, or Speedtronic's cautious AdamW op.
+
+State per parameter uses torch.optim.AdamW's keys and dtypes on both paths (``step`` as a 0-d
+float32 tensor, ``exp_avg`` and ``exp_avg_sq`` in the parameter dtype), so a checkpoint written
+with ``cautious: false`` loads with ``cautious: true`` and vice versa, with or without the CUDA
+kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam as _torch_adam
+
+from .. import ops
+
+__all__ = ["AdamW", "adamw_step", "ADAMW_DEFAULTS", "fused_supported"]
+
+logger = logging.getLogger("speedtronic.optim")
+
+ADAMW_DEFAULTS: dict[str, Any] = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 1e-2,
+    "fused": None,
+    "cautious": False,
+    "cautious_rescale": True,
+}
+"""Per-group defaults (torch.optim.AdamW's values for the shared keys)."""
+
+_FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def fused_supported(params: Iterable[Tensor]) -> bool:
+    """True when torch's fused AdamW kernel accepts every tensor (CPU or CUDA, float dtypes)."""
+    return all(p.device.type in ("cpu", "cuda") and p.dtype in _FUSED_DTYPES for p in params)
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    if not 0.0 <= float(group["lr"]):
+        raise ValueError(f"AdamW lr must be >= 0, got {group['lr']}")
+    betas = tuple(group["betas"])
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"AdamW betas must be two values in [0, 1), got {list(betas)}")
+    group["betas"] = betas
+    if not group["eps"] > 0.0:
+        raise ValueError(f"AdamW eps must be > 0, got {group['eps']}")
+    if not group["weight_decay"] >= 0.0:
+        raise ValueError(f"AdamW weight_decay must be >= 0, got {group['weight_decay']}")
+
+
+def _use_fused(group: dict[str, Any], params: list[Tensor]) -> bool:
+    if group["cautious"]:
+        return False
+    fused = group["fused"]
+    if fused is None:
+        return fused_supported(params)
+    if fused and not fused_supported(params):
+        raise ValueError("optimizer.fused: true, but torch's fused AdamW does not support these "
+                         f"parameters (devices {sorted({p.device.type for p in params})}, dtypes "
+                         f"{sorted({str(p.dtype) for p in params})}); set fused: null or false")
+    return bool(fused)
+
+
+def adamw_step(state: dict, group: dict[str, Any]) -> None:
+    """One AdamW step on one param group (keys of :data:`ADAMW_DEFAULTS`)."""
+    params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise RuntimeError(f"AdamW does not support sparse gradients (parameter shape "
+                               f"{tuple(p.shape)})")
+        st = state[p]
+        if "step" not in st:
+            st["step"] = torch.tensor(0.0, dtype=torch.float32)
+            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        params.append(p)
+        grads.append(p.grad)
+        exp_avgs.append(st["exp_avg"])
+        exp_avg_sqs.append(st["exp_avg_sq"])
+        steps.append(st["step"])
+    if not params:
+        return
+    beta1, beta2 = group["betas"]
+    lr = float(group["lr"])
+    if _use_fused(group, params):
+        # torch's fused kernel wants each step on its parameter's device.
+        for i, p in enumerate(params):
+            if steps[i].device != p.device:
+                steps[i] = state[p]["step"] = steps[i].to(p.device)
+        _torch_adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True,
+                    decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
+                    lr=lr, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        return
+    # Speedtronic op path (cautious, or fused disabled). Steps are bucketed by value: params
+    # that first got a gradient later have a smaller step.
+    by_step: dict[int, list[int]] = defaultdict(list)
+    for i, s in enumerate(steps):
+        s.add_(1)
+        by_step[int(s.item())].append(i)
+    for step, idx in by_step.items():
+        ops.cautious_adamw_step_([params[i] for i in idx], [grads[i] for i in idx],
+                                 [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx],
+                                 lr, float(beta1), float(beta2), float(group["eps"]),
+                                 float(group["weight_decay"]), step, bool(group["cautious"]),
+                                 bool(group["cautious_rescale"]))
+
+
+class AdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay) with an optional cautious mask.
+
+    ``cautious=False`` runs torch's own fused kernel when available (``fused=None``), else the
+    foreach ``cautious_adamw_step_`` op; ``cautious=True`` masks the Adam direction where it
+    disagrees in sign with the gradient (C-AdamW, arXiv 2411.16085), rescaled by
+    ``numel / (kept + 1)`` unless ``cautious_rescale=False``. Weight decay is never masked."""
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, *, fused: bool | None = None,
+                 cautious: bool = False, cautious_rescale: bool = True) -> None:
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused,
+                        cautious=cautious, cautious_rescale=cautious_rescale)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        _check_group(self.param_groups[-1])
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Perform one optimization step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            adamw_step(self.state, group)
+        return loss

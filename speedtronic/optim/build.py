@@ -1,0 +1,159 @@
+"""One optimizer object for the whole model: :class:`HybridOptimizer` and :func:`build_optimizer`.
+
+``HybridOptimizer`` is a plain ``torch.optim.Optimizer`` whose param groups carry a ``"kind"``
+key (``"muon"`` or ``"adamw"``) next to that branch's hyperparameters. Because it *is* the
+optimizer (no child optimizers, no shared-state tricks), everything built on
+``torch.optim.Optimizer`` just works: ``LambdaLR`` scales every group's ``lr`` (keeping the
+Muon/AdamW ratio), ``state_dict``/``load_state_dict`` hold both branches,
+``torch.save``/``torch.load(weights_only=True)`` round-trips (state holds only tensors; groups
+only numbers, strings, lists and None), ``zero_grad`` clears everything.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import OptimizerConfig
+from ._state import Fp32StateMixin
+from .adamw import ADAMW_DEFAULTS, adamw_step, fused_supported
+from .adamw import _check_group as _check_adamw_group
+from .muon import MUON_DEFAULTS, muon_step
+from .muon import _check_group as _check_muon_group
+from .routing import route_parameters, trainable_parameters
+
+__all__ = ["HybridOptimizer", "build_optimizer"]
+
+logger = logging.getLogger("speedtronic.optim")
+
+_KIND_DEFAULTS = {"muon": MUON_DEFAULTS, "adamw": ADAMW_DEFAULTS}
+
+
+class HybridOptimizer(Fp32StateMixin, torch.optim.Optimizer):
+    """Muon and AdamW param groups in one optimizer.
+
+    Args:
+        param_groups: dicts with ``"params"`` and ``"kind"`` (``"muon"`` or ``"adamw"``); missing
+            hyperparameters take :data:`speedtronic.optim.muon.MUON_DEFAULTS` /
+            :data:`speedtronic.optim.adamw.ADAMW_DEFAULTS`.
+
+    ``step()`` runs every Muon group together (same-shape matrices share one batched
+    Newton-Schulz call), then each AdamW group. :meth:`reset_state` drops all inner state
+    (momentum, Adam moments, steps) of both branches, e.g. at a DiLoCo outer step.
+    """
+
+    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+        if not param_groups:
+            raise ValueError("HybridOptimizer needs at least one param group")
+        super().__init__(param_groups, defaults={})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        kind = param_group.get("kind")
+        if kind not in _KIND_DEFAULTS:
+            raise ValueError(f"param group 'kind' must be 'muon' or 'adamw', got {kind!r}")
+        group = {**_KIND_DEFAULTS[kind], **param_group}
+        super().add_param_group(group)
+        (_check_muon_group if kind == "muon" else _check_adamw_group)(self.param_groups[-1])
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved = [g.get("kind") for g in state_dict.get("param_groups", [])]
+        mine = [g["kind"] for g in self.param_groups]
+        if saved != mine:
+            raise ValueError(f"optimizer state has param groups {saved} but this optimizer has "
+                             f"{mine}; was the checkpoint written with a different "
+                             "optimizer.name or model?")
+        super().load_state_dict(state_dict)
+
+    def reset_state(self) -> None:
+        """Clear the inner state of both branches (keeps hyperparameters and the lr)."""
+        self.state.clear()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Perform one optimization step over both branches."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        muon_groups = [g for g in self.param_groups if g["kind"] == "muon"]
+        if muon_groups:
+            muon_step(self.state, muon_groups)
+        for group in self.param_groups:
+            if group["kind"] == "adamw":
+                adamw_step(self.state, group)
+        return loss
+
+
+def _adamw_group(params: list, cfg: OptimizerConfig, weight_decay: float, tag: str) -> dict:
+    return {"kind": "adamw", "name": tag, "params": params, "lr": cfg.lr,
+            "betas": tuple(cfg.betas), "eps": cfg.eps, "weight_decay": weight_decay,
+            "fused": cfg.fused, "cautious": cfg.cautious, "cautious_rescale": cfg.cautious_rescale}
+
+
+def build_optimizer(model: nn.Module, config: OptimizerConfig | None = None) -> HybridOptimizer:
+    """Build the one optimizer covering every trainable parameter of ``model``.
+
+    ``config.name == "adamw"``: AdamW over ALL trainable parameters (matrices decay; norms,
+    biases and embeddings only if ``decay_norms_and_biases`` / ``decay_embeddings``).
+    ``config.name == "muon"``: hidden matrices on Muon (``muon_lr``, ``muon_weight_decay``, ...),
+    the rest on AdamW (``lr``, ``weight_decay``), routed by
+    :func:`speedtronic.optim.route_parameters`. Logs one line per decision.
+    """
+    cfg = config if config is not None else OptimizerConfig()
+    cfg.validate()
+    if not trainable_parameters(model):
+        raise ValueError("model has no trainable parameters (every parameter has "
+                         "requires_grad=False); nothing to optimize")
+    routes = route_parameters(model, decay_embeddings=cfg.decay_embeddings,
+                              decay_norms_and_biases=cfg.decay_norms_and_biases)
+    groups: list[dict[str, Any]] = []
+    if cfg.name == "muon":
+        if routes.muon:
+            groups.append({
+                "kind": "muon", "name": "muon", "params": [p for _, p in routes.muon],
+                "lr": cfg.muon_lr, "weight_decay": cfg.muon_weight_decay,
+                "momentum": cfg.muon_momentum, "nesterov": cfg.muon_nesterov,
+                "ns_coefficients": (cfg.muon_coefficients if isinstance(cfg.muon_coefficients, str)
+                                    else [float(c) for c in cfg.muon_coefficients]),
+                "eps": cfg.muon_eps, "ns_steps": cfg.muon_ns_steps,
+                "adjust_lr_fn": cfg.muon_adjust_lr, "muon_plus": cfg.muon_plus,
+                "norm_eps": cfg.muon_norm_eps, "cautious": cfg.cautious,
+                "cautious_rescale": cfg.cautious_rescale, "ns_dtype": cfg.muon_ns_dtype,
+            })
+        else:
+            logger.info("optimizer: muon requested but the model has no hidden Linear matrices; "
+                        "every parameter uses AdamW")
+        decay = [p for _, p in routes.adamw_decay]
+    else:
+        # Everything trainable, hidden matrices included (v2 left them untrained: defect 5.1 #1).
+        decay = [p for _, p in routes.muon] + [p for _, p in routes.adamw_decay]
+    no_decay = [p for _, p in routes.adamw_no_decay]
+    if decay:
+        groups.append(_adamw_group(decay, cfg, cfg.weight_decay, "adamw_decay"))
+    if no_decay:
+        groups.append(_adamw_group(no_decay, cfg, 0.0, "adamw_no_decay"))
+    opt = HybridOptimizer(groups)
+
+    logger.info("optimizer: %s (%s)", cfg.name, routes.summary() if cfg.name == "muon" else
+                f"adamw on all {sum(len(g['params']) for g in groups)} trainable tensors")
+    adamw_params = decay + no_decay
+    if adamw_params:
+        if cfg.cautious:
+            how = "speedtronic cautious_adamw_step_ op"
+        elif cfg.fused is False or not fused_supported(adamw_params):
+            how = "speedtronic foreach op (torch fused AdamW off)"
+        else:
+            how = "torch fused kernel"
+        logger.info("adamw branch: %s", how)
+    if cfg.name == "muon" and routes.muon:
+        ns_dtype = cfg.muon_ns_dtype
+        if ns_dtype == "auto":
+            dev = routes.muon[0][1].device
+            ns_dtype = "bf16 (auto, CUDA)" if dev.type == "cuda" else "fp32 (auto, no CUDA)"
+        logger.info("muon branch: Newton-Schulz %s, %d steps, coefficients %s%s%s", ns_dtype,
+                    cfg.muon_ns_steps, cfg.muon_coefficients, ", muon+" if cfg.muon_plus else "",
+                    ", cautious" if cfg.cautious else "")
+    return opt

@@ -1,0 +1,208 @@
+"""Which parameter goes to Muon and which to AdamW (and which AdamW params decay).
+
+Rules, applied once per parameter *tensor* (tied/shared tensors are seen once):
+
+1. Frozen (``requires_grad=False``): in neither branch; they are not trained.
+2. An explicit role wins: ``_speedtronic_optimizer_role = "muon" | "adamw"`` on the parameter
+   itself, or on the nearest module (owner first, then its ancestors) that registers it.
+   ``"muon"`` still sends non-2-D tensors (biases, gains) to AdamW: Muon needs matrices.
+3. Embeddings and output heads go to AdamW: any module registering the tensor is an
+   ``nn.Embedding``/``nn.EmbeddingBag`` (this catches heads tied to an embedding), has an
+   embedding/head-like name (``lm_head``, ``wte``, ``embed_tokens``, ...), or, as a last resort,
+   is a Linear whose ``out_features`` equals the vocabulary size of the model's largest
+   embedding.
+4. 2-D weights of ``nn.Linear`` modules (hidden matrices) go to Muon.
+5. Everything else (norm gains, biases, conv kernels, raw ``nn.Parameter`` tensors) goes to
+   AdamW; give the owning module ``_speedtronic_optimizer_role = "muon"`` to change that.
+
+AdamW params are split into decay / no-decay: tensors with fewer than 2 dims (biases, norm
+gains) and embeddings/heads do not decay unless ``decay_norms_and_biases`` /
+``decay_embeddings`` is set.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["ParameterRoutes", "route_parameters", "ROLE_ATTRIBUTE"]
+
+ROLE_ATTRIBUTE = "_speedtronic_optimizer_role"
+_VALID_ROLES = ("muon", "adamw")
+_HEAD_NAMES = frozenset({
+    "lm_head", "head", "output_head", "classifier", "score", "unembed", "embed_out",
+})
+_EMBEDDING_NAMES = frozenset({
+    "embed", "embedding", "embeddings", "embed_tokens", "tok_embeddings", "word_embeddings",
+    "wte", "wpe", "tok_emb", "pos_emb", "token_embedding", "position_embedding",
+})
+
+
+@dataclass
+class ParameterRoutes:
+    """Result of :func:`route_parameters`: ``(name, parameter)`` pairs per branch."""
+
+    muon: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    adamw_decay: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    adamw_no_decay: list[tuple[str, nn.Parameter]] = field(default_factory=list)
+    frozen: list[str] = field(default_factory=list)
+    reasons: dict[str, str] = field(default_factory=dict)
+    """Parameter name -> why it went where it went (e.g. ``"adamw: embedding"``)."""
+
+    @property
+    def adamw(self) -> list[tuple[str, nn.Parameter]]:
+        """All AdamW params (decay first)."""
+        return self.adamw_decay + self.adamw_no_decay
+
+    def __iter__(self):
+        """Unpack as ``muon, adamw = route_parameters(model)`` (lists of parameters)."""
+        yield [p for _, p in self.muon]
+        yield [p for _, p in self.adamw]
+
+    def summary(self) -> str:
+        """One line: tensor and element counts per branch."""
+        def count(items: list[tuple[str, nn.Parameter]]) -> str:
+            return f"{len(items)} tensors / {sum(p.numel() for _, p in items):,} params"
+        return (f"muon {count(self.muon)}; adamw decay {count(self.adamw_decay)}; "
+                f"adamw no-decay {count(self.adamw_no_decay)}; frozen {len(self.frozen)}")
+
+
+def _role_of(obj: object, where: str) -> str | None:
+    role = getattr(obj, ROLE_ATTRIBUTE, None)
+    if role is not None and role not in _VALID_ROLES:
+        raise ValueError(f"{where}.{ROLE_ATTRIBUTE} = {role!r} is not valid; use one of "
+                         f"{', '.join(repr(r) for r in _VALID_ROLES)}")
+    return role
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    sizes = [m.num_embeddings for m in model.modules()
+             if isinstance(m, (nn.Embedding, nn.EmbeddingBag))]
+    return max(sizes) if sizes else None
+
+
+def _named_like_head(mod_path: str, mod: nn.Module, leaf: str) -> bool:
+    return bool((set(mod_path.split(".")) | {leaf}) & _HEAD_NAMES)
+
+
+def _named_like_embedding(mod_path: str, mod: nn.Module, leaf: str) -> bool:
+    segments = set(mod_path.split(".")) | {leaf}
+    return bool(segments & _EMBEDDING_NAMES) or "embedding" in type(mod).__name__.lower()
+
+
+def _fallback_head(model: nn.Module, owners: dict[int, list[tuple[str, nn.Module, str]]],
+                   vocab: int | None) -> int | None:
+    """Last resort when no head is found by name or by tying: the last non-square Linear whose
+    ``out_features`` equals the vocabulary size. Square ones are skipped: in toy models
+    vocab == width, and a square hidden matrix must stay on Muon."""
+    if vocab is None:
+        return None
+    for regs in owners.values():
+        if any(_named_like_head(*reg) for reg in regs) or len(regs) > 1 and any(
+                isinstance(m, (nn.Embedding, nn.EmbeddingBag)) for _, m, _ in regs):
+            return None
+    candidate = None
+    for mod in model.modules():
+        if isinstance(mod, nn.Linear) and mod.out_features == vocab != mod.in_features:
+            candidate = id(mod.weight)
+    return candidate
+
+
+def route_parameters(model: nn.Module, *, decay_embeddings: bool = False,
+                     decay_norms_and_biases: bool = False) -> ParameterRoutes:
+    """Split ``model``'s trainable parameters into Muon / AdamW-decay / AdamW-no-decay.
+
+    Every trainable tensor lands in exactly one list (see the module docstring for the rules).
+    """
+    modules = dict(model.named_modules(remove_duplicate=False))
+    vocab = _vocab_size(model)
+    # Every (module path, module, leaf name) that registers each tensor, in registration order.
+    owners: dict[int, list[tuple[str, nn.Module, str]]] = {}
+    first_name: dict[int, str] = {}
+    tensors: dict[int, nn.Parameter] = {}
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for leaf, p in mod.named_parameters(recurse=False):
+            key = id(p)
+            full = f"{mod_name}.{leaf}" if mod_name else leaf
+            owners.setdefault(key, []).append((mod_name, mod, leaf))
+            first_name.setdefault(key, full)
+            tensors[key] = p
+
+    fallback_head = _fallback_head(model, owners, vocab)
+    routes = ParameterRoutes()
+    for key, p in tensors.items():
+        name = first_name[key]
+        if not p.requires_grad:
+            routes.frozen.append(name)
+            continue
+        owner_path, _, _ = owners[key][0]
+        role = _role_of(p, name)
+        if role is None:
+            # Nearest module first: the owner, then each ancestor up to the root.
+            parts = owner_path.split(".") if owner_path else []
+            for depth in range(len(parts), -1, -1):
+                path = ".".join(parts[:depth])
+                role = _role_of(modules[path], path or type(model).__name__)
+                if role is not None:
+                    break
+
+        is_embedding = is_head = False
+        for mod_path, mod, leaf in owners[key]:
+            if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)):
+                is_embedding = True
+            if _named_like_head(mod_path, mod, leaf) or _named_like_embedding(mod_path, mod, leaf):
+                is_head = True
+            if key == fallback_head:
+                is_head = True
+        embedding_like = is_embedding or is_head
+        linear_weight = any(isinstance(mod, nn.Linear) and leaf == "weight"
+                            for _, mod, leaf in owners[key])
+        matrix = p.ndim == 2 and p.is_floating_point()
+
+        if role == "muon" and matrix:
+            branch, why = "muon", "muon: role override"
+        elif role == "adamw":
+            branch, why = "adamw", "adamw: role override"
+        elif role is None and embedding_like:
+            branch, why = "adamw", "adamw: embedding/head"
+        elif role is None and matrix and linear_weight:
+            branch, why = "muon", "muon: hidden Linear matrix"
+        else:
+            branch = "adamw"
+            why = ("adamw: bias/norm (<2 dims)" if p.ndim < 2 else
+                   f"adamw: {p.ndim}-D tensor" if p.ndim != 2 else
+                   "adamw: 2-D tensor not owned by nn.Linear (set a role to change)")
+
+        if branch == "muon":
+            routes.muon.append((name, p))
+        else:
+            if embedding_like:
+                decay = decay_embeddings
+            elif p.ndim < 2:
+                decay = decay_norms_and_biases
+            else:
+                decay = True
+            (routes.adamw_decay if decay else routes.adamw_no_decay).append((name, p))
+            why += " (decay)" if decay else " (no decay)"
+        routes.reasons[name] = why
+    return routes
+
+
+def describe_routes(routes: ParameterRoutes) -> str:
+    """Multi-line human summary: counts per reason."""
+    counts = Counter(routes.reasons.values())
+    return "\n".join(f"{n:4d}  {why}" for why, n in sorted(counts.items()))
+
+
+def trainable_parameters(model: nn.Module) -> list[torch.nn.Parameter]:
+    """Trainable parameters of ``model``, each tensor once."""
+    seen: set[int] = set()
+    out = []
+    for p in model.parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            out.append(p)
+    return out
