@@ -1,0 +1,476 @@
+"""Out-of-order backprop: weight gradients of ``nn.Linear`` layers leave the critical path.
+
+In a layer's backward, the input gradient ``dX = dY @ W`` is needed at once by the layer below,
+while ``dW = dY^T @ X`` is needed only by the optimizer. Following Oh et al. (EuroSys 2022,
+"Out-of-order backprop"), each deferrable ``nn.Linear`` runs through :class:`_DeferredLinear`,
+whose backward returns ``dX`` immediately on the current stream and hands the ``dW``/``db`` work to
+an executor:
+
+* CUDA: the work is launched at once on a side stream (round-robin over ``ooo_streams``, one fixed
+  stream per parameter so contributions to one ``.grad`` never race), after the side stream waits
+  for the current one; an event records each producer.
+* CPU (only when forced, for tests and benchmarks): the same work is queued and run in order at
+  the end of the backward pass. No streams, same arithmetic, so gradients are bitwise comparable.
+
+At the end of every backward pass (an autograd-engine final callback, which runs on the caller's
+stream) the current stream waits for the side streams and the deferred sums are folded into
+``.grad``. The fold reproduces autograd's order - ``prev + (sum of this pass)`` - so fp32 gradients
+equal the standard backward bit for bit, with gradient accumulation and with tied weights.
+:meth:`OOOScheduler.flush` (the trainer calls it before clipping/stepping) is then a cheap guard:
+it discards the work of a backward that raised and makes the current stream wait for all streams.
+
+Not deferred: ``torch.autograd.grad`` (dW is returned as a normal gradient there), subclasses of
+``nn.Linear`` with their own forward, parametrized weights, fp64. Hooks registered with
+``register_post_accumulate_grad_hook`` do not see deferred gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+from .config import SpeedtronicConfig
+
+__all__ = ["OOOScheduler", "build_ooo_scheduler", "find_deferrable_linears"]
+
+logger = logging.getLogger("speedtronic.ooo")
+
+
+class _Slot:
+    """Deferred-gradient target: one per unique parameter (a tied weight has one slot)."""
+
+    __slots__ = ("param", "name", "stream")
+
+    def __init__(self, param: nn.Parameter, name: str, stream: Any) -> None:
+        self.param = param
+        self.name = name
+        self.stream = stream  # torch.cuda.Stream, or None on the CPU queue path
+
+
+class _Batch:
+    """Deferred work of one backward pass (one autograd graph task)."""
+
+    def __init__(self, task_id: int) -> None:
+        self.task_id = task_id
+        self.stash: dict[_Slot, torch.Tensor | None] = {}  # .grad before this pass
+        self.local: dict[_Slot, torch.Tensor] = {}  # sum of this pass's deferred grads
+        self.queue: list[tuple[_Layer, torch.Tensor, torch.Tensor]] = []  # CPU path only
+        self.events: list[Any] = []  # CUDA path: one event per launched work item
+
+    def touch(self, slot: _Slot) -> None:
+        # Take .grad aside on first touch so the fold below computes prev + (this pass), the
+        # same association as autograd's InputBuffer + AccumulateGrad (bitwise parity).
+        if slot not in self.stash:
+            self.stash[slot] = slot.param.grad
+            slot.param.grad = None
+
+
+class _Layer:
+    """Replacement ``forward`` of one ``nn.Linear`` (installed as an instance attribute)."""
+
+    def __init__(self, sched: OOOScheduler, name: str, module: nn.Linear,
+                 weight: _Slot, bias: _Slot | None) -> None:
+        self.sched = sched
+        self.name = name
+        self.module = module
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        w, b = m.weight, m.bias
+        if not self._deferrable(x, w, b):
+            return F.linear(x, w, b)
+        compute_dtype = None
+        if torch.is_autocast_enabled(x.device.type):
+            # Cast like autocast would (a differentiable cast of x; W and b are cast inside the
+            # Function so that the leaf weight, not its copy, is the Function's input).
+            compute_dtype = torch.get_autocast_dtype(x.device.type)
+            if x.dtype != compute_dtype:
+                x = x.to(compute_dtype)
+        elif x.dtype != w.dtype:
+            return F.linear(x, w, b)  # let torch raise its usual dtype error
+        self.sched._on_forward()
+        return _DeferredLinear.apply(x, w, b, self, compute_dtype)
+
+    def _deferrable(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+        if not (self.sched._active and torch.is_grad_enabled()):
+            return False
+        if w is not self.weight.param or b is not (self.bias.param if self.bias else None):
+            self.sched._warn_once(f"{self.name}: parameters were replaced after setup; this "
+                                  "layer now runs the standard backward")
+            return False
+        if x.dim() < 2 or x.dtype == torch.float64 or not x.is_floating_point():
+            return False
+        return not (x.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """``F.linear`` whose backward returns dX now and defers dW/db to the scheduler."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                layer: _Layer, compute_dtype: torch.dtype | None) -> torch.Tensor:
+        w, b = weight, bias
+        if compute_dtype is not None:  # autocast: the same casts autocast's linear makes
+            w = weight.to(compute_dtype)
+            b = bias.to(compute_dtype) if bias is not None else None
+        ctx.layer = layer
+        ctx.save_for_backward(x, w)
+        return F.linear(x, w, b)  # the very op the standard path runs -> identical output
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        x, w = ctx.saved_tensors
+        layer: _Layer = ctx.layer
+        g2d = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
+        x2d = x.reshape(-1, x.shape[-1])  # (M, K)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            # The expression autograd's mm backward uses for this layout (bitwise parity).
+            if x2d.dim() == 2 and x2d.stride(0) == 1 and x2d.stride(1) == x2d.shape[0] > 1:
+                grad_x = w.mm(g2d.t()).t().reshape(x.shape)  # column-major input
+            else:
+                grad_x = g2d.mm(w).reshape(x.shape)  # (M, K) -> x's shape
+        mode = layer.sched._weight_grad_mode(ctx)
+        if mode == "return":  # torch.autograd.grad: hand dW/db back to autograd instead
+            dw, db = _weight_grads(layer, x2d, g2d)
+            return grad_x, dw, db, None, None
+        if mode == "defer":
+            layer.sched._defer(layer, x2d, g2d)
+        return grad_x, None, None, None, None
+
+
+def _weight_grads(layer: _Layer, x2d: torch.Tensor,
+                  g2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """dW = dY^T X (N, K) and db = sum_M dY (N,), in the parameters' dtypes."""
+    w_param = layer.weight.param
+    dw = g2d.t().mm(x2d)
+    if dw.dtype != w_param.dtype:
+        dw = dw.to(w_param.dtype)  # autocast: autograd's cast-back of the bf16/fp16 grad
+    db = None
+    if layer.bias is not None:
+        db = g2d.sum(0)
+        if db.dtype != layer.bias.param.dtype:
+            db = db.to(layer.bias.param.dtype)
+    return dw, db
+
+
+def _accumulate(batch: _Batch, slot: _Slot, value: torch.Tensor) -> None:
+    current = batch.local.get(slot)
+    if current is None:
+        # Allocated on the current stream (see _CudaExecutor): it outlives the side stream's use.
+        batch.local[slot] = value
+    else:
+        current.add_(value)  # same order as autograd's InputBuffer: first + second + ...
+
+
+class OOOScheduler:
+    """Defers Linear weight gradients; install once, call :meth:`flush` before reading grads.
+
+    Build it with :func:`build_ooo_scheduler` (config path, CUDA only) or directly
+    (``OOOScheduler(model, "cpu")`` runs the stream-less queue, for tests and benchmarks).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device | str, num_streams: int = 4,
+                 layers: list[tuple[str, nn.Linear]] | None = None) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.mode = "cuda-streams" if self.device.type == "cuda" else "cpu-queue"
+        self._active = False
+        self._batches: dict[int, _Batch] = {}
+        self._warned: set[str] = set()
+        self._layers: list[_Layer] = []
+        self.deferred_total = 0  # weight/bias gradients folded into .grad so far
+        self.streams: list[Any] = []
+        if self.mode == "cuda-streams":
+            self.streams = [torch.cuda.Stream(device=self.device)
+                            for _ in range(max(1, min(8, num_streams)))]
+        layers = find_deferrable_linears(model) if layers is None else layers
+        try:
+            self._install(model, layers)
+        except BaseException:
+            self._uninstall()
+            raise
+        self._active = True
+
+    # ----------------------------------------------------------------------------- setup
+    def _install(self, model: nn.Module, layers: list[tuple[str, nn.Linear]]) -> None:
+        slots: dict[nn.Parameter, _Slot] = {}  # keyed by the live parameter (not its id())
+
+        def slot_for(p: nn.Parameter, name: str, index: int) -> _Slot:
+            if p not in slots:
+                stream = self.streams[index % len(self.streams)] if self.streams else None
+                slots[p] = _Slot(p, name, stream)
+            return slots[p]
+
+        for i, (name, m) in enumerate(layers):
+            if "forward" in m.__dict__:
+                raise RuntimeError(f"{name}.forward is already overridden on the instance")
+            weight = slot_for(m.weight, f"{name}.weight", i)
+            bias = slot_for(m.bias, f"{name}.bias", i) if m.bias is not None else None
+            layer = _Layer(self, name, m, weight, bias)
+            m.forward = layer  # instance attribute shadows nn.Linear.forward; removed in close()
+            self._layers.append(layer)
+        self.num_params = len(slots)
+
+    def _uninstall(self) -> None:
+        for layer in self._layers:
+            if layer.module.__dict__.get("forward") is layer:
+                del layer.module.forward
+        self._layers = []
+
+    # ----------------------------------------------------------------------------- runtime
+    def _on_forward(self) -> None:
+        # A forward outside any backward while work is pending means the last backward raised
+        # (final callbacks only run on success): drop that work so it cannot land later.
+        if self._batches and torch._C._current_graph_task_id() == -1:
+            self._discard_all("a backward pass did not finish")
+
+    def _weight_grad_mode(self, ctx: Any) -> str:
+        acc = ctx.next_functions[1][0]
+        if acc is None:
+            return "skip"
+        try:
+            needed = torch._C._will_engine_execute_node(acc)
+        except RuntimeError:
+            # Raised for leaves under torch.autograd.grad: that call wants dW returned, not
+            # accumulated into .grad.
+            return "return"
+        return "defer" if needed else "skip"  # skip: backward(inputs=...) without this weight
+
+    def _defer(self, layer: _Layer, x2d: torch.Tensor, g2d: torch.Tensor) -> None:
+        task_id = torch._C._current_graph_task_id()
+        batch = self._batches.get(task_id)
+        if batch is None:
+            batch = self._batches[task_id] = _Batch(task_id)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._finish(task_id))
+        batch.touch(layer.weight)
+        if layer.bias is not None:
+            batch.touch(layer.bias)
+        if self.mode == "cpu-queue":
+            batch.queue.append((layer, x2d, g2d))
+            return
+        ambient = torch.cuda.current_stream(self.device)
+        side = layer.weight.stream
+        side.wait_stream(ambient)  # dY (and X) were produced on the ambient stream
+        # Autograd frees X and dY as soon as this backward returns; keep the allocator from
+        # handing their blocks to ambient-stream work before the side stream has read them.
+        x2d.record_stream(side)
+        g2d.record_stream(side)
+        with torch.cuda.stream(side):
+            dw, db = _weight_grads(layer, x2d, g2d)
+        # dw/db were allocated on the side stream but are read on the ambient one after the fold.
+        dw.record_stream(ambient)
+        _accumulate_on(side, batch, layer.weight, dw)
+        if db is not None:
+            db.record_stream(ambient)
+            _accumulate_on(side, batch, layer.bias, db)
+        event = torch.cuda.Event()
+        event.record(side)
+        batch.events.append(event)
+
+    def _finish(self, task_id: int) -> None:
+        batch = self._batches.pop(task_id, None)
+        if batch is None:
+            return
+        with torch.no_grad():
+            if self.mode == "cpu-queue":
+                for layer, x2d, g2d in batch.queue:
+                    dw, db = _weight_grads(layer, x2d, g2d)
+                    _accumulate(batch, layer.weight, dw)
+                    if db is not None:
+                        _accumulate(batch, layer.bias, db)
+                batch.queue.clear()
+            else:
+                current = torch.cuda.current_stream(self.device)
+                for event in batch.events:
+                    current.wait_event(event)
+            for slot, prev in batch.stash.items():
+                total = batch.local.get(slot)
+                if total is None:
+                    slot.param.grad = prev
+                    continue
+                during = slot.param.grad  # written by autograd meanwhile (tied / functional use)
+                if during is not None:
+                    total = during + total
+                if prev is None:
+                    slot.param.grad = total
+                else:
+                    slot.param.grad = prev.add_(total)
+                self.deferred_total += 1
+
+    def _discard_all(self, why: str) -> None:
+        if not self._batches:
+            return
+        n = sum(len(b.stash) for b in self._batches.values())
+        self._warn_once(f"discarded deferred gradients of {n} parameters ({why}); their .grad "
+                        "is restored to its value before that backward")
+        if self.streams:
+            current = torch.cuda.current_stream(self.device)
+            for stream in self.streams:  # pending side writes must land before buffers recycle
+                current.wait_stream(stream)
+        for batch in self._batches.values():
+            for slot, prev in batch.stash.items():
+                slot.param.grad = prev
+        self._batches.clear()
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            logger.warning("ooo backprop: %s", message)
+
+    # ----------------------------------------------------------------------------- public
+    @property
+    def num_layers(self) -> int:
+        """Number of ``nn.Linear`` layers whose weight gradients are deferred."""
+        return len(self._layers)
+
+    def flush(self) -> None:
+        """Make gradients safe to read on the current stream (call after ``backward()``).
+
+        Normal passes were already folded by the end-of-backward callback; this waits for every
+        side stream and discards (with a warning) the work of a backward that raised.
+        """
+        if torch._C._current_graph_task_id() != -1:
+            raise RuntimeError("OOOScheduler.flush() must be called after backward() returns, "
+                               "not from inside the backward pass")
+        self._discard_all("the backward pass that queued them raised")
+        if self.streams:
+            current = torch.cuda.current_stream(self.device)
+            for stream in self.streams:
+                current.wait_stream(stream)
+
+    def discard(self) -> None:
+        """Drop deferred work of an unfinished backward (call from an ``except`` block)."""
+        self._discard_all("discard() was called")
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Run forwards inside the block with the standard backward (e.g. gradient penalties)."""
+        was, self._active = self._active, False
+        try:
+            yield
+        finally:
+            self._active = was
+
+    def close(self) -> None:
+        """Flush, then restore every layer's original forward. Idempotent."""
+        if self._layers:
+            self.flush()
+        self._active = False
+        self._uninstall()
+
+    def as_dict(self) -> dict[str, Any]:
+        """Summary for the ``train_start`` payload."""
+        return {"enabled": bool(self._layers), "mode": self.mode, "streams": len(self.streams),
+                "layers": self.num_layers}
+
+    def __enter__(self) -> OOOScheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            self.discard()
+        self.close()
+
+
+def _accumulate_on(stream: Any, batch: _Batch, slot: _Slot, value: torch.Tensor) -> None:
+    with torch.cuda.stream(stream):
+        _accumulate(batch, slot, value)
+
+
+def find_deferrable_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """The ``nn.Linear`` layers whose weight gradients can be deferred, in module order.
+
+    ``model.ooo_stage_names`` (a list of submodule names) restricts the search to those
+    submodules; otherwise every ``nn.Linear`` with a trainable, plain weight qualifies.
+    Raises ``ValueError`` for a stage name that is not a submodule.
+    """
+    names = getattr(model, "ooo_stage_names", None)
+    if names is None:
+        roots: list[tuple[str, nn.Module]] = [("", model)]
+    else:
+        if isinstance(names, str) or not all(isinstance(n, str) for n in names):
+            raise ValueError(f"model.ooo_stage_names must be a list of submodule names, got "
+                             f"{names!r}")
+        roots = []
+        for name in names:
+            try:
+                roots.append((name, model.get_submodule(name)))
+            except AttributeError:
+                raise ValueError(f"model.ooo_stage_names: {name!r} is not a submodule of "
+                                 f"{type(model).__name__}") from None
+    found: dict[nn.Module, str] = {}  # module -> name; modules are alive, keys are the objects
+    for prefix, root in roots:
+        for name, m in root.named_modules(prefix=prefix):
+            if m not in found and _is_plain_linear(m):
+                found[m] = name or type(m).__name__
+    return [(name, m) for m, name in found.items()]
+
+
+def _is_plain_linear(m: nn.Module) -> bool:
+    if not isinstance(m, nn.Linear) or type(m).forward is not nn.Linear.forward:
+        return False
+    w = m._parameters.get("weight")
+    if not isinstance(w, nn.Parameter) or not w.requires_grad:
+        return False
+    if not w.is_floating_point() or w.dtype == torch.float64 or w.layout != torch.strided:
+        return False
+    if torch.nn.utils.parametrize.is_parametrized(m):
+        return False
+    b = m._parameters.get("bias")
+    return b is None or (isinstance(b, nn.Parameter) and b.requires_grad)
+
+
+def build_ooo_scheduler(model: nn.Module, cfg: SpeedtronicConfig, device: torch.device | str,
+                        *, force_cpu: bool = False) -> OOOScheduler | None:
+    """Install out-of-order backprop if ``cfg.ooo_backprop`` and it can run; else None.
+
+    Logs one line with the decision. ``force_cpu=True`` allows the stream-less CPU queue on a
+    CPU device (tests and benchmarks); the config path alone never uses it.
+    """
+    reason = _fallback_reason(cfg, torch.device(device), force_cpu)
+    if reason is not None:
+        logger.info("ooo backprop: off (%s)", reason)
+        return None
+    try:
+        layers = find_deferrable_linears(model)
+        if len(layers) < 2:
+            logger.info("ooo backprop: off (fewer than two deferrable nn.Linear layers: %d)",
+                        len(layers))
+            return None
+        sched = OOOScheduler(model, device, cfg.ooo_streams, layers)
+    except Exception as exc:  # never fail a run for an optional speed feature
+        logger.info("ooo backprop: off (setup error: %s: %s)", type(exc).__name__, exc)
+        return None
+    where = (f"{len(sched.streams)} CUDA side streams" if sched.streams
+             else "the CPU queue (forced)")
+    logger.info("ooo backprop: on (%d nn.Linear layers, weight gradients on %s)",
+                sched.num_layers, where)
+    return sched
+
+
+def _fallback_reason(cfg: SpeedtronicConfig, device: torch.device, force_cpu: bool) -> str | None:
+    if not cfg.ooo_backprop:
+        return "ooo_backprop: false"
+    if cfg.compile:
+        return ("compile: true; torch.compile and ooo_backprop are mutually exclusive in this "
+                "release")
+    if device.type == "cpu" and force_cpu:
+        return None
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return f"no CUDA (device {device})"
+    if torch.cuda.is_current_stream_capturing():
+        return "CUDA graph capture is active"
+    return None
