@@ -186,7 +186,9 @@ class Trainer:
         if check_shapes is not None and self.config.shape_validation.enabled:
             self._shape_report = check_shapes(self.model, self.config, self.device,
                                               self.precision.dtype)
-            self.metrics.line(self._shape_report.format_table())
+            table = self._shape_report.format_table()
+            if table:  # "" when the check is off (alignment: none, CPU): print nothing
+                self.metrics.line(table)
         build_ooo = optional_attr("ooo", "build_ooo_scheduler")
         if build_ooo is not None:
             self._ooo = build_ooo(self.model, self.config, self.device)
