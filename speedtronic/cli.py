@@ -141,7 +141,15 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None],
     "validate": (_add_validate, _cmd_validate),
     "env": (_add_env, _cmd_env),
     "plot": (_add_plot, _cmd_plot),
+    "compare": (lambda sub: _compare_command().add_parser(sub),
+                lambda args: _compare_command().run(args)),
 }
+
+
+def _compare_command():  # owner: compare (speedtronic/compare/command.py; imports no torch)
+    from .compare import command
+
+    return command
 
 
 class _Parser(argparse.ArgumentParser):

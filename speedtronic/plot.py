@@ -56,10 +56,11 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> 
             color = f"C{i % 10}"
             label = d.resolve().name
             if train:
-                ax.plot(*zip(*train), color=color, lw=1.4, label=f"{label} train")
+                ax.plot([s for s, _ in train], [v for _, v in train], color=color, lw=1.4,
+                        label=f"{label} train")
             if evals:
-                ax.plot(*zip(*evals), color=color, lw=1.4, ls="--", marker="o", ms=3,
-                        label=f"{label} eval")
+                ax.plot([s for s, _ in evals], [v for _, v in evals], color=color, lw=1.4,
+                        ls="--", marker="o", ms=3, label=f"{label} eval")
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("loss (nats/token)")
         ax.set_title("Speedtronic loss" if len(dirs) == 1 else "Speedtronic loss: run comparison")

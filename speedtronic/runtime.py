@@ -144,11 +144,11 @@ def _build_model(cfg: SpeedtronicConfig) -> nn.Module:
     return build(cfg.model)
 
 
-def _build_data(cfg: SpeedtronicConfig) -> Any:
+def _build_data(cfg: SpeedtronicConfig, device: torch.device) -> Any:
     build = optional_attr("data", "build_data")
     if build is None:
         raise SpeedtronicError("speedtronic.data.build_data is not available in this build")
-    return build(cfg, rank=0, world=1)
+    return build(cfg, rank=0, world=1, device=device)
 
 
 def _metric_hooks(cfg: SpeedtronicConfig, run_dir: Path) -> list[Hook]:
@@ -191,10 +191,8 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
     if model is None:
         model = _build_model(cfg)
     model = model.to(dev)
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    logger.info("model: %s, %.2fM trainable parameters", type(model).__name__, n_params / 1e6)
     if data is None:
-        data = _build_data(cfg)
+        data = _build_data(cfg, dev)
     optimizer = build_optimizer(model, cfg)
     scheduler = build_scheduler(optimizer, cfg)
     callbacks = list(callbacks)

@@ -1,0 +1,159 @@
+"""Checkpoints: bitwise-exact resume (also after SIGKILL mid-save), corrupt-newest fallback,
+atomic layout, pruning, safe loading, RNG round trip."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from _engine_fixtures import one_thread, tiny_raw  # noqa: F401
+
+from speedtronic.checkpoint import (
+    CRASH_ENV,
+    CheckpointError,
+    CheckpointManager,
+    capture_rng_state,
+    restore_rng_state,
+)
+from speedtronic.config import load_config
+from speedtronic.runtime import train_from_config
+
+N = 8  # total steps of the exact-resume runs
+
+
+def _exact_raw(out: Path, name: str, **over) -> dict:
+    # Dropout exercises the RNG; accumulation 2 exercises the data position mid-step.
+    return tiny_raw(out, name, run={"max_steps": N, "eval_every": 4},
+                    model={"dropout": 0.1},
+                    data={"micro_batch_size": 2, "target_batch_size": 4},
+                    scheduler={"warmup_steps": 2, "max_steps": N},
+                    checkpoint={"every_steps": 2, "keep_last": 2}, **over)
+
+
+def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    state = CheckpointManager(run_dir / "checkpoints").load_latest()[0]
+    assert state["step"] == N
+    return state["model"]
+
+
+def _assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == torch.float32 or not a[k].is_floating_point()
+        assert torch.equal(a[k], b[k]), f"{k} differs after resume"
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory) -> dict[str, torch.Tensor]:
+    """An uninterrupted run to step N."""
+    out = tmp_path_factory.mktemp("ref")
+    train_from_config(load_config(_exact_raw(out, "full")), plot=False)
+    return _final_params(out / "full")
+
+
+def test_stop_and_resume_is_bitwise_exact(tmp_path, reference_run):
+    raw = _exact_raw(tmp_path, "split")
+    raw["run"]["max_steps"] = 3  # stop at 3 (odd: the last save is a forced end-of-run save)
+    train_from_config(load_config(raw), plot=False)
+    raw["run"]["max_steps"] = N
+    train_from_config(load_config(raw), resume=True, plot=False)
+    _assert_bitwise_equal(reference_run, _final_params(tmp_path / "split"))
+
+
+@pytest.mark.parametrize("point", ["mid_write", "before_rename", "before_pointer"])
+def test_sigkill_during_checkpoint_write_then_resume_is_exact(tmp_path, reference_run, point):
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(_exact_raw(tmp_path, "killed")))
+    env = {**os.environ, CRASH_ENV: f"6:{point}", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "speedtronic", "train", "--config",
+                           str(cfg_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    ckpt_dir = tmp_path / "killed" / "checkpoints"
+    leftovers = [p.name for p in ckpt_dir.iterdir() if p.name.startswith(".")]
+    if point in ("mid_write", "before_rename"):
+        assert leftovers, "the kill should leave an unfinished temp file behind"
+        assert (ckpt_dir / "latest").read_text().strip() == "step_00000004.pt"
+    else:
+        assert (ckpt_dir / "step_00000006.pt").exists()
+    train_from_config(load_config(cfg_path), resume=True, plot=False)
+    assert not any(p.name.startswith(".") for p in ckpt_dir.iterdir()), "temp files remain"
+    _assert_bitwise_equal(reference_run, _final_params(tmp_path / "killed"))
+
+
+def _save_three(directory: Path) -> CheckpointManager:
+    mgr = CheckpointManager(directory, keep_last=None)
+    for step in (1, 2, 3):
+        mgr.save(step, {"step": step, "model": {"w": torch.full((64,), float(step))}})
+    return mgr
+
+
+@pytest.mark.parametrize("damage", ["bitflip", "truncate"])
+def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog, damage):
+    mgr = _save_three(tmp_path)
+    newest = mgr.path_for(3)
+    data = bytearray(newest.read_bytes())
+    if damage == "bitflip":
+        data[len(data) // 2] ^= 0x01
+    else:
+        data = data[: len(data) // 2]
+    newest.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger="speedtronic.checkpoint"):
+        state, path = mgr.load_latest()
+    assert state["step"] == 2 and path == mgr.path_for(2)
+    assert "step_00000003.pt" in caplog.text and "falling back to step_00000002.pt" in caplog.text
+
+
+def test_all_corrupt_is_an_error_and_empty_is_none(tmp_path):
+    assert CheckpointManager(tmp_path / "none").load_latest() is None
+    mgr = _save_three(tmp_path)
+    for _, p in mgr.list():
+        p.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError, match="all corrupt"):
+        mgr.load_latest()
+
+
+def test_layout_pointer_and_keep_last(tmp_path):
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    for step in (5, 10, 15):
+        mgr.save(step, {"step": step, "model": {}})
+    assert [s for s, _ in mgr.list()] == [15, 10]
+    assert (tmp_path / "latest").read_text().strip() == "step_00000015.pt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest", "step_00000010.pt", "step_00000010.sha256", "step_00000015.pt",
+        "step_00000015.sha256"]
+
+
+def test_stale_temp_files_are_removed_at_start(tmp_path):
+    (tmp_path / ".step_00000007.pt.tmp-123").write_bytes(b"half")
+    CheckpointManager(tmp_path)
+    assert not list(tmp_path.iterdir())
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_loading_never_unpickles_arbitrary_objects(tmp_path):
+    path = tmp_path / "step_00000001.pt"
+    torch.save({"step": 1, "model": {}, "payload": _Evil()}, path)
+    with pytest.raises(CheckpointError, match="cannot be loaded"):
+        CheckpointManager(tmp_path).load(path)
+
+
+def test_rng_state_round_trip():
+    state = capture_rng_state()
+    expected = (random.random(), float(np.random.rand()), torch.rand(3))
+    random.random(), np.random.rand(), torch.rand(5)  # move every generator on
+    restore_rng_state(state)
+    got = (random.random(), float(np.random.rand()), torch.rand(3))
+    assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])

@@ -1,0 +1,257 @@
+"""Trainer behaviour: every parameter trains, accumulation, schedule, precision, compile
+fallback, no per-micro-batch host sync, callbacks, hooks, eval."""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+
+import pytest
+import torch
+from _engine_fixtures import FixedData, TinyLM, one_thread, tiny_config  # noqa: F401
+
+from speedtronic.precision import resolve_precision
+from speedtronic.runtime import build_scheduler, build_trainer, lr_factor, train_from_config
+from speedtronic.trainer import TrainerCallback, loss_from_output
+
+
+def _optimizer_names() -> list[str]:
+    from speedtronic.runtime import optional_attr
+
+    return ["adamw", "muon"] if optional_attr("optim", "build_optimizer") else ["adamw"]
+
+
+@pytest.mark.parametrize("opt", _optimizer_names())
+def test_every_trainable_parameter_changes_after_one_step(tmp_path, opt):
+    cfg = tiny_config(tmp_path, optimizer={"name": opt}, run={"max_steps": 1},
+                      scheduler={"warmup_steps": 0}, checkpoint={"enabled": False})
+    trainer = build_trainer(cfg)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.fit()
+    trainer.metrics.close()
+    unchanged = [n for n, p in trainer.model.named_parameters()
+                 if p.requires_grad and torch.equal(p.detach(), before[n])]
+    assert not unchanged, f"{opt}: parameters not updated by one step: {unchanged}"
+
+
+@pytest.mark.parametrize("out", ["tensor", "dict", "tuple"])
+def test_model_output_forms_are_normalized(out):
+    model = TinyLM(out=out)
+    x, y = FixedData().batches[0]
+    loss = loss_from_output(model(x, y))
+    assert loss.ndim == 0 and loss.requires_grad
+
+
+def test_non_scalar_loss_is_a_clear_error():
+    from speedtronic.errors import SpeedtronicError
+
+    with pytest.raises(SpeedtronicError, match="scalar"):
+        loss_from_output(torch.ones(2, 3))
+    with pytest.raises(SpeedtronicError, match="loss"):
+        loss_from_output({"logits": torch.ones(2)})
+
+
+def test_lr_schedule_warmup_cosine_and_constant():
+    assert lr_factor(0, 4, 10, "cosine", 0.1) == pytest.approx(0.25)
+    assert lr_factor(3, 4, 10, "cosine", 0.1) == pytest.approx(1.0)
+    assert lr_factor(4, 4, 10, "cosine", 0.1) == pytest.approx(1.0)
+    assert lr_factor(7, 4, 10, "cosine", 0.1) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(
+        math.pi * 0.5)))
+    assert lr_factor(10, 4, 10, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_factor(50, 4, 10, "cosine", 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 4, 10, "constant", 0.1) == 1.0
+
+
+def test_scheduler_keeps_the_ratio_between_param_groups(tmp_path):
+    cfg = tiny_config(tmp_path, scheduler={"warmup_steps": 3})
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([{"params": [a], "lr": 0.02}, {"params": [b], "lr": 3e-4}])
+    sched = build_scheduler(opt, cfg)
+    for _ in range(5):
+        lrs = [g["lr"] for g in opt.param_groups]
+        assert lrs[0] / lrs[1] == pytest.approx(0.02 / 3e-4)
+        opt.step()
+        sched.step()
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+    """2 micro-batches of 4 accumulate to the gradient of one batch of 8."""
+    data = FixedData(B=8)
+    halves = FixedData(B=8)
+    halves.batches = [(x[i:i + 4], y[i:i + 4]) for x, y in data.batches for i in (0, 4)]
+    halves.train.batches = halves.batches
+    results = []
+    for micro, target, d in ((8, 8, data), (4, 8, halves)):
+        torch.manual_seed(0)
+        model = TinyLM()
+        cfg = tiny_config(tmp_path, name=f"acc{micro}", run={"max_steps": 3},
+                          data={"micro_batch_size": micro, "target_batch_size": target},
+                          optimizer={"grad_clip": None}, checkpoint={"enabled": False})
+        train_from_config(cfg, model=model, data=d, plot=False)
+        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
+
+
+def _count_host_syncs(monkeypatch, tmp_path, accumulation: int) -> int:
+    """Count device->host reads issued by the training loop (the optimizer's CPU step counters
+    and the model are not the loop's business)."""
+    calls = {"n": 0}
+    real_item, real_float = torch.Tensor.item, torch.Tensor.__float__
+
+    def from_speedtronic() -> bool:
+        path = sys._getframe(2).f_code.co_filename.replace("\\", "/")
+        return path.endswith(("speedtronic/trainer.py", "speedtronic/metrics.py"))
+
+    def item(self):
+        calls["n"] += from_speedtronic()
+        return real_item(self)
+
+    def to_float(self):
+        calls["n"] += from_speedtronic()
+        return real_float(self)
+
+    cfg = tiny_config(tmp_path, name=f"sync{accumulation}", run={"max_steps": 6, "eval_every": 0},
+                      logging={"every_steps": 3}, checkpoint={"enabled": False},
+                      data={"micro_batch_size": 4, "target_batch_size": 4 * accumulation})
+    trainer = build_trainer(cfg, model=TinyLM(), data=FixedData())
+    monkeypatch.setattr(torch.Tensor, "item", item)
+    monkeypatch.setattr(torch.Tensor, "__float__", to_float)
+    trainer.fit()
+    monkeypatch.undo()
+    trainer.metrics.close()
+    return calls["n"]
+
+
+def test_no_host_sync_per_micro_batch(monkeypatch, tmp_path):
+    one = _count_host_syncs(monkeypatch, tmp_path, 1)
+    four = _count_host_syncs(monkeypatch, tmp_path, 4)
+    # 2 log steps x (loss, grad norm) + 2 evals (baseline and final): independent of micro-batches.
+    assert one == four == 6
+
+
+def test_precision_resolution_on_cpu(caplog):
+    cpu = torch.device("cpu")
+    assert resolve_precision("auto", cpu).mode == "fp32"
+    assert resolve_precision("bf16", cpu).mode == "bf16"
+    with caplog.at_level(logging.WARNING, logger="speedtronic.precision"):
+        plan = resolve_precision("fp16", cpu)
+    assert plan.mode == "fp32" and not plan.use_scaler
+    assert "fp16 requested but unsupported on cpu" in caplog.text
+
+
+def test_bf16_autocast_training_runs_on_cpu(tmp_path):
+    cfg = tiny_config(tmp_path, precision="bf16", run={"max_steps": 2},
+                      checkpoint={"enabled": False})
+    result = train_from_config(cfg, model=TinyLM(), data=FixedData(), plot=False)
+    assert result.steps == 2 and math.isfinite(result.final_loss)
+
+
+class _CompileFailure(Exception):
+    pass
+
+
+def test_compile_falls_back_to_eager_on_compiler_error(tmp_path, monkeypatch, caplog):
+    from torch._dynamo.exc import TorchDynamoException
+
+    class Boom(TorchDynamoException):
+        pass
+
+    def fake_compile(model, **kw):
+        def broken(*a, **k):
+            raise Boom("backend exploded")
+        return broken
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    cfg = tiny_config(tmp_path, compile=True, run={"max_steps": 2}, checkpoint={"enabled": False})
+    with caplog.at_level(logging.INFO, logger="speedtronic"):
+        result = train_from_config(cfg, model=TinyLM(), data=FixedData(), plot=False)
+    assert result.steps == 2
+    assert "torch.compile: off (compiler failed, running eager: Boom: backend exploded)" \
+        in caplog.text
+
+
+def test_compile_fallback_does_not_hide_model_bugs(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: model)
+
+    class Buggy(TinyLM):
+        def forward(self, x, y):
+            raise IndexError("bug in the model")
+
+    cfg = tiny_config(tmp_path, compile=True, run={"max_steps": 2, "eval_every": 0},
+                      checkpoint={"enabled": False})
+    trainer = build_trainer(cfg, model=Buggy(), data=FixedData())
+    trainer._eval_cache = []  # skip the baseline eval so the training forward raises first
+    with pytest.raises(IndexError, match="bug in the model"):
+        trainer.fit()
+    trainer.metrics.close()
+
+
+def test_gradient_checkpointing_uses_the_model_hook(tmp_path):
+    model = TinyLM()
+    cfg = tiny_config(tmp_path, gradient_checkpointing=True, checkpoint={"enabled": False})
+    build_trainer(cfg, model=model, data=FixedData()).metrics.close()
+    assert model.checkpointing
+
+
+def test_reference_model_gradient_checkpointing_trains(tmp_path):
+    cfg = tiny_config(tmp_path, gradient_checkpointing=True, run={"max_steps": 2},
+                      checkpoint={"enabled": False})
+    assert train_from_config(cfg, plot=False).steps == 2
+
+
+class Recorder(TrainerCallback):
+    name = "recorder"
+
+    def __init__(self):
+        self.events: list = []
+        self.restored = None
+
+    def on_train_start(self, trainer):
+        self.events.append(("start", trainer.step))
+
+    def after_optimizer_step(self, trainer, step):
+        self.events.append(("step", step))
+
+    def on_train_end(self, trainer):
+        self.events.append(("end", trainer.step))
+
+    def state_dict(self):
+        return {"seen": len(self.events)}
+
+    def load_state_dict(self, state):
+        self.restored = state
+
+
+def test_callbacks_hooks_and_metrics_file(tmp_path):
+    from speedtronic.metrics import read_metrics
+
+    events = []
+    cb = Recorder()
+    cfg = tiny_config(tmp_path, run={"max_steps": 4, "eval_every": 2})
+    result = train_from_config(cfg, model=TinyLM(), data=FixedData(), callbacks=[cb],
+                               hooks=[lambda e, p: events.append((e, p.get("step")))],
+                               plot=False)
+    assert cb.events == [("start", 0), ("step", 1), ("step", 2), ("step", 3), ("step", 4),
+                         ("end", 4)]
+    names = [e for e, _ in events]
+    assert names[0] == "train_start" and names[-1] == "train_end"
+    assert [s for e, s in events if e == "eval"] == [0, 2, 4]
+    assert [s for e, s in events if e == "train_step"] == [2, 4]
+    assert [s for e, s in events if e == "checkpoint"] == [3, 4]
+    recs = [r for r in read_metrics(result.metrics_path) if r["event"] == "train_step"]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "samples_per_sec", "memory_bytes"):
+        assert all(r[key] is not None for r in recs), key
+    # The callback state travels through the checkpoint.
+    cb2 = Recorder()
+    cfg2 = tiny_config(tmp_path, run={"max_steps": 5, "eval_every": 2})
+    train_from_config(cfg2, model=TinyLM(), data=FixedData(), callbacks=[cb2], resume=True,
+                      plot=False)
+    assert cb2.restored == {"seen": 5}
+
+
+def test_eval_uses_the_same_held_out_batches(tmp_path):
+    cfg = tiny_config(tmp_path, checkpoint={"enabled": False})
+    trainer = build_trainer(cfg)
+    assert trainer.evaluate() == trainer.evaluate()
+    trainer.metrics.close()
