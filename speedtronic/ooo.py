@@ -61,7 +61,7 @@ class _Batch:
         self.task_id = task_id
         self.stash: dict[_Slot, torch.Tensor | None] = {}  # .grad before this pass
         self.local: dict[_Slot, torch.Tensor] = {}  # sum of this pass's deferred grads
-        self.queue: list[tuple[_Layer, torch.Tensor, torch.Tensor]] = []  # CPU path only
+        self.queue: list[tuple[Any, ...]] = []  # CPU path: (layer, X, dY, need_w, need_b)
         self.events: list[Any] = []  # CUDA path: one event per launched work item
 
     def touch(self, slot: _Slot) -> None:
@@ -140,24 +140,24 @@ class _DeferredLinear(torch.autograd.Function):
                 grad_x = w.mm(g2d.t()).t().reshape(x.shape)  # column-major input
             else:
                 grad_x = g2d.mm(w).reshape(x.shape)  # (M, K) -> x's shape
-        mode = layer.sched._weight_grad_mode(ctx)
-        if mode == "return":  # torch.autograd.grad: hand dW/db back to autograd instead
-            dw, db = _weight_grads(layer, x2d, g2d)
+        needed = layer.sched._needed(ctx)
+        if needed is None:  # torch.autograd.grad: hand dW/db back to autograd instead
+            dw, db = _weight_grads(layer, x2d, g2d, True, layer.bias is not None)
             return grad_x, dw, db, None, None
-        if mode == "defer":
-            layer.sched._defer(layer, x2d, g2d)
+        if any(needed):
+            layer.sched._defer(layer, x2d, g2d, *needed)
         return grad_x, None, None, None, None
 
 
-def _weight_grads(layer: _Layer, x2d: torch.Tensor,
-                  g2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """dW = dY^T X (N, K) and db = sum_M dY (N,), in the parameters' dtypes."""
-    w_param = layer.weight.param
-    dw = g2d.t().mm(x2d)
-    if dw.dtype != w_param.dtype:
-        dw = dw.to(w_param.dtype)  # autocast: autograd's cast-back of the bf16/fp16 grad
-    db = None
-    if layer.bias is not None:
+def _weight_grads(layer: _Layer, x2d: torch.Tensor, g2d: torch.Tensor, need_w: bool,
+                  need_b: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """dW = dY^T X (N, K) and db = sum_M dY (N,), in the parameters' dtypes (None if unneeded)."""
+    dw = db = None
+    if need_w:
+        dw = g2d.t().mm(x2d)
+        if dw.dtype != layer.weight.param.dtype:
+            dw = dw.to(layer.weight.param.dtype)  # autocast: autograd's cast-back of the grad
+    if need_b and layer.bias is not None:
         db = g2d.sum(0)
         if db.dtype != layer.bias.param.dtype:
             db = db.to(layer.bias.param.dtype)
@@ -236,30 +236,33 @@ class OOOScheduler:
         if self._batches and torch._C._current_graph_task_id() == -1:
             self._discard_all("a backward pass did not finish")
 
-    def _weight_grad_mode(self, ctx: Any) -> str:
-        acc = ctx.next_functions[1][0]
-        if acc is None:
-            return "skip"
-        try:
-            needed = torch._C._will_engine_execute_node(acc)
-        except RuntimeError:
-            # Raised for leaves under torch.autograd.grad: that call wants dW returned, not
-            # accumulated into .grad.
-            return "return"
-        return "defer" if needed else "skip"  # skip: backward(inputs=...) without this weight
+    @staticmethod
+    def _needed(ctx: Any) -> tuple[bool, bool] | None:
+        """Whether this backward accumulates into (weight, bias); None under autograd.grad."""
+        flags = []
+        nodes = [edge[0] for edge in ctx.next_functions]  # tensor inputs only: (x, W[, b])
+        for node in (nodes[1], nodes[2] if len(nodes) > 2 else None):
+            try:
+                # False for a leaf left out of backward(inputs=...).
+                flags.append(node is not None and torch._C._will_engine_execute_node(node))
+            except RuntimeError:
+                return None  # raised for leaves under torch.autograd.grad: return dW there
+        return flags[0], flags[1]
 
-    def _defer(self, layer: _Layer, x2d: torch.Tensor, g2d: torch.Tensor) -> None:
+    def _defer(self, layer: _Layer, x2d: torch.Tensor, g2d: torch.Tensor, need_w: bool,
+               need_b: bool) -> None:
         task_id = torch._C._current_graph_task_id()
         batch = self._batches.get(task_id)
         if batch is None:
             batch = self._batches[task_id] = _Batch(task_id)
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self._finish(task_id))
-        batch.touch(layer.weight)
-        if layer.bias is not None:
+        if need_w:
+            batch.touch(layer.weight)
+        if need_b:
             batch.touch(layer.bias)
         if self.mode == "cpu-queue":
-            batch.queue.append((layer, x2d, g2d))
+            batch.queue.append((layer, x2d, g2d, need_w, need_b))
             return
         ambient = torch.cuda.current_stream(self.device)
         side = layer.weight.stream
@@ -269,10 +272,11 @@ class OOOScheduler:
         x2d.record_stream(side)
         g2d.record_stream(side)
         with torch.cuda.stream(side):
-            dw, db = _weight_grads(layer, x2d, g2d)
+            dw, db = _weight_grads(layer, x2d, g2d, need_w, need_b)
         # dw/db were allocated on the side stream but are read on the ambient one after the fold.
-        dw.record_stream(ambient)
-        _accumulate_on(side, batch, layer.weight, dw)
+        if dw is not None:
+            dw.record_stream(ambient)
+            _accumulate_on(side, batch, layer.weight, dw)
         if db is not None:
             db.record_stream(ambient)
             _accumulate_on(side, batch, layer.bias, db)
@@ -286,9 +290,10 @@ class OOOScheduler:
             return
         with torch.no_grad():
             if self.mode == "cpu-queue":
-                for layer, x2d, g2d in batch.queue:
-                    dw, db = _weight_grads(layer, x2d, g2d)
-                    _accumulate(batch, layer.weight, dw)
+                for layer, x2d, g2d, need_w, need_b in batch.queue:
+                    dw, db = _weight_grads(layer, x2d, g2d, need_w, need_b)
+                    if dw is not None:
+                        _accumulate(batch, layer.weight, dw)
                     if db is not None:
                         _accumulate(batch, layer.bias, db)
                 batch.queue.clear()

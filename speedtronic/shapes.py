@@ -40,6 +40,10 @@ __all__ = ["ShapeRow", "ShapeReport", "check_shapes", "resolve_alignment"]
 logger = logging.getLogger("speedtronic.shapes")
 
 _HEAD_DIM_CAP = 8
+# Metadata keys that are counts or lengths, not GEMM dims (the sequence is checked from the data).
+_NOT_GEMM_KEYS = {"n_layer", "n_layers", "num_layers", "n_head", "n_heads", "num_heads",
+                  "n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads", "seq_len",
+                  "max_seq_len", "block_size", "max_position_embeddings"}
 _SIXTEEN_BIT = {torch.bfloat16, torch.float16}
 _DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
                 "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32,
@@ -51,7 +55,7 @@ class ShapeRow:
     """One consolidated warning: a dimension (possibly repeated ``count`` times across layers)."""
 
     name: str
-    """Where it occurs, e.g. ``blocks.*.mlp.up_proj.out_features``."""
+    """Where it first occurs, e.g. ``blocks.*.mlp.up_proj.out_features``."""
     kind: str
     """``linear``, ``embedding``, ``vocab``, ``head_dim``, ``conv``, ``sequence``, ``tokens``
     or ``custom`` (from ``speedtronic_shape_metadata()``)."""
@@ -62,9 +66,13 @@ class ShapeRow:
     extra_params: int | None
     """Parameters the padding would add, summed over the repeats; None when not a parameter."""
     count: int = 1
-    """How many modules share this pattern."""
+    """How many module dimensions have this kind and value."""
     note: str = ""
     """Extra advice (e.g. which config key to change)."""
+    where: list[str] = field(default_factory=list)
+    """Every place (module pattern + attribute) with this kind and value; ``name`` is the first.
+    ``extra_params`` sums each place padded alone (a matrix padded on both sides adds a little
+    more)."""
 
 
 @dataclass
@@ -101,7 +109,9 @@ class ShapeReport:
             return f"{head}: all checked dimensions are aligned"
         table = [("dimension", "kind", "value", "padded", "extra params", "note")]
         for r in self.rows:
-            name = f"{r.name} (x{r.count})" if r.count > 1 else r.name
+            name = r.name if len(r.where) < 2 else f"{r.name} +{len(r.where) - 1} more"
+            if r.count > 1:
+                name += f" (x{r.count})"
             padded = "-" if r.padded is None else str(r.padded)
             if r.extra_params is None:
                 extra = "-"
@@ -164,9 +174,11 @@ def _pattern(name: str) -> str:
 
 
 class _Collector:
+    """Consolidates warnings: one row per (kind, value), listing every place it occurs."""
+
     def __init__(self, alignment: int) -> None:
         self.a = alignment
-        self.rows: dict[tuple[str, str, int], ShapeRow] = {}
+        self.rows: dict[tuple[str, int], ShapeRow] = {}
 
     def add(self, name: str, kind: str, value: int, extra_per_unit: int | None,
             align: int | None = None, note: str = "") -> None:
@@ -175,14 +187,17 @@ class _Collector:
             return
         padded = _next_multiple(value, a)
         extra = None if extra_per_unit is None else (padded - value) * extra_per_unit
-        key = (_pattern(name), kind, value)
-        row = self.rows.get(key)
+        pattern = _pattern(name)
+        row = self.rows.get((kind, value))
         if row is None:
-            self.rows[key] = ShapeRow(key[0], kind, value, padded, extra, 1, note)
-        else:
-            row.count += 1
-            if extra is not None and row.extra_params is not None:
-                row.extra_params += extra
+            self.rows[(kind, value)] = ShapeRow(pattern, kind, value, padded, extra, 1, note,
+                                                [pattern])
+            return
+        row.count += 1
+        if pattern not in row.where:
+            row.where.append(pattern)
+        if extra is not None:
+            row.extra_params = (row.extra_params or 0) + extra
 
 
 def _vocab_size(model: nn.Module, meta: dict[str, int], cfg: SpeedtronicConfig) -> int:
@@ -282,7 +297,8 @@ def _batch_suggestion(micro: int, target: int, seq: int, max_seq: int,
     if options:
         best = min(options, key=lambda m: (abs(m - micro), m))
         return best * seq, f"data.micro_batch_size={best} (divides target_batch_size={target})"
-    for t in range(seq + 1, max_seq + 1):
+    aligned_seq = _next_multiple(seq, a)  # fixes the sequence row too, when the model allows it
+    for t in [aligned_seq] if aligned_seq <= max_seq else range(seq + 1, max_seq + 1):
         if (micro * t) % a == 0:
             return micro * t, f"data.block_size={t} (no micro-batch dividing {target} aligns)"
     return None, f"no micro_batch_size dividing target_batch_size={target} aligns; minor cost"
@@ -310,14 +326,15 @@ def check_shapes(model: nn.Module, cfg: SpeedtronicConfig, device: torch.device 
     col = _Collector(alignment)
     vocab = _vocab_size(model, meta, cfg)
     _check_model(model, col, vocab, sv)
+    flagged = {r.value for r in col.rows.values()}
     for key, value in meta.items():
+        if key in _NOT_GEMM_KEYS or value in flagged:
+            continue  # counts, or a size the module walk already reported with its cost
         if key == "vocab_size":
-            if sv.check_vocab and not any(r.kind == "vocab" and r.value == value
-                                          for r in col.rows.values()):
+            if sv.check_vocab:
                 col.add("vocab_size", "vocab", value, None)
         elif key == "head_dim":
-            if sv.check_model and not any(r.kind == "head_dim" and r.value == value
-                                          for r in col.rows.values()):
+            if sv.check_model:
                 col.add("head_dim", "head_dim", value, None, align=min(alignment, _HEAD_DIM_CAP))
         elif sv.check_model:
             col.add(key, "custom", value, None)
