@@ -1,0 +1,213 @@
+"""speedtronic.optim.Muon: drop-in parity with torch.optim.Muon, batching, state, errors."""
+
+from __future__ import annotations
+
+import inspect
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from speedtronic import ops
+from speedtronic.optim import Muon
+from speedtronic.optim import muon as muon_mod
+
+SHAPES = [(16, 16), (16, 16), (24, 16), (16, 24), (16, 16)]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # Tiny GEMMs on a shared 2-core box: 2 OpenMP threads can be 100x slower than 1 under
+    # contention (research section 6). Restore the setting for other test modules.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _setup(dtype: torch.dtype = torch.float32, seed: int = 0, steps: int = 20):
+    g = torch.Generator().manual_seed(seed)
+    init = [torch.randn(s, generator=g) for s in SHAPES]
+    grads = [[torch.randn(s, generator=g) for s in SHAPES] for _ in range(steps)]
+    return [w.to(dtype) for w in init], [[x.to(dtype) for x in gs] for gs in grads]
+
+
+def _run(make, init, grads, dtype=None):
+    params = [nn.Parameter(w.clone() if dtype is None else w.to(dtype)) for w in init]
+    opt = make(params)
+    for gs in grads:
+        for p, g in zip(params, gs, strict=True):
+            p.grad = g.clone().to(p.dtype)
+        opt.step()
+    return [p.detach().double() for p in params], opt
+
+
+def _rel_disp(out, ref, init) -> float:
+    num = sum((o - r).norm() ** 2 for o, r in zip(out, ref, strict=True)) ** 0.5
+    den = sum((r - w.double()).norm() ** 2 for r, w in zip(ref, init, strict=True)) ** 0.5
+    return (num / den).item()
+
+
+KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
+
+
+def test_constructor_is_a_superset_of_torch_muon() -> None:
+    theirs = inspect.signature(torch.optim.Muon.__init__).parameters
+    ours = inspect.signature(Muon.__init__).parameters
+    for name, param in theirs.items():
+        assert name in ours, name
+        if param.default is not inspect.Parameter.empty:
+            assert ours[name].default == param.default, name
+    assert list(ours)[:len(theirs)] == list(theirs)  # same positional order
+    for extra in ("muon_plus", "cautious", "cautious_rescale"):
+        assert ours[extra].default in (False, True)
+
+
+@pytest.mark.parametrize("nesterov,adjust", [(True, None), (False, "match_rms_adamw")])
+def test_follows_torch_muon_over_20_steps(nesterov: bool, adjust) -> None:
+    init, grads = _setup()
+    kw = dict(KW, nesterov=nesterov, adjust_lr_fn=adjust)
+    ref, _ = _run(lambda ps: Muon(ps, **kw, ns_dtype="fp64"), init, grads, torch.float64)
+    theirs, _ = _run(lambda ps: torch.optim.Muon(ps, **kw), init, grads)
+    ours_bf16, _ = _run(lambda ps: Muon(ps, **kw, ns_dtype="bf16"), init, grads)
+    ours_fp32, _ = _run(lambda ps: Muon(ps, **kw), init, grads)
+    # Same algorithm in the same (bf16) precision: close to torch. torch's own bf16 error vs the
+    # float64 run is ~4e-3 here, so "within bf16 tolerance" = 2e-2 of the total displacement.
+    assert _rel_disp(ours_bf16, theirs, init) < 2e-2
+    # fp32 NS (the CPU default) is ~100x closer to float64 than torch's bf16 path ...
+    err_torch = _rel_disp(theirs, ref, init)
+    err_fp32 = _rel_disp(ours_fp32, ref, init)
+    assert err_fp32 < 1e-4 and err_fp32 < err_torch / 10
+    # ... and still within torch's bf16 noise of torch (loose).
+    assert _rel_disp(ours_fp32, theirs, init) < 3e-2
+
+
+def test_bf16_params_with_nesterov_false_do_not_corrupt_state() -> None:
+    # torch casts to bf16 and normalizes in place, which for bf16 params + nesterov=False hits
+    # the momentum buffer itself (research section 1.1). Ours keeps an fp32 buffer untouched.
+    init, grads = _setup(torch.bfloat16, steps=3)
+    ours, opt = _run(lambda ps: Muon(ps, **KW, nesterov=False), init, grads)
+    for p in opt.param_groups[0]["params"]:
+        buf = opt.state[p]["momentum_buffer"]
+        assert p.dtype == torch.bfloat16 and buf.dtype == torch.float32
+    expected_buf = sum(0.05 * 0.95 ** (2 - k) * grads[k][0].double() for k in range(3))
+    got_buf = opt.state[opt.param_groups[0]["params"][0]]["momentum_buffer"].double()
+    assert torch.allclose(got_buf, expected_buf, atol=1e-6)
+    assert all(torch.isfinite(p).all() and not torch.equal(p, w.double())
+               for p, w in zip(ours, init, strict=True))
+
+
+def test_one_newton_schulz_call_per_distinct_shape(monkeypatch) -> None:
+    calls: list[tuple[int, ...]] = []
+    real = ops.newton_schulz
+
+    def counting(G, *args, **kwargs):
+        calls.append(tuple(G.shape))
+        return real(G, *args, **kwargs)
+
+    monkeypatch.setattr(muon_mod.ops, "newton_schulz", counting)
+    init, grads = _setup(steps=1)
+    # Two groups with different lr: still one NS call per shape (post-pass is per group).
+    params = [nn.Parameter(w.clone()) for w in init]
+    opt = Muon([{"params": params[:2]}, {"params": params[2:], "lr": 0.01}], lr=0.02)
+    for p, g in zip(params, grads[0], strict=True):
+        p.grad = g
+    opt.step()
+    assert sorted(calls) == sorted([(3, 16, 16), (1, 24, 16), (1, 16, 24)])
+
+
+def test_groups_keep_their_own_lr() -> None:
+    init, grads = _setup(steps=2)
+    together, _ = _run(lambda ps: Muon([{"params": ps[:3]}, {"params": ps[3:], "lr": 0.005}],
+                                       lr=0.02), init, grads)
+    a, _ = _run(lambda ps: Muon(ps, lr=0.02), init[:3], [g[:3] for g in grads])
+    b, _ = _run(lambda ps: Muon(ps, lr=0.005), init[3:], [g[3:] for g in grads])
+    for x, y in zip(together, a + b, strict=True):
+        assert torch.allclose(x, y, atol=1e-6)
+
+
+def test_momentum_state_is_fp32_and_survives_weights_only_roundtrip() -> None:
+    init, grads = _setup(torch.bfloat16, steps=2)
+    _, opt = _run(lambda ps: Muon(ps, **KW), init, grads)
+    sd = opt.state_dict()
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=True)
+    params = [nn.Parameter(w.clone()) for w in init]
+    fresh = Muon(params, **KW)
+    fresh.load_state_dict(loaded)
+    for i, p in enumerate(params):
+        got = fresh.state[p]["momentum_buffer"]
+        assert got.dtype == torch.float32  # torch's loader would have cast it to bf16
+        assert torch.equal(got, sd["state"][i]["momentum_buffer"])
+
+
+def test_loads_torch_muon_state_dict() -> None:
+    init, grads = _setup(steps=2)
+    _, theirs = _run(lambda ps: torch.optim.Muon(ps, **KW), init, grads)
+    params = [nn.Parameter(w.clone()) for w in init]
+    ours = Muon(params, **KW)
+    ours.load_state_dict(theirs.state_dict())
+    assert torch.equal(ours.state[params[0]]["momentum_buffer"],
+                       theirs.state[theirs.param_groups[0]["params"][0]]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("muon_plus,cautious", [(True, False), (False, True), (True, True)])
+def test_muon_plus_and_cautious_match_float64_step(muon_plus: bool, cautious: bool) -> None:
+    init, grads = _setup(steps=1)
+    ours, _ = _run(lambda ps: Muon(ps, **KW, muon_plus=muon_plus, cautious=cautious), init, grads)
+    for w, g, got in zip(init, grads[0], ours, strict=True):
+        w, g = w.double(), g.double()
+        buf = 0.05 * g
+        u = g + 0.95 * (buf - g)
+        o = ops.newton_schulz(u, 5, list(ops.QUINTIC), 1e-7, torch.float64)
+        if muon_plus:
+            o = o / (o.pow(2).sum(1, keepdim=True) + 1e-8).sqrt()
+            o = o / (o.pow(2).sum(0, keepdim=True) + 1e-8).sqrt()
+        if cautious:
+            mask = (o * g > 0).double()
+            o = o * mask * (o.numel() / (mask.sum() + 1))
+        scale = max(1.0, w.shape[0] / w.shape[1]) ** 0.5
+        expected = w * (1 - 0.02 * 0.1) - 0.02 * scale * o
+        assert ((got - expected).norm() / (expected - w).norm()).item() < 1e-4
+
+
+def test_polar_express_schedule_by_name() -> None:
+    init, grads = _setup(steps=2)
+    ours, opt = _run(lambda ps: Muon(ps, **KW, ns_coefficients="polar_express"), init, grads)
+    assert opt.param_groups[0]["ns_coefficients"] == "polar_express"
+    assert all(torch.isfinite(p).all() for p in ours)
+
+
+def test_errors_are_clear() -> None:
+    with pytest.raises(ValueError, match="2D parameters"):
+        Muon([nn.Parameter(torch.randn(3))])
+    with pytest.raises(ValueError, match="adjust_lr_fn"):
+        Muon([nn.Parameter(torch.randn(3, 3))], adjust_lr_fn="nope")
+    with pytest.raises(ValueError, match="ns_dtype"):
+        Muon([nn.Parameter(torch.randn(3, 3))], ns_dtype="int8")
+    p = nn.Parameter(torch.randn(4, 4))
+    p.grad = torch.eye(4).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        Muon([p]).step()
+    pc = nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+    pc.grad = torch.randn(4, 4, dtype=torch.complex64)
+    with pytest.raises(RuntimeError, match="complex"):
+        Muon([pc]).step()
+
+
+def test_params_without_grad_are_skipped_and_closure_returned() -> None:
+    a, b = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
+    before = b.detach().clone()
+    opt = Muon([a, b], lr=0.02)
+
+    def closure():
+        opt.zero_grad()
+        loss = (a ** 2).sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure) is not None
+    assert torch.equal(b, before) and b not in opt.state
