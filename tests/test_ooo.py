@@ -295,3 +295,69 @@ def test_forced_cpu_path_logs_on(caplog) -> None:
     assert "ooo backprop: on (8 nn.Linear layers" in caplog.text
     assert sched.as_dict()["layers"] == 8
     sched.close()
+
+
+# ----------------------------------------------------------------------------- trainer wiring
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_trainer_run_with_forced_cpu_queue_matches_standard_run(tmp_path, monkeypatch,
+                                                                 one_thread) -> None:
+    """End to end: accumulation 2, clipping, AdamW; the trainer flushes and closes the scheduler.
+    The config path falls back on CPU, so the builder is patched to force the CPU queue."""
+    import json
+
+    import speedtronic.ooo as ooo_mod
+    from speedtronic.runtime import build_trainer
+
+    real = ooo_mod.build_ooo_scheduler
+    built: list[OOOScheduler] = []
+
+    def forced(model, cfg, device):
+        sched = real(model, cfg, device, force_cpu=True)
+        built.extend([sched] if sched else [])
+        return sched
+
+    monkeypatch.setattr(ooo_mod, "build_ooo_scheduler", forced)
+    finals = []
+    for on in (False, True):
+        cfg = load_config({
+            "run": {"name": f"ooo{on}", "output_dir": str(tmp_path), "max_steps": 3,
+                    "eval_every": 0, "eval_batches": 1, "seed": 3, "device": "cpu"},
+            "model": {"vocab_size": 61, "d_model": 32, "n_head": 4, "n_layer": 2,
+                      "max_seq_len": 16},
+            "data": {"micro_batch_size": 3, "target_batch_size": 6},
+            "optimizer": {"grad_clip": 0.1}, "precision": "fp32",
+            "logging": {"progress_bar": False}, "checkpoint": {"enabled": False},
+            "ooo_backprop": on})
+        data = _FixedLMData(_lm_batches(12, 61))
+        trainer = build_trainer(cfg, data=data)
+        trainer.fit()
+        trainer.metrics.close()
+        finals.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        start = json.loads((cfg.run_dir / "metrics.jsonl").read_text().splitlines()[0])
+        assert start["event"] == "train_start" and start["ooo_backprop"] is on
+    assert len(built) == 1 and built[0].deferred_total > 0
+    assert all("forward" not in m.__dict__ for m in trainer.model.modules())  # closed at end
+    assert finals[0].keys() == finals[1].keys()
+    for name in finals[0]:
+        assert torch.equal(finals[0][name], finals[1][name]), name
+
+
+class _FixedLMData:
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+        self.train = iter(self._cycle())
+
+    def _cycle(self):
+        while True:
+            yield from self.batches
+
+    def eval_batches(self, n: int) -> list:
+        return self.batches[:n]
