@@ -103,10 +103,6 @@ def run_compare(config: str | Path | Mapping[str, Any], variants: Sequence[str] 
     eval_every = eval_every or _default_eval_every(base, steps)
     parsed = parse_variants(variants)
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    logger.info("compare: %d variant(s) x %d seed(s), %d steps each, eval every %d steps, "
-                "baseline %s, output %s", len(parsed), seeds, steps, eval_every, parsed[0].name,
-                out)
 
     def spec(v: Variant, seed_index: int, extra: tuple[str, ...] = ()) -> RunSpec:
         return RunSpec(v, seed_index, steps, out / "runs", f"{v.name}-seed{seed_index}",
@@ -114,6 +110,10 @@ def run_compare(config: str | Path | Mapping[str, Any], variants: Sequence[str] 
 
     # Validate every variant before any training, so a typo in the last one costs nothing.
     resolved = {v.name: resolve_run(config, overrides, base, spec(v, 0)) for v in parsed}
+    out.mkdir(parents=True, exist_ok=True)
+    logger.info("compare: %d variant(s) x %d seed(s), %d steps each, eval every %d steps, "
+                "baseline %s, output %s", len(parsed), seeds, steps, eval_every, parsed[0].name,
+                out)
     if base.scheduler.warmup_steps >= steps:
         logger.warning("compare: scheduler.warmup_steps=%d >= %d steps: every run is still "
                        "warming up at its end", base.scheduler.warmup_steps, steps)

@@ -27,20 +27,24 @@ TOP_K = 8
 
 
 def hidden_matrices(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(name, weight)`` of every trainable 2-D parameter except embeddings and the head.
+    """``(name, weight)`` of the matrices the hybrid optimizer routes to Muon (hidden 2-D
+    ``nn.Linear`` weights; embeddings, tied or untied heads, norms and biases excluded).
 
-    Embedding tables are found by module type (``nn.Embedding``) so a tied output head, which
-    shares the embedding's tensor, is excluded too; an untied head is recognised by name.
+    Uses :func:`speedtronic.optim.routing.route_parameters`, so "hidden" means exactly what
+    Muon trains; without the optimizer package, 2-D Linear weights that are not tied to an
+    embedding and not named like a head.
     """
+    try:
+        from ..optim.routing import route_parameters
+    except ImportError:
+        route_parameters = None
+    if route_parameters is not None:
+        return list(route_parameters(model).muon)
     embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    out = []
-    for name, param in model.named_parameters():
-        leaf = name.rsplit(".", 2)[-2] if name.count(".") else name
-        if (param.ndim != 2 or not param.requires_grad or id(param) in embedding_ids
-                or leaf in ("lm_head", "head", "output", "wte", "wpe", "embed", "embedding")):
-            continue
-        out.append((name, param))
-    return out
+    return [(f"{mod_name}.weight", m.weight) for mod_name, m in model.named_modules()
+            if isinstance(m, nn.Linear) and m.weight.requires_grad
+            and id(m.weight) not in embedding_ids
+            and mod_name.rsplit(".", 1)[-1] not in ("lm_head", "head", "output")]
 
 
 @torch.no_grad()
