@@ -384,6 +384,49 @@ class DistributedConfig:
     """Outer learning rate."""
     outer_momentum: float = 0.9
     """Outer Nesterov momentum in [0, 1)."""
+    outer_optimizer: Literal["delayed_nesterov", "nesterov", "sgd"] = "delayed_nesterov"
+    """Master update rule. ``delayed_nesterov`` (Liu et al. 2024): momentum-free steps as deltas
+    arrive, momentum refreshed once per round of ``expected_workers`` deltas - identical to
+    ``nesterov`` when a round arrives together, stable when workers run at uneven speeds.
+    ``nesterov``: torch SGD-Nesterov on the mean of each poll's deltas (synchronous DiLoCo).
+    ``sgd``: momentum-free (outer_lr 1 = plain parameter averaging)."""
+    expected_workers: int | None = None
+    """Deltas per round (M) for delayed Nesterov; None = nodes that sent a delta recently."""
+    max_staleness: int = 8
+    """Master drops (quarantines) deltas whose base is more than this many versions old."""
+    staleness_weighting: Literal["none", "inverse", "inverse_sqrt"] = "none"
+    """Scale of a delta s versions stale: 1, 1/(1+s) or 1/sqrt(1+s)."""
+    max_delta_norm: float | None = None
+    """Master rejects deltas whose L2 norm exceeds this (None = no bound)."""
+    min_deltas: int = 1
+    """Master publishes only when at least this many valid deltas are waiting."""
+    compression: Literal["none", "bf16", "int8"] = "none"
+    """Delta wire format: fp32, bf16 (2x smaller) or int8 with per-chunk scales (4x smaller);
+    the quantization error is kept and sent with the next delta."""
+    reset_inner_optimizer: bool = True
+    """Reset the inner optimizer state after each confirmed delta upload."""
+    start_timeout: float = 600.0
+    """Seconds a node waits at start for the first published global."""
+    shutdown_timeout: float = 120.0
+    """Seconds a node waits at the end for its last deltas to upload."""
+    final_sync_timeout: float = 0.0
+    """Seconds a worker waits at the end for a global containing its last delta and installs
+    it (0 = end with local weights)."""
+    master_idle_timeout: float = 600.0
+    """A master node keeps aggregating after its own training until every node it has seen is
+    done, or this many seconds pass without a new delta."""
+    lease_ttl: float = 300.0
+    """Seconds without renewal after which a standby master takes the lease over."""
+    keep_versions: int = 4
+    """Published globals kept in the store (older ones and orphans are deleted)."""
+    delete_processed: bool = True
+    """Master deletes deltas once the version that consumed (or rejected) them is published."""
+    shard: int = 0
+    """This node's data shard: give every node its own so nodes train on disjoint samples."""
+    num_shards: int = 1
+    """Number of data shards (>= number of nodes for disjoint data)."""
+    endpoint_url: str | None = None
+    """S3 endpoint (MinIO, R2, HF buckets' S3 gateway); None = AWS_ENDPOINT_URL or AWS."""
 
     def validate(self, p: str = "distributed") -> None:
         if self.enabled:
@@ -398,6 +441,27 @@ class DistributedConfig:
         _check(self.outer_lr > 0, f"{p}.outer_lr", f"must be > 0, got {self.outer_lr}")
         _check(0.0 <= self.outer_momentum < 1.0, f"{p}.outer_momentum",
                f"must be in [0, 1), got {self.outer_momentum}")
+        if self.expected_workers is not None:
+            _check(self.expected_workers > 0, f"{p}.expected_workers", "must be > 0 or null")
+        _check(self.max_staleness >= 0, f"{p}.max_staleness", "must be >= 0")
+        if self.max_delta_norm is not None:
+            _check(self.max_delta_norm > 0, f"{p}.max_delta_norm", "must be > 0 or null")
+        _check(self.min_deltas >= 1, f"{p}.min_deltas", "must be >= 1")
+        for key in ("start_timeout", "shutdown_timeout", "lease_ttl"):
+            _check(getattr(self, key) > 0, f"{p}.{key}", "must be > 0")
+        for key in ("final_sync_timeout", "master_idle_timeout"):
+            _check(getattr(self, key) >= 0, f"{p}.{key}", "must be >= 0")
+        _check(self.lease_ttl > 2 * self.poll_interval, f"{p}.lease_ttl",
+               f"must exceed 2 x poll_interval={self.poll_interval} (the master renews once "
+               f"per poll), got {self.lease_ttl}")
+        _check(self.keep_versions >= 2, f"{p}.keep_versions", "must be >= 2 (nodes may still "
+               "be downloading the previous version)")
+        _check(0 <= self.shard < self.num_shards, f"{p}.shard",
+               f"must be in [0, num_shards={self.num_shards}), got {self.shard}")
+        if self.store is not None:
+            _check(self.store.split("://", 1)[0] in ("file", "s3", "hf"), f"{p}.store",
+                   f"must be file:///path, s3://bucket/prefix or hf://user/repo, "
+                   f"got scheme {self.store.split('://', 1)[0]!r}")
 
 
 _SECTIONS: dict[str, type] = {

@@ -1,0 +1,37 @@
+"""``python -m speedtronic.diloco master --config run.yaml [--set k=v ...]``: a master that does
+not train. Nodes run ``speedtronic train`` with ``distributed.role: worker``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ..config import load_config
+from ..errors import SpeedtronicError
+from .service import run_master
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m speedtronic.diloco")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("master", help="run a master-only aggregation loop")
+    m.add_argument("--config", required=True)
+    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    m.add_argument("--expect-nodes", default="", help="comma-separated node ids to wait for")
+    m.add_argument("--idle-timeout", type=float, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    try:
+        cfg = load_config(args.config, args.set)
+        expect = {n for n in args.expect_nodes.split(",") if n} or None
+        master = run_master(cfg, expect_nodes=expect, idle_timeout=args.idle_timeout)
+    except (SpeedtronicError, ValueError, FileNotFoundError) as exc:
+        print(f"speedtronic: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"master done at v{master.pointer.version if master.pointer else -1}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,423 @@
+"""The DiLoCo master: lease, new-delta discovery, validation, outer step, atomic publication.
+
+One round (:meth:`Master.run_once`):
+
+1. renew the lease (a compare-and-swap of ``master/lease.json``); losing it stops this master;
+2. list ``nodes/`` (names only) and keep deltas whose ``seq`` is above the per-session
+   high-water mark - processed deltas are never downloaded again;
+3. download and validate each (checksum, header vs name, keys, shapes, finite values, optional
+   norm bound, staleness); failures are quarantined with the reason logged;
+4. apply the outer optimizer (outer.py) to a copy of the global;
+5. write the new global and the master state (momentum, high-water marks, quarantine, applied
+   keys, parent) under fresh immutable names, then swap ``global/latest.json`` conditionally on
+   the etag this master last wrote. The pointer is the commit point: the store, not the master's
+   disk, holds everything a restarted master needs, so every delta is applied exactly once
+   across crashes at any point.
+
+Crash points (faults.py): ``after_apply``, ``after_weights_written``, ``after_pointer_written``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import codec
+from .codec import LEASE_KEY, POINTER_KEY, FormatError, Pointer
+from .faults import crash_point
+from .outer import OuterOptimizer, staleness_weight
+from .store import ObjectNotFound, PreconditionFailed, Store, StoreError
+
+logger = logging.getLogger("speedtronic.diloco.master")
+
+_QUARANTINE_LOG = 1000  # newest quarantine records kept in the state (older ones only logged)
+
+
+class LeaseLost(StoreError):
+    """Another master holds the lease now; this one must stop publishing."""
+
+
+@dataclass
+class MasterStats:
+    """Counters of one round (also the master's metrics)."""
+
+    version: int = 0
+    found: int = 0
+    applied: int = 0
+    rejected: int = 0
+    stale_dropped: int = 0
+    mean_staleness: float = 0.0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    published: bool = False
+    reasons: list[str] = field(default_factory=list)
+
+
+class Master:
+    """Aggregates deltas from the store and publishes globals. Not thread-safe: one thread
+    drives it (the master service thread or the standalone loop)."""
+
+    def __init__(self, store: Store, cfg: Any, node_id: str,
+                 initial_weights: Callable[[], dict[str, torch.Tensor]] | None = None,
+                 log_metrics: Callable[[dict], None] | None = None) -> None:
+        self.store, self.cfg = store, cfg
+        self.node_id = codec.check_id(node_id)
+        self.session = uuid.uuid4().hex[:10]
+        self._initial = initial_weights
+        self._log_metrics = log_metrics
+        self.outer = OuterOptimizer(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum)
+        self.weights: dict[str, torch.Tensor] = {}
+        self.pointer: Pointer | None = None
+        self.pointer_etag: str | None = None
+        self.epoch = 0
+        self.lease_etag: str | None = None
+        self.hwm: dict[str, int] = {}  # "node/session" -> highest processed seq
+        self.quarantined: list[list[Any]] = []
+        self.node_last_version: dict[str, int] = {}
+        self.totals = {"applied": 0, "rejected": 0, "versions": 0, "bytes_down": 0, "bytes_up": 0}
+        self.done_sessions: set[str] = set()
+        self.seen_sessions: set[str] = set()
+        self.skip: set[str] = set()
+        self.last_new_delta = time.monotonic()
+
+    # ------------------------------------------------------------------ lease
+    def _lease_bytes(self, epoch: int, renewals: int) -> bytes:
+        return json.dumps({"holder": self.node_id, "session": self.session, "epoch": epoch,
+                           "renewals": renewals, "ttl": self.cfg.lease_ttl,
+                           "at": time.time()}).encode()
+
+    def acquire_lease(self, stop: threading.Event, timeout: float | None = None) -> bool:
+        """Block until this master holds the lease (or ``stop``/``timeout``). A lease held by
+        another node is taken over only after it went ``lease_ttl`` seconds without renewal
+        (observed here on the monotonic clock, so wall clocks need not agree); a lease held by
+        this same node id (a restarted process) is taken over at once."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        seen, since, told = None, time.monotonic(), False
+        while not stop.is_set():
+            try:
+                data, etag = self.store.get_with_etag(LEASE_KEY)
+                lease = json.loads(data)
+            except ObjectNotFound:
+                data, etag, lease = None, None, {}
+            pointer_epoch = self._peek_pointer_epoch()
+            epoch = max(int(lease.get("epoch", 0)), pointer_epoch) + 1
+            if etag != seen:
+                seen, since = etag, time.monotonic()
+            takeover = (data is None or lease.get("holder") == self.node_id
+                        or time.monotonic() - since >= self.cfg.lease_ttl)
+            if takeover:
+                try:
+                    self.lease_etag = self.store.swap(LEASE_KEY, self._lease_bytes(epoch, 0), etag)
+                    self.epoch, self._renewals = epoch, 0
+                    logger.info("diloco master %s holds the lease (epoch %d)", self.node_id, epoch)
+                    return True
+                except PreconditionFailed:
+                    continue
+            if not told:
+                logger.warning("diloco master %s: lease held by %s (epoch %s); standing by until "
+                               "it goes %.0fs without renewal", self.node_id, lease.get("holder"),
+                               lease.get("epoch"), self.cfg.lease_ttl)
+                told = True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            stop.wait(min(self.cfg.poll_interval, self.cfg.lease_ttl / 4))
+        return False
+
+    def _peek_pointer_epoch(self) -> int:
+        try:
+            return Pointer.from_bytes(self.store.get(POINTER_KEY)).master_epoch
+        except ObjectNotFound:
+            return 0
+
+    def renew_lease(self) -> None:
+        self._renewals += 1
+        try:
+            self.lease_etag = self.store.swap(
+                LEASE_KEY, self._lease_bytes(self.epoch, self._renewals), self.lease_etag)
+        except (PreconditionFailed, ObjectNotFound) as exc:
+            # A retried swap whose first try landed sees its own write: still ours.
+            try:
+                data, etag = self.store.get_with_etag(LEASE_KEY)
+                lease = json.loads(data)
+            except ObjectNotFound:
+                lease, etag = {}, None
+            if lease.get("session") == self.session and lease.get("epoch") == self.epoch:
+                self.lease_etag = etag
+                return
+            raise LeaseLost(f"master {self.node_id} lost the lease (epoch {self.epoch}) to "
+                            f"{lease.get('holder')} (epoch {lease.get('epoch')})") from exc
+
+    # ------------------------------------------------------------------ state
+    def load_or_bootstrap(self) -> None:
+        """Adopt the published global + master state, or publish version 0 if there is none."""
+        try:
+            data, etag = self.store.get_with_etag(POINTER_KEY)
+        except ObjectNotFound:
+            if self._initial is None:
+                raise StoreError(f"{self.store.url} has no {POINTER_KEY} and this master has no "
+                                 "initial weights to publish as version 0") from None
+            self.weights = {k: v.detach().float().cpu().clone() for k, v in self._initial().items()}
+            try:
+                self._publish(version=0, applied=[], parent="", expected=None)
+                logger.info("diloco master: published initial global v0 (%d tensors)",
+                            len(self.weights))
+                return
+            except PreconditionFailed:
+                data, etag = self.store.get_with_etag(POINTER_KEY)
+        pointer = Pointer.from_bytes(data)
+        self.weights = {k: v.float() for k, v in
+                        codec.decode_global(self.store.get(pointer.path), pointer).items()}
+        state_bytes = self.store.get(pointer.state_path)
+        if codec.sha256(state_bytes) != pointer.state_sha256:
+            raise FormatError(f"master state {pointer.state_path}: sha256 mismatch")
+        tensors, meta = codec.decode(state_bytes)
+        self.outer.load(tensors, meta.get("outer", {}))
+        self.hwm = {k: int(v) for k, v in meta.get("hwm", {}).items()}
+        self.quarantined = meta.get("quarantined", [])
+        self.node_last_version = meta.get("node_last_version", {})
+        self.totals.update(meta.get("totals", {}))
+        self.pointer, self.pointer_etag = pointer, etag
+        logger.info("diloco master: resumed at v%d (epoch %d -> %d), %d sessions tracked",
+                    pointer.version, pointer.master_epoch, self.epoch, len(self.hwm))
+
+    def _state_bytes(self, version: int, applied: list[str], parent: str) -> bytes:
+        meta = {"format": codec.STATE_FORMAT, "version": version, "epoch": self.epoch,
+                "parent": parent, "applied": applied, "hwm": self.hwm,
+                "quarantined": self.quarantined[-_QUARANTINE_LOG:],
+                "node_last_version": self.node_last_version, "outer": self.outer.state_meta(),
+                "totals": self.totals}
+        return codec.encode(self.outer.state_tensors(), meta)
+
+    def _publish(self, version: int, applied: list[str], parent: str,
+                 expected: str | None) -> int:
+        nonce = uuid.uuid4().hex[:8]
+        gkey = codec.global_key(version, self.epoch, nonce)
+        skey = codec.state_key(version, self.epoch, nonce)
+        wbytes = codec.encode_global(self.weights, version)
+        sbytes = self._state_bytes(version, applied, parent)
+        pointer = Pointer(version=version, path=gkey, sha256=codec.sha256(wbytes),
+                          weights_digest=codec.tensor_digest(self.weights), outer_step=version,
+                          master_epoch=self.epoch, state_path=skey,
+                          state_sha256=codec.sha256(sbytes), master=self.node_id)
+        pbytes = pointer.to_bytes()
+        if getattr(self.store, "single_commit", False):
+            etag = self.store.commit({gkey: wbytes, skey: sbytes}, (POINTER_KEY, pbytes, expected))
+        else:
+            self.store.put(gkey, wbytes, if_absent=True)
+            self.store.put(skey, sbytes, if_absent=True)
+            crash_point("after_weights_written")
+            try:
+                etag = self.store.swap(POINTER_KEY, pbytes, expected)
+            except PreconditionFailed:
+                data, etag = self.store.get_with_etag(POINTER_KEY)
+                if data != pbytes:  # not our own retried write: someone else moved it
+                    raise
+        crash_point("after_pointer_written")
+        self.pointer, self.pointer_etag = pointer, etag
+        return len(wbytes) + len(sbytes) + len(pbytes)
+
+    # ------------------------------------------------------------------ one round
+    def _workers(self, batch_nodes: set[str]) -> float:
+        if self.cfg.expected_workers:
+            return float(self.cfg.expected_workers)
+        version = self.pointer.version if self.pointer else 0
+        window = max(2, self.cfg.max_staleness)
+        recent = {n for n, v in self.node_last_version.items() if v >= version - window}
+        return float(max(1, len(recent | batch_nodes)))
+
+    def _validate(self, delta: dict[str, torch.Tensor]) -> str | None:
+        if set(delta) != set(self.weights):
+            missing = sorted(set(self.weights) - set(delta))[:3]
+            extra = sorted(set(delta) - set(self.weights))[:3]
+            return f"keys differ (missing {missing}, unexpected {extra})"
+        for key, t in delta.items():
+            if t.shape != self.weights[key].shape:
+                return f"shape of {key}: {tuple(t.shape)} != {tuple(self.weights[key].shape)}"
+            if not bool(torch.isfinite(t).all()):
+                return f"non-finite values in {key}"
+        if self.cfg.max_delta_norm is not None:
+            norm = math.sqrt(sum(float(t.double().pow(2).sum()) for t in delta.values()))
+            if norm > self.cfg.max_delta_norm:
+                return f"norm {norm:.4g} above max_delta_norm={self.cfg.max_delta_norm}"
+        return None
+
+    def _quarantine(self, key: str, reason: str, stats: MasterStats) -> None:
+        logger.warning("diloco master: quarantined %s: %s", key, reason)
+        self.quarantined.append([key, reason])
+        self.skip.add(key)  # never downloaded again by this master (the hwm covers restarts)
+        stats.rejected += 1
+        stats.reasons.append(reason)
+        if self.cfg.delete_processed:
+            self.store.delete(key)
+
+    def run_once(self) -> MasterStats:
+        """One aggregation round; returns its counters. Raises LeaseLost if deposed."""
+        assert self.pointer is not None, "call load_or_bootstrap() first"
+        self.renew_lease()
+        version = self.pointer.version
+        stats = MasterStats(version=version)
+        new: list[tuple[str, str, int, int]] = []
+        for key in self.store.list("nodes/"):
+            parts = key.split("/")
+            if len(parts) == 4 and parts[3] == "done.json":
+                self.done_sessions.add(f"{parts[1]}/{parts[2]}")
+                continue
+            parsed = codec.parse_delta_key(key)
+            if parsed is None:
+                continue
+            node, session, seq, _base = parsed
+            self.seen_sessions.add(f"{node}/{session}")
+            if seq > self.hwm.get(f"{node}/{session}", -1) and key not in self.skip:
+                new.append((key, node, session, seq))
+        new.sort(key=lambda item: (item[1], item[2], item[3]))
+        stats.found = len(new)
+        accepted: list[tuple[dict[str, torch.Tensor], float]] = []
+        applied_keys: list[str] = []
+        staleness: list[int] = []
+        hwm = dict(self.hwm)
+        for key, node, session, seq in new:
+            hwm[f"{node}/{session}"] = max(seq, hwm.get(f"{node}/{session}", -1))
+            try:
+                data = self.store.get(key)
+            except ObjectNotFound:
+                continue
+            stats.bytes_down += len(data)
+            try:
+                delta, header = codec.decode_delta(data)
+            except FormatError as exc:
+                self._quarantine(key, str(exc), stats)
+                continue
+            if (header.node, header.session, header.seq) != (node, session, seq) \
+                    or header.key != key:
+                self._quarantine(key, f"header ({header.node}/{header.session}/{header.seq}, "
+                                 f"base {header.base_version}) does not match its name", stats)
+                continue
+            stale = version - header.base_version
+            if stale < 0:
+                self._quarantine(key, f"base_version {header.base_version} is ahead of the "
+                                 f"current version {version}", stats)
+                continue
+            if stale > self.cfg.max_staleness:
+                stats.stale_dropped += 1
+                self._quarantine(key, f"stale: {stale} versions behind "
+                                 f"(max_staleness={self.cfg.max_staleness})", stats)
+                continue
+            reason = self._validate(delta)
+            if reason is not None:
+                self._quarantine(key, reason, stats)
+                continue
+            accepted.append((delta, staleness_weight(stale, self.cfg.staleness_weighting)))
+            applied_keys.append(key)
+            staleness.append(stale)
+        self.totals["bytes_down"] += stats.bytes_down
+        if new:
+            self.last_new_delta = time.monotonic()
+        if len(accepted) < max(1, self.cfg.min_deltas):
+            self._emit(stats)
+            return stats
+        self._apply_and_publish(accepted, applied_keys, staleness, hwm, stats)
+        return stats
+
+    def _apply_and_publish(self, accepted, applied_keys, staleness, hwm, stats) -> None:
+        batch_nodes = {k.split("/")[1] for k in applied_keys}
+        workers = self._workers(batch_nodes)
+        old = (self.weights, self.hwm, self.node_last_version, self.outer.state_tensors(),
+               self.outer.state_meta(), dict(self.totals))
+        self.weights = {k: v.clone() for k, v in self.weights.items()}
+        self.outer.buf = {k: v.clone() for k, v in self.outer.buf.items()}
+        self.outer.acc = {k: v.clone() for k, v in self.outer.acc.items()}
+        self.outer.step(self.weights, accepted, workers)
+        crash_point("after_apply")
+        version = self.pointer.version + 1
+        self.hwm = hwm
+        self.node_last_version = {**self.node_last_version, **{n: version for n in batch_nodes}}
+        self.totals["applied"] += len(accepted)
+        self.totals["rejected"] += stats.rejected
+        self.totals["versions"] += 1
+        try:
+            stats.bytes_up = self._publish(version, applied_keys, self.pointer.path,
+                                           self.pointer_etag)
+        except BaseException as exc:
+            # Roll back so the same deltas are applied exactly once on the next round.
+            (self.weights, self.hwm, self.node_last_version, tensors, meta, self.totals) = old
+            self.outer.load(tensors, meta)
+            if isinstance(exc, PreconditionFailed):
+                raise LeaseLost(f"pointer moved under master {self.node_id}: {exc}") from exc
+            raise
+        self.totals["bytes_up"] += stats.bytes_up
+        stats.version, stats.applied, stats.published = version, len(accepted), True
+        stats.mean_staleness = sum(staleness) / len(staleness)
+        logger.info("diloco master: v%d from %d deltas (M=%.0f, staleness mean %.2f, max %d), "
+                    "%d rejected", version, len(accepted), workers, stats.mean_staleness,
+                    max(staleness), stats.rejected)
+        self._emit(stats)
+        self._collect_garbage(applied_keys)
+
+    def _collect_garbage(self, applied_keys: list[str]) -> None:
+        try:
+            if self.cfg.delete_processed:
+                for key in applied_keys:
+                    self.store.delete(key)
+            keep_from = self.pointer.version - self.cfg.keep_versions + 1
+            current = {self.pointer.path, self.pointer.state_path}
+            for key in self.store.list("global/v") + self.store.list("master/state-"):
+                name = key.rsplit("/", 1)[-1]
+                ver = int(name.split("-")[1 if name.startswith("state-") else 0].lstrip("v"))
+                orphan = ver >= self.pointer.version and key not in current
+                if ver < keep_from or orphan:
+                    self.store.delete(key)
+        except StoreError as exc:  # garbage collection is best effort
+            logger.warning("diloco master: cleanup failed (will retry next round): %s", exc)
+
+    def _emit(self, stats: MasterStats) -> None:
+        if self._log_metrics is None:
+            return
+        self._log_metrics({
+            "diloco/master_version": stats.version, "diloco/master_found": stats.found,
+            "diloco/master_applied": stats.applied, "diloco/master_rejected": stats.rejected,
+            "diloco/master_stale_dropped": stats.stale_dropped,
+            "diloco/master_staleness": stats.mean_staleness,
+            "diloco/master_bytes_down": stats.bytes_down, "diloco/master_bytes_up": stats.bytes_up,
+        })
+
+    # ------------------------------------------------------------------ loop
+    def all_done(self, expected_nodes: set[str] | None = None) -> bool:
+        """Every session seen has finished (and, if given, every expected node has one)."""
+        sessions = self.seen_sessions | set(self.hwm)
+        finished_nodes = {s.split("/")[0] for s in self.done_sessions}
+        if expected_nodes is not None and not expected_nodes <= finished_nodes:
+            return False
+        pending = [s for s in sessions if s not in self.done_sessions
+                   and (expected_nodes is None or s.split("/")[0] in expected_nodes)]
+        return bool(sessions) and not pending
+
+    def run(self, stop: threading.Event, *, until: Callable[[Master], bool] | None = None,
+            idle_timeout: float = 0.0) -> None:
+        """Rounds every ``poll_interval`` until ``stop``, ``until(self)`` or ``idle_timeout``
+        seconds without a new delta (0 = no idle limit)."""
+        while not stop.is_set():
+            try:
+                stats = self.run_once()
+            except LeaseLost:
+                raise
+            except (StoreError, FormatError) as exc:  # store outage: keep the state, retry
+                logger.warning("diloco master: round failed (%s); retrying in %.1fs", exc,
+                               self.cfg.poll_interval)
+                stop.wait(self.cfg.poll_interval)
+                continue
+            if stats.found == 0 and until is not None and until(self):
+                break
+            if idle_timeout and time.monotonic() - self.last_new_delta > idle_timeout:
+                logger.info("diloco master: no new delta for %.0fs, stopping", idle_timeout)
+                break
+            if stats.found == 0:
+                stop.wait(self.cfg.poll_interval)

@@ -1,0 +1,400 @@
+"""The DiLoCo worker: a trainer callback with a background upload thread and a poll thread.
+
+Training thread, per optimizer step (the only DiLoCo work it does, measured and reported as
+``diloco/train_thread_frac``):
+
+* every ``inner_steps`` (H) steps: copy the synchronized parameters into a CPU fp32 snapshot
+  buffer (one device->host copy; pinned + non_blocking on CUDA) and hand it to the upload thread,
+  then install a newer global if the poll thread has one ready (an inner-step boundary, so no
+  local work is lost: it is in the snapshot just taken);
+* once an upload is confirmed: reset the inner optimizer state (``optimizer.reset_state()``).
+
+Upload thread: turns the oldest snapshot into a pseudo-gradient ``delta = reference - snapshot``
+(in place, in the snapshot buffer), compresses and uploads it create-only under
+``nodes/<node>/<session>/d<seq>-b<base>.safetensors``, and only after the store confirms it
+moves the reference by the delta *as decoded* (so compression error is sent next round). While
+an upload cannot complete, newer snapshots of the same base replace the queued one (coalescing:
+the next delta is computed against the same reference, so it contains all the work) and the
+stuck upload is retried with the same key and bytes - never a second delta for the same work.
+
+Poll thread: every ``poll_interval`` seconds reads ``global/latest.json``; for a newer version
+downloads the global, checks sha256 and tensor digest against the pointer, and stages it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import codec
+from .codec import POINTER_KEY, FormatError, Pointer
+from .faults import crash_point
+from .store import ObjectExists, ObjectNotFound, Store, StoreError, open_store
+
+logger = logging.getLogger("speedtronic.diloco.node")
+
+
+def default_node_id() -> str:
+    host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in socket.gethostname())
+    return f"{host[:40] or 'node'}-{os.getpid()}"
+
+
+def sync_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """The tensors DiLoCo synchronizes: every parameter once (tied weights are deduplicated by
+    ``named_parameters``, so a tied embedding/head is sent once). Buffers are not synchronized."""
+    return dict(model.named_parameters())
+
+
+@dataclass
+class _Snapshot:
+    gen: int
+    base_version: int
+    tensors: dict[str, torch.Tensor]  # CPU fp32, becomes the delta in place
+    steps: int
+    tokens: int
+    event: Any = None  # CUDA event when the copy was non_blocking
+
+
+@dataclass
+class _Upload:
+    gen: int
+    key: str
+    data: bytes
+    decoded: dict[str, torch.Tensor]
+    snapshot: _Snapshot
+
+
+class Worker:
+    """DiLoCo worker callback (``name = "diloco"``). Works with any object exposing ``model``,
+    ``optimizer`` and optionally ``log_metrics`` and ``config`` (the Trainer does)."""
+
+    name = "diloco"
+
+    def __init__(self, cfg: Any, *, store: Store | None = None, node_id: str | None = None,
+                 tokens_per_step: int = 0) -> None:
+        self.cfg = cfg
+        self.node_id = codec.check_id(node_id or cfg.node_id or default_node_id())
+        self.session = uuid.uuid4().hex[:10]  # a restarted process never reuses a delta name
+        self._stop = threading.Event()
+        self.store = store or open_store(cfg.store, stop=self._stop)
+        self.tokens_per_step = tokens_per_step
+        self._lock = threading.Condition()
+        self._params: dict[str, torch.nn.Parameter] = {}
+        self._refs: dict[int, dict[str, torch.Tensor]] = {}  # generation -> reference weights
+        self._gen_version: dict[int, int] = {}
+        self.gen = -1
+        self.version = -1  # installed global version
+        self.digest = ""   # tensor digest of the installed global
+        self._pending: dict[int, _Snapshot] = {}  # newest un-sent snapshot per generation
+        self._inflight: _Upload | None = None
+        self._pool: list[dict[str, torch.Tensor]] = []
+        self._candidate: tuple[Pointer, dict[str, torch.Tensor]] | None = None
+        self._reset_due = False
+        self._seq = 0
+        self.last_seq = -1
+        self._steps_in_round = 0
+        self._threads: list[threading.Thread] = []
+        self.m = {"deltas_sent": 0, "upload_failures": 0, "coalesced": 0, "installs": 0,
+                  "bytes_up": 0, "bytes_down": 0, "staleness": 0, "codec_rel_err": 0.0,
+                  "resets": 0}
+        self._train_s = 0.0
+        self._wall_start: float | None = None
+
+    # ------------------------------------------------------------------ callback API
+    def on_train_start(self, trainer: Any) -> None:
+        self._params = sync_parameters(trainer.model)
+        cfg = self.cfg
+        if not self.tokens_per_step and getattr(trainer, "config", None) is not None:
+            c = trainer.config
+            self.tokens_per_step = (c.data.target_batch_size or c.data.micro_batch_size) * (
+                c.data.block_size or c.model.max_seq_len)
+        logger.info("diloco worker %s (session %s): store %s, H=%d, codec %s, poll %.1fs",
+                    self.node_id, self.session, self.store.url, cfg.inner_steps,
+                    cfg.compression, cfg.poll_interval)
+        deadline = time.monotonic() + cfg.start_timeout
+        while self._candidate is None:  # every node starts from the published global
+            try:
+                self._poll_once()
+            except (StoreError, FormatError) as exc:
+                logger.warning("diloco worker %s: waiting for the first global: %s",
+                               self.node_id, exc)
+            if self._candidate is None:
+                if time.monotonic() >= deadline:
+                    raise StoreError(f"diloco: no global published at {self.store.url} within "
+                                     f"start_timeout={cfg.start_timeout}s (is the master up?)")
+                self._stop.wait(min(cfg.poll_interval, 1.0))
+        self._install(trainer)
+        self._threads = [threading.Thread(target=self._upload_loop, daemon=True,
+                                          name=f"diloco-upload-{self.node_id}"),
+                         threading.Thread(target=self._poll_loop, daemon=True,
+                                          name=f"diloco-poll-{self.node_id}")]
+        for t in self._threads:
+            t.start()
+        self._wall_start = time.perf_counter()
+
+    def after_optimizer_step(self, trainer: Any, step: int) -> None:
+        t0 = time.perf_counter()
+        if self._reset_due:
+            self._reset_due = False
+            self._reset_optimizer(trainer)
+        self._steps_in_round += 1
+        if self._steps_in_round >= self.cfg.inner_steps:
+            self._snapshot()
+            if self._candidate is not None:
+                self._install(trainer)
+            self._train_s += time.perf_counter() - t0
+            self._log(trainer)
+        else:
+            self._train_s += time.perf_counter() - t0
+
+    def on_train_end(self, trainer: Any) -> None:
+        if not self._threads:
+            return
+        if self._steps_in_round:
+            self._snapshot()  # the partial last round is sent too: no work is dropped
+        flushed = self.flush(self.cfg.shutdown_timeout)
+        if not flushed:
+            logger.warning("diloco worker %s: uploads still pending after shutdown_timeout=%.0fs;"
+                           " that work is lost", self.node_id, self.cfg.shutdown_timeout)
+        try:
+            self.store.put(f"nodes/{self.node_id}/{self.session}/done.json",
+                           json.dumps({"last_seq": self.last_seq}).encode())
+        except StoreError as exc:
+            logger.warning("diloco worker %s: could not write done marker: %s", self.node_id, exc)
+        if flushed and self.cfg.final_sync_timeout > 0:
+            self.final_sync(trainer, self.cfg.final_sync_timeout)
+        self.close()
+        self._log(trainer)
+
+    def state_dict(self) -> dict:
+        # Resume re-installs the newest global (at most one inner round of local work is lost).
+        return {"node_id": self.node_id, "version": self.version}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    # ------------------------------------------------------------------ training-thread parts
+    def _reset_optimizer(self, trainer: Any) -> None:
+        if not self.cfg.reset_inner_optimizer:
+            return
+        opt = trainer.optimizer
+        if hasattr(opt, "reset_state"):
+            opt.reset_state()
+        else:
+            opt.state.clear()
+        self.m["resets"] += 1
+
+    @torch.no_grad()
+    def _snapshot(self) -> None:
+        steps, self._steps_in_round = self._steps_in_round, 0
+        with self._lock:
+            snap = self._pending.get(self.gen)
+            if snap is not None:  # the queued one never left: overwrite it (coalesce)
+                self.m["coalesced"] += 1
+                snap.steps += steps
+                snap.tokens += steps * self.tokens_per_step
+            else:
+                bufs = self._pool.pop() if self._pool else {
+                    k: torch.empty(p.shape, dtype=torch.float32,
+                                   pin_memory=p.is_cuda) for k, p in self._params.items()}
+                snap = _Snapshot(self.gen, self.version, bufs, steps, steps * self.tokens_per_step)
+                self._pending[self.gen] = snap
+            cuda = False
+            for k, p in self._params.items():
+                snap.tensors[k].copy_(p.detach(), non_blocking=p.is_cuda)
+                cuda = cuda or p.is_cuda
+            if cuda:
+                snap.event = torch.cuda.Event()
+                snap.event.record()
+            self._lock.notify_all()
+
+    @torch.no_grad()
+    def _install(self, trainer: Any) -> None:
+        with self._lock:
+            if self._candidate is None:
+                return
+            # At most two generations alive: the current one and one still uploading.
+            if any(g < self.gen for g in self._pending) or (
+                    self._inflight is not None and self._inflight.gen < self.gen):
+                return
+            pointer, tensors = self._candidate
+            self._candidate = None
+            if pointer.version <= self.version:
+                return
+            for k, p in self._params.items():
+                p.copy_(tensors[k])
+            self.gen += 1
+            self._refs[self.gen] = tensors  # the global becomes this generation's reference
+            self._gen_version[self.gen] = pointer.version
+            self.version, self.digest = pointer.version, pointer.weights_digest
+            self._drop_unused_refs()
+        self.m["installs"] += 1
+        logger.info("diloco worker %s: installed global v%d", self.node_id, pointer.version)
+
+    def _drop_unused_refs(self) -> None:
+        live = {self.gen, *self._pending}
+        if self._inflight is not None:
+            live.add(self._inflight.gen)
+        for g in [g for g in self._refs if g not in live]:
+            del self._refs[g]
+
+    def _log(self, trainer: Any) -> None:
+        log = getattr(trainer, "log_metrics", None)
+        if log is None:
+            return
+        wall = time.perf_counter() - self._wall_start if self._wall_start else 0.0
+        log({f"diloco/{k}": v for k, v in self.metrics(wall).items()})
+
+    def metrics(self, wall: float | None = None) -> dict[str, float]:
+        out: dict[str, float] = {"version": self.version, **self.m,
+                                 "train_thread_s": self._train_s}
+        if wall:
+            out["train_thread_frac"] = self._train_s / wall
+        return out
+
+    # ------------------------------------------------------------------ background threads
+    def _upload_loop(self) -> None:
+        backoff = 0.5
+        while True:
+            with self._lock:
+                while self._inflight is None and not self._pending and not self._stop.is_set():
+                    self._lock.wait()
+                if self._inflight is None and not self._pending:
+                    return
+                if self._inflight is None:
+                    self._inflight = self._prepare(self._pending.pop(min(self._pending)))
+                job = self._inflight
+            try:
+                self._put(job)
+            except StoreError as exc:
+                self.m["upload_failures"] += 1
+                logger.warning("diloco worker %s: upload of %s failed (%s); it stays queued and "
+                               "newer work coalesces", self.node_id, job.key, exc)
+                if self._stop.wait(backoff):
+                    return
+                backoff = min(backoff * 2, 30.0)
+                continue
+            backoff = 0.5
+            self._confirm(job)
+
+    def _prepare(self, snap: _Snapshot) -> _Upload:
+        """snapshot -> encoded delta (called with the lock held; cheap next to the upload)."""
+        if snap.event is not None:
+            snap.event.synchronize()
+        ref = self._refs[snap.gen]
+        for k, s in snap.tensors.items():  # delta = reference - snapshot, in the snapshot buffer
+            torch.sub(ref[k], s, out=s)
+        header = codec.DeltaHeader(node=self.node_id, session=self.session, seq=self._seq,
+                                   base_version=snap.base_version, inner_steps=snap.steps,
+                                   tokens=snap.tokens, codec=self.cfg.compression)
+        self._seq += 1
+        data, decoded = codec.encode_delta(snap.tensors, header)
+        if self.cfg.compression != "none":
+            self.m["codec_rel_err"] = codec.relative_error(snap.tensors, decoded)
+        return _Upload(snap.gen, header.key, data, decoded, snap)
+
+    def _put(self, job: _Upload) -> None:
+        crash_point("before_delta_put")
+        try:
+            self.store.put(job.key, job.data, if_absent=True)
+        except ObjectExists:
+            # An earlier attempt landed but its reply was lost: same bytes means done.
+            if self.store.get(job.key) != job.data:
+                raise
+        self.m["bytes_up"] += len(job.data)
+
+    def _confirm(self, job: _Upload) -> None:
+        with self._lock:
+            ref = self._refs.get(job.gen)
+            if ref is not None:  # a newer snapshot of this generation is measured from here
+                for k, d in job.decoded.items():
+                    ref[k].sub_(d)  # reference <- weights at the snapshot (+ codec error)
+            if job.gen == self.gen:
+                self._reset_due = True  # reset inner state only now that the upload is safe
+            self.last_seq = int(job.key.rsplit("/d", 1)[1][:8])
+            self.m["deltas_sent"] += 1
+            self.m["staleness"] = max(0, self.version - job.snapshot.base_version)
+            self._pool.append(job.snapshot.tensors)
+            self._pool = self._pool[:2]
+            self._inflight = None
+            self._drop_unused_refs()
+            self._lock.notify_all()
+
+    def _poll_once(self) -> None:
+        try:
+            pointer = Pointer.from_bytes(self.store.get(POINTER_KEY))
+        except ObjectNotFound:
+            return
+        current = self._candidate[0].version if self._candidate else self.version
+        if pointer.version <= current:
+            return
+        data = self.store.get(pointer.path)
+        self.m["bytes_down"] += len(data)
+        tensors = codec.decode_global(data, pointer)  # verifies sha256 + digest
+        missing = set(self._params) - set(tensors) if self._params else set()
+        if missing:
+            raise FormatError(f"global v{pointer.version} lacks {sorted(missing)[:3]}")
+        keep = self._params or tensors
+        tensors = {k: v.float() for k, v in tensors.items() if k in keep}
+        with self._lock:
+            self._candidate = (pointer, tensors)
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self.cfg.poll_interval):
+            try:
+                self._poll_once()
+            except (StoreError, FormatError) as exc:
+                # e.g. the pointer moved and the old global was collected mid-download
+                logger.warning("diloco worker %s: poll failed (%s); retrying next poll",
+                               self.node_id, exc)
+
+    # ------------------------------------------------------------------ shutdown
+    def flush(self, timeout: float) -> bool:
+        """Wait until every snapshot has been uploaded (or ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._pending or self._inflight is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._lock.wait(min(left, 0.2))
+        return True
+
+    def final_sync(self, trainer: Any, timeout: float) -> bool:
+        """Wait for a global that includes this session's last delta and install it, so the
+        node ends holding the published weights."""
+        deadline = time.monotonic() + timeout
+        key = f"{self.node_id}/{self.session}"
+        while time.monotonic() < deadline:
+            try:
+                data = self.store.get(POINTER_KEY)
+                pointer = Pointer.from_bytes(data)
+                _, meta = codec.decode(self.store.get(pointer.state_path))
+                if meta.get("hwm", {}).get(key, -1) >= self.last_seq:
+                    if pointer.version > self.version:
+                        self._poll_once()
+                        self._install(trainer)
+                    return True
+            except (StoreError, FormatError) as exc:
+                logger.debug("final sync: %s", exc)
+            time.sleep(min(self.cfg.poll_interval, 0.5))
+        logger.warning("diloco worker %s: no global with its last delta within %.0fs",
+                       self.node_id, timeout)
+        return False
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._lock:
+            self._lock.notify_all()
+        for t in self._threads:
+            t.join(timeout=10)
+        self._threads = []

@@ -1,0 +1,127 @@
+"""The master's outer optimizer: how arrived pseudo-gradients move the global weights.
+
+Three methods (``distributed.outer_optimizer``):
+
+``nesterov``
+    The DiLoCo paper's outer step on the (staleness-weighted) mean of the deltas that arrived:
+    ``buf = mu * buf + g; theta -= lr * (g + mu * buf)``, exactly ``torch.optim.SGD(nesterov=True)``
+    with the pseudo-gradient as ``.grad``. Right for a synchronous schedule (every worker's delta
+    arrives in the same poll). With uneven workers it applies momentum to small stale arrivals
+    and diverged in the research note's simulation (section 5.2).
+``delayed_nesterov`` (default)
+    Delayed Nesterov (Liu et al. 2024, "Asynchronous Local-SGD"): each update takes a
+    momentum-free step ``lr * g`` with ``g = sum(w_i * d_i) / M`` (M = workers per round), adds
+    ``g`` to an accumulator, and once M deltas have arrived refreshes the momentum with the
+    accumulated round: ``buf = mu * buf + acc; theta -= lr * (g + mu * buf)``. When all M deltas
+    of a round arrive together this *is* the Nesterov step above, so the synchronous case loses
+    nothing; when they trickle in, momentum moves once per round instead of once per arrival.
+``sgd``
+    ``theta -= lr * g`` on the weighted mean (``lr=1`` gives plain parameter averaging, LocalSGD).
+
+Staleness ``s = current_version - base_version`` scales a delta by ``w(s)``
+(``distributed.staleness_weighting``: ``none`` = 1, ``inverse`` = 1/(1+s), ``inverse_sqrt``).
+All state is fp32 on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+METHODS = ("nesterov", "delayed_nesterov", "sgd")
+WEIGHTINGS = ("none", "inverse", "inverse_sqrt")
+
+
+def staleness_weight(staleness: int, policy: str) -> float:
+    if policy == "none":
+        return 1.0
+    if policy == "inverse":
+        return 1.0 / (1.0 + staleness)
+    if policy == "inverse_sqrt":
+        return 1.0 / math.sqrt(1.0 + staleness)
+    raise ValueError(f"unknown staleness_weighting {policy!r}; valid: {', '.join(WEIGHTINGS)}")
+
+
+class OuterOptimizer:
+    """Applies weighted pseudo-gradients to a dict of fp32 CPU tensors in place."""
+
+    def __init__(self, method: str = "delayed_nesterov", lr: float = 0.7,
+                 momentum: float = 0.9) -> None:
+        if method not in METHODS:
+            raise ValueError(f"unknown outer_optimizer {method!r}; valid: {', '.join(METHODS)}")
+        self.method, self.lr, self.momentum = method, lr, momentum
+        self.buf: dict[str, torch.Tensor] = {}
+        self.acc: dict[str, torch.Tensor] = {}
+        self.arrived = 0.0  # delayed Nesterov: deltas counted towards the current round
+
+    @torch.no_grad()
+    def step(self, params: dict[str, torch.Tensor],
+             deltas: Sequence[tuple[dict[str, torch.Tensor], float]], workers: float = 1.0) -> None:
+        """One outer update from ``deltas`` = [(delta, weight), ...]; ``workers`` = M."""
+        if not deltas:
+            return
+        total_w = sum(w for _, w in deltas)
+        if self.method == "delayed_nesterov":
+            denom = max(float(workers), 1.0)
+        else:
+            denom = total_w if total_w > 0 else 1.0
+        for key, theta in params.items():
+            g = torch.zeros_like(theta, dtype=torch.float32)  # same shape as theta, fp32
+            for delta, w in deltas:
+                g.add_(delta[key].float(), alpha=w / denom)
+            self._apply(key, theta, g, len(deltas), workers)
+        if self.method == "delayed_nesterov":
+            self.arrived += len(deltas)
+            if self.arrived >= workers:  # the round closed inside _apply: start the next one
+                self.arrived = math.fmod(self.arrived, max(float(workers), 1.0))
+                self.acc.clear()
+
+    def _apply(self, key: str, theta: torch.Tensor, g: torch.Tensor, n: int,
+               workers: float) -> None:
+        mu, lr = self.momentum, self.lr
+        if self.method == "sgd" or mu == 0.0:
+            theta.sub_(g.to(theta.dtype), alpha=lr)
+            return
+        if self.method == "nesterov":
+            buf = self.buf.get(key)
+            if buf is None:
+                buf = self.buf[key] = g.clone()  # torch.optim.SGD: first step buf = g
+            else:
+                buf.mul_(mu).add_(g)
+            theta.sub_((g + mu * buf).to(theta.dtype), alpha=lr)
+            return
+        # delayed Nesterov
+        acc = self.acc.get(key)
+        if acc is None:
+            acc = self.acc[key] = torch.zeros_like(g)
+        acc.add_(g)
+        if self.arrived + n >= workers:  # this update completes a round: refresh momentum
+            buf = self.buf.get(key)
+            if buf is None:
+                buf = self.buf[key] = acc.clone()
+            else:
+                buf.mul_(mu).add_(acc)
+            theta.sub_((g + mu * buf).to(theta.dtype), alpha=lr)
+        else:
+            theta.sub_(g.to(theta.dtype), alpha=lr)
+
+    # ------------------------------------------------------------------ persistence
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {f"buf/{k}": v for k, v in self.buf.items()}
+        out.update({f"acc/{k}": v for k, v in self.acc.items()})
+        return out
+
+    def state_meta(self) -> dict:
+        return {"method": self.method, "lr": self.lr, "momentum": self.momentum,
+                "arrived": self.arrived}
+
+    def load(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        self.buf = {k[4:]: v.float().clone() for k, v in tensors.items() if k.startswith("buf/")}
+        self.acc = {k[4:]: v.float().clone() for k, v in tensors.items() if k.startswith("acc/")}
+        self.arrived = float(meta.get("arrived", 0.0))
+        if meta.get("method", self.method) != self.method:
+            # Switching method mid-run: keep the momentum (same meaning), drop the DN round.
+            self.acc.clear()
+            self.arrived = 0.0

@@ -1,0 +1,156 @@
+"""Running a master inside ``speedtronic train`` and as a standalone process.
+
+``role: master`` under ``speedtronic train`` (:class:`MasterNode`): the node trains like a
+worker *and* runs the master loop in a background thread. It bootstraps version 0 from its own
+initial weights (every node builds the same seeded model), and after its own training ends it
+keeps aggregating until every node it has seen has written its done marker, or
+``master_idle_timeout`` seconds pass without a new delta. Its final model is the last global.
+
+``python -m speedtronic.diloco master --config run.yaml`` (:func:`run_master`): a master that does
+not train (a small coordinator machine); it builds the model only to publish version 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .master import LeaseLost, Master
+from .node import Worker, default_node_id, sync_parameters
+from .store import open_store
+
+logger = logging.getLogger("speedtronic.diloco.service")
+
+
+class MasterThread:
+    """Owns a :class:`Master` in a daemon thread: lease, bootstrap, rounds, clean stop."""
+
+    def __init__(self, cfg: Any, node_id: str, initial: Callable[[], dict[str, torch.Tensor]],
+                 log_metrics: Callable[[dict], None] | None = None) -> None:
+        self.stop = threading.Event()
+        self.store = open_store(cfg.store, stop=self.stop)
+        self.master = Master(self.store, cfg, node_id, initial, log_metrics)
+        self.until: Callable[[Master], bool] | None = None
+        self.idle_timeout = 0.0
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, daemon=True,
+                                        name=f"diloco-master-{node_id}")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _main(self) -> None:
+        try:
+            if not self.master.acquire_lease(self.stop):
+                return
+            self.master.load_or_bootstrap()
+            self.ready.set()
+            self.master.run(self.stop, until=lambda m: self.until is not None and self.until(m),
+                            idle_timeout=0.0)
+        except LeaseLost as exc:
+            logger.error("diloco master stopped: %s", exc)
+            self.error = exc
+        except BaseException as exc:  # surfaced to the training thread at the end
+            logger.exception("diloco master failed")
+            self.error = exc
+        finally:
+            self.ready.set()
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+
+class MasterNode:
+    """``role: master`` callback: trains as a worker and runs the master thread."""
+
+    name = "diloco"
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.worker = Worker(cfg)
+        self.node_id = self.worker.node_id
+        self.thread: MasterThread | None = None
+        self._train_done = False
+
+    def on_train_start(self, trainer: Any) -> None:
+        params = sync_parameters(trainer.model)
+        initial = lambda: {k: p.detach().float().cpu().clone() for k, p in params.items()}
+        self.thread = MasterThread(self.cfg, self.node_id, initial,
+                                   getattr(trainer, "log_metrics", None))
+        self.thread.until = self._finished
+        self.thread.start()
+        self.worker.on_train_start(trainer)  # waits for v0, which the thread publishes
+
+    def _finished(self, m: Master) -> bool:
+        if not self._train_done:
+            return False
+        idle = time.monotonic() - m.last_new_delta
+        if idle > self.cfg.master_idle_timeout:
+            logger.info("diloco master: no new delta for %.0fs after training; stopping", idle)
+            return True
+        return m.all_done()
+
+    def after_optimizer_step(self, trainer: Any, step: int) -> None:
+        self.worker.after_optimizer_step(trainer, step)
+
+    def on_train_end(self, trainer: Any) -> None:
+        self.worker.on_train_end(trainer)
+        self._train_done = True
+        if self.thread is not None:
+            logger.info("diloco master: training done; aggregating until every node is done")
+            self.thread.join()
+            if self.thread.error is None:
+                self.worker.final_sync(trainer, timeout=max(5.0, self.cfg.poll_interval * 4))
+
+    def state_dict(self) -> dict:
+        return self.worker.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.worker.load_state_dict(state)
+
+
+def build_callbacks(cfg: Any) -> list[Any]:
+    """Trainer callbacks for ``cfg.distributed`` (the runtime calls this when enabled)."""
+    d = cfg.distributed
+    if not d.enabled:
+        return []
+    if d.num_shards == 1:
+        logger.info("diloco: data shard 0/1 - nodes with this setting see the same samples; set "
+                    "distributed.shard/num_shards per node for disjoint data")
+    return [MasterNode(d)] if d.role == "master" else [Worker(d)]
+
+
+def run_master(cfg: Any, *, expect_nodes: set[str] | None = None,
+               idle_timeout: float | None = None) -> Master:
+    """Master-only loop for ``python -m speedtronic.diloco master``; returns when every node it
+    has seen (or every expected node) is done, or after ``idle_timeout`` idle seconds."""
+    from ..models import build_model
+
+    d = cfg.distributed
+    node_id = d.node_id or default_node_id()
+
+    def initial() -> dict[str, torch.Tensor]:
+        torch.manual_seed(cfg.run.seed)
+        model = build_model(cfg.model)
+        return {k: p.detach().float().clone() for k, p in sync_parameters(model).items()}
+
+    thread = MasterThread(d, node_id, initial)
+    idle = d.master_idle_timeout if idle_timeout is None else idle_timeout
+    thread.until = lambda m: m.all_done(expect_nodes) or (
+        idle > 0 and time.monotonic() - m.last_new_delta > idle)
+    thread.start()
+    try:
+        thread.join()
+    except KeyboardInterrupt:
+        thread.stop.set()
+        thread.join(30)
+    if thread.error is not None:
+        raise thread.error
+    return thread.master

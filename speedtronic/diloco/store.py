@@ -1,0 +1,472 @@
+"""One narrow object-store contract for DiLoCo, the retry layer around it, and the file back end.
+
+Every DiLoCo component talks to storage only through :class:`Store`:
+
+* ``put(key, data, if_absent=False)`` - atomic (readers see all or nothing); ``if_absent`` makes
+  it create-only and raises :class:`ObjectExists` when the key is taken;
+* ``get(key)``, ``stat(key)`` (``None`` when missing), ``list(prefix)``, ``delete(key)``;
+* ``swap(key, data, expected_etag)`` - compare-and-swap of a small pointer object
+  (``expected_etag=None`` means "must not exist"); raises :class:`PreconditionFailed`;
+* ``commit(objects, pointer)`` - write immutable objects, then swap the pointer (the Hub back end
+  does all of it in one commit).
+
+Back ends raise :class:`TransientStoreError` for what may succeed later (timeouts, 429, 5xx);
+:class:`RetryingStore` retries exactly those with exponential backoff and full jitter, honouring
+``Retry-After``, and never retries 401/403/404 or precondition failures. Retries sleep, so
+they must never run on the training thread: the worker and master call the store from their
+own threads (see node.py / master.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import random
+import re
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+from urllib.parse import urlparse
+
+from ..errors import SpeedtronicError
+from .faults import crash_point
+
+logger = logging.getLogger("speedtronic.diloco.store")
+
+T = TypeVar("T")
+
+_KEY_RE = re.compile(r"[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*")
+
+
+class StoreError(SpeedtronicError):
+    """Base class of store failures."""
+
+
+class TransientStoreError(StoreError):
+    """A failure that may go away (timeout, connection reset, HTTP 429/5xx)."""
+
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class StoreUnavailable(StoreError):
+    """Retries were exhausted (or the caller asked to stop) for a transient failure."""
+
+
+class ObjectNotFound(StoreError, FileNotFoundError):
+    """The key does not exist (HTTP 404). Never retried."""
+
+
+class AccessDenied(StoreError, PermissionError):
+    """Credentials are missing or lack permission (HTTP 401/403). Never retried."""
+
+
+class ObjectExists(StoreError, FileExistsError):
+    """A create-only put found the key already taken."""
+
+
+class PreconditionFailed(StoreError):
+    """A conditional pointer swap lost the race (the etag changed)."""
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """What ``stat`` returns: the key, its size in bytes and an opaque version tag."""
+
+    key: str
+    size: int
+    etag: str
+
+
+def check_key(key: str) -> str:
+    """Reject keys that could escape the store root or be misread by a back end."""
+    if not _KEY_RE.fullmatch(key) or any(part in (".", "..") for part in key.split("/")):
+        raise ValueError(f"invalid store key {key!r}: use [A-Za-z0-9_.-] segments joined by '/'")
+    return key
+
+
+class Store:
+    """The contract every back end implements (see the module docstring)."""
+
+    supports_cas: bool = True
+    """Whether ``swap`` is a real compare-and-swap on this back end."""
+
+    url: str = ""
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        raise NotImplementedError
+
+    def get(self, key: str) -> bytes:
+        raise NotImplementedError
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        raise NotImplementedError
+
+    def list(self, prefix: str = "") -> list[str]:
+        raise NotImplementedError
+
+    def delete(self, key: str) -> None:
+        raise NotImplementedError
+
+    def swap(self, key: str, data: bytes, expected_etag: str | None) -> str:
+        """Replace ``key`` only if its etag is ``expected_etag`` (None: only if absent).
+
+        Returns the new etag.
+        """
+        raise NotImplementedError
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        """Read a small object together with the etag a later ``swap`` must name."""
+        raise NotImplementedError
+
+    def commit(self, objects: dict[str, bytes], pointer: tuple[str, bytes, str | None]) -> str:
+        """Write immutable ``objects`` (create-only), then swap the pointer; returns its etag."""
+        for key, data in objects.items():
+            self.put(key, data, if_absent=True)
+        key, data, expected = pointer
+        return self.swap(key, data, expected)
+
+
+@dataclass
+class RetryPolicy:
+    """Exponential backoff with full jitter: attempt i sleeps U(0, min(max_delay, base * 2**i)),
+    or at least the server's ``Retry-After`` (capped at ``max_retry_after``)."""
+
+    attempts: int = 6
+    base_delay: float = 0.5
+    max_delay: float = 30.0
+    max_retry_after: float = 300.0
+
+    def delay(self, attempt: int, retry_after: float | None, rng: random.Random) -> float:
+        backoff = rng.uniform(0.0, min(self.max_delay, self.base_delay * (2 ** attempt)))
+        if retry_after is not None:
+            return max(backoff, min(retry_after, self.max_retry_after))
+        return backoff
+
+
+_NETWORK_ERRORS = (ConnectionError, TimeoutError)
+
+
+class RetryingStore(Store):
+    """Wraps a back end; retries transient failures. ``stop`` (an Event) aborts waits early."""
+
+    def __init__(self, inner: Store, policy: RetryPolicy | None = None, *,
+                 stop: threading.Event | None = None,
+                 sleep: Callable[[float], None] | None = None, seed: int | None = None) -> None:
+        self.inner = inner
+        self.policy = policy or RetryPolicy()
+        self.stop = stop or threading.Event()
+        self._sleep = sleep
+        self._rng = random.Random(seed)
+        self.url = inner.url
+        self.supports_cas = inner.supports_cas
+        self.retries = 0  # total retried calls, for metrics
+
+    def _wait(self, seconds: float) -> None:
+        if self._sleep is not None:
+            self._sleep(seconds)
+        elif self.stop.wait(seconds):
+            raise StoreUnavailable("store call abandoned: shutting down")
+
+    def _call(self, op: str, fn: Callable[[], T]) -> T:
+        last: Exception | None = None
+        for attempt in range(self.policy.attempts):
+            if attempt and self.stop.is_set():
+                break
+            try:
+                return fn()
+            except TransientStoreError as exc:
+                last, retry_after = exc, exc.retry_after
+            except _NETWORK_ERRORS as exc:
+                last, retry_after = exc, None
+            if attempt + 1 < self.policy.attempts:
+                delay = self.policy.delay(attempt, retry_after, self._rng)
+                self.retries += 1
+                logger.debug("store %s failed (%s); retry %d in %.2fs", op, last, attempt + 1,
+                             delay)
+                self._wait(delay)
+        raise StoreUnavailable(f"{op} on {self.url} failed after {self.policy.attempts} "
+                               f"attempts: {last}") from last
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        first = [True]
+
+        def attempt() -> None:
+            try:
+                self.inner.put(key, data, if_absent=if_absent)
+            except ObjectExists:
+                # A retried create-only put whose first try landed (the reply was lost) finds its
+                # own bytes: that is success, not a conflict.
+                if not first[0] and self.inner.get(key) == data:
+                    return
+                raise
+            finally:
+                first[0] = False
+
+        self._call(f"put {key}", attempt)
+
+    def get(self, key: str) -> bytes:
+        return self._call(f"get {key}", lambda: self.inner.get(key))
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        return self._call(f"get {key}", lambda: self.inner.get_with_etag(key))
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        return self._call(f"stat {key}", lambda: self.inner.stat(key))
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self._call(f"list {prefix}", lambda: self.inner.list(prefix))
+
+    def delete(self, key: str) -> None:
+        self._call(f"delete {key}", lambda: self.inner.delete(key))
+
+    def swap(self, key: str, data: bytes, expected_etag: str | None) -> str:
+        return self._call(f"swap {key}", lambda: self.inner.swap(key, data, expected_etag))
+
+    def commit(self, objects: dict[str, bytes], pointer: tuple[str, bytes, str | None]) -> str:
+        if type(self.inner).commit is Store.commit:
+            # Per-object retries: a retry must not redo objects that already landed.
+            for key, data in objects.items():
+                self.put(key, data, if_absent=True)
+            return self.swap(*pointer)
+        return self._call(f"commit {pointer[0]}", lambda: self.inner.commit(objects, pointer))
+
+
+# Errnos that a shared filesystem (NFS, Lustre, FUSE mounts) returns for conditions that clear.
+_TRANSIENT_ERRNOS = {errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.EAGAIN, errno.EBUSY,
+                     errno.ENOSPC, errno.EDQUOT, errno.ECONNRESET, errno.EHOSTUNREACH}
+
+
+class FileStore(Store):
+    """``file:///path``: a local or shared directory (NFS, Lustre, FUSE-mounted buckets).
+
+    Atomic put = write ``.tmp-*`` in the target directory, fsync, then ``rename`` (replace) or
+    ``link`` (create-only: link fails with EEXIST, which NFS also guarantees); the directory is
+    fsynced so the name survives a crash. Swap holds a POSIX ``lockf`` lock (NFS lockd) around
+    read-compare-write. The etag is the sha256 of the content (pointer objects are tiny).
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.url = f"file://{self.root}"
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    @staticmethod
+    def _translate(exc: OSError, key: str) -> Exception:
+        if isinstance(exc, FileNotFoundError):
+            return ObjectNotFound(f"no object {key!r}")
+        if isinstance(exc, PermissionError):
+            return AccessDenied(f"permission denied for {key!r}: {exc}")
+        if exc.errno in _TRANSIENT_ERRNOS:
+            return TransientStoreError(f"{key!r}: {exc}")
+        return StoreError(f"{key!r}: {exc}")
+
+    def _write_tmp(self, path: Path, data: bytes) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:12]}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return tmp
+
+    @staticmethod
+    def _fsync_dir(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        path = self._path(key)
+        tmp = None
+        try:
+            tmp = self._write_tmp(path, data)
+            crash_point("store_tmp_written")  # a crash here leaves only an unlisted .tmp- file
+            if if_absent:
+                try:
+                    os.link(tmp, path)
+                except FileExistsError:
+                    raise ObjectExists(f"{key!r} already exists") from None
+            else:
+                os.replace(tmp, path)
+                tmp = None
+            self._fsync_dir(path.parent)
+        except StoreError:
+            raise
+        except OSError as exc:
+            raise self._translate(exc, key) from exc
+        finally:
+            if tmp is not None:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except OSError as exc:
+            raise self._translate(exc, key) from exc
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        data = self.get(key)
+        return data, hashlib.sha256(data).hexdigest()
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        try:
+            st = self._path(key).stat()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise self._translate(exc, key) from exc
+        return ObjectInfo(key, st.st_size, f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}")
+
+    def list(self, prefix: str = "") -> list[str]:
+        out: list[str] = []
+        try:
+            for dirpath, _dirs, files in os.walk(self.root):
+                rel = Path(dirpath).relative_to(self.root).as_posix()
+                for name in files:
+                    if name.startswith(".tmp-") or name.startswith(".lock"):
+                        continue
+                    key = name if rel == "." else f"{rel}/{name}"
+                    if key.startswith(prefix):
+                        out.append(key)
+        except OSError as exc:
+            raise self._translate(exc, prefix) from exc
+        return sorted(out)
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise self._translate(exc, key) from exc
+
+    def swap(self, key: str, data: bytes, expected_etag: str | None) -> str:
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock_path = path.parent / f".lock-{path.name}"
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise self._translate(exc, key) from exc
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX)
+            try:
+                current = hashlib.sha256(path.read_bytes()).hexdigest()
+            except FileNotFoundError:
+                current = None
+            if current != expected_etag:
+                raise PreconditionFailed(f"{key!r}: etag is {current}, expected {expected_etag}")
+            self.put(key, data)
+            return hashlib.sha256(data).hexdigest()
+        except StoreError:
+            raise
+        except OSError as exc:
+            raise self._translate(exc, key) from exc
+        finally:
+            os.close(fd)  # releases the lock
+
+
+class OutageStore(Store):
+    """Chaos wrapper: every call fails with a transient error while ``flag_path`` exists.
+
+    Enabled only through ``SPEEDTRONIC_DILOCO_OUTAGE_FILE`` (used by the fault tests to take the
+    store away for a while without touching the data).
+    """
+
+    def __init__(self, inner: Store, flag_path: str) -> None:
+        self.inner, self.flag = inner, flag_path
+        self.url, self.supports_cas = inner.url, inner.supports_cas
+
+    def _check(self) -> None:
+        if os.path.exists(self.flag):
+            raise TransientStoreError("store unavailable (simulated outage)")
+
+    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        self._check()
+        self.inner.put(key, data, if_absent=if_absent)
+
+    def get(self, key: str) -> bytes:
+        self._check()
+        return self.inner.get(key)
+
+    def get_with_etag(self, key: str) -> tuple[bytes, str]:
+        self._check()
+        return self.inner.get_with_etag(key)
+
+    def stat(self, key: str) -> ObjectInfo | None:
+        self._check()
+        return self.inner.stat(key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        self._check()
+        return self.inner.list(prefix)
+
+    def delete(self, key: str) -> None:
+        self._check()
+        self.inner.delete(key)
+
+    def swap(self, key: str, data: bytes, expected_etag: str | None) -> str:
+        self._check()
+        return self.inner.swap(key, data, expected_etag)
+
+
+def open_store(url: str, *, retry: RetryPolicy | None = None,
+               stop: threading.Event | None = None, **backend_kwargs) -> RetryingStore:
+    """Open ``file:///path``, ``s3://bucket/prefix`` or ``hf://user/repo`` behind the retry layer.
+
+    Credentials are read by the back ends from the environment only (AWS_* / HF_TOKEN).
+    """
+    parsed = urlparse(url)
+    if parsed.username or parsed.password:
+        raise ValueError("distributed.store: the URL must not carry credentials; set them in "
+                         "the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, HF_TOKEN)")
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"distributed.store: file URLs need an absolute path "
+                             f"(file:///path), got {url!r}")
+        inner: Store = FileStore(parsed.path)
+    elif parsed.scheme == "s3":
+        from .store_remote import S3Store
+        inner = S3Store(url, **backend_kwargs)
+    elif parsed.scheme == "hf":
+        from .store_remote import HfStore
+        inner = HfStore(url, **backend_kwargs)
+    else:
+        raise ValueError(f"distributed.store: unsupported URL {url!r}; use file:///path, "
+                         "s3://bucket/prefix or hf://user/repo")
+    outage = os.environ.get("SPEEDTRONIC_DILOCO_OUTAGE_FILE")
+    if outage:
+        inner = OutageStore(inner, outage)
+    return RetryingStore(inner, retry, stop=stop)
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
+    """Poll ``predicate`` until true or ``timeout`` seconds pass (monotonic clock)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if predicate():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
