@@ -345,11 +345,13 @@ class ShapeValidationConfig:
     enabled: bool = True
     """Run the check at startup (warnings only; never changes the model)."""
     alignment: Literal["auto", "none"] | int = "auto"
-    """``auto`` (from device and precision), ``none`` (disable everywhere) or a positive int."""
+    """``auto``: 64 for bf16/fp16 on CUDA sm_80+ (128-byte tiles), 8 on older CUDA, 4 for
+    fp32/tf32, 16 for fp8; ``none`` disables the check on every device; or a positive int."""
     check_batch: bool = True
-    """Check micro-batch x sequence length."""
+    """Check micro-batch x sequence length (the GEMM M dim); a suggested micro-batch always
+    divides ``data.target_batch_size``."""
     check_sequence: bool = True
-    """Check the sequence length."""
+    """Check the sequence length ``data.block_size`` (an inner dim of attention)."""
     check_model: bool = True
     """Check Linear / Embedding / attention dims."""
     check_vocab: bool = True
