@@ -135,16 +135,16 @@ def global_digests(store: Any) -> dict[int, str]:
 
 
 def assert_consistent(store: Any, reports: list[dict]) -> None:
-    """Every node at version v holds weights whose digest is that of the published v; nodes
-    that did a final sync hold the pointer's weights."""
+    """Every node at version v holds weights whose digest is that of the published v (the
+    pointer's digest when v was current); final-synced nodes hold exactly those weights (a node
+    that finished earlier may sit at an older version than the last pointer)."""
     pointer = read_pointer(store)
     digests = global_digests(store)
     assert digests[pointer.version] == pointer.weights_digest
     for r in reports:
         assert r["digest"] == digests[r["version"]], r
         assert r["weights_digest"] == r["digest"] or not r.get("final_synced"), r
-        if r.get("final_synced"):
-            assert r["version"] == pointer.version, (r, pointer)
+        assert 0 <= r["version"] <= pointer.version, (r, pointer)
 
 
 def read_report(path: Path) -> dict:
