@@ -1,16 +1,142 @@
-"""Build script. Pure-Python today.
+"""Build script: pure Python, plus the optional CUDA extension ``speedtronic._C``.
 
-SEAM FOR THE CUDA EXTENSION: the kernels issue adds `speedtronic._C` here, built with
-torch.utils.cpp_extension only when torch has CUDA and nvcc is found (SPEEDTRONIC_CUDA=auto|0|1);
-an install without CUDA must never fail.
+The extension is built only when torch has CUDA and nvcc is found. ``SPEEDTRONIC_CUDA``:
+``auto`` (default) builds when possible and otherwise prints one line saying why not, ``0``
+never builds, ``1`` fails loudly when it cannot build. An install without CUDA never fails.
+Build against the torch you run with: ``pip install --no-build-isolation .`` (README,
+"CUDA kernels").
 """
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import sys
 
 from setuptools import setup
 
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CSRC = os.path.join("csrc")
+#: Without a visible GPU there is nothing to detect: Ampere and Hopper SASS, plus Hopper PTX so
+#: newer GPUs can JIT it.
+DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
+#: nvcc + cicc peak per job on the launcher files, measured here (~1.5 GiB; 2 GiB with headroom).
+GIB_PER_JOB = 2.0
+
+
+def _say(msg: str) -> None:
+    print(f"speedtronic: CUDA extension: {msg}", file=sys.stderr)
+
+
+def _free_ram_gib() -> float | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return None
+
+
+def _cap_max_jobs() -> None:
+    """Parallel nvcc jobs: at most the cores, and at most free RAM / GIB_PER_JOB."""
+    if os.environ.get("MAX_JOBS"):
+        return
+    jobs = os.cpu_count() or 1
+    free = _free_ram_gib()
+    if free is not None:
+        jobs = max(1, min(jobs, int(free // GIB_PER_JOB)))
+    os.environ["MAX_JOBS"] = str(jobs)
+
+
+def _nvidia_include_dirs() -> list[str]:
+    """Headers of the nvidia-* wheels (cusparse.h, cublas_v2.h, ...) that torch's CUDA headers
+    include but a bare toolkit under /usr/local/cuda may lack."""
+    dirs = []
+    for base in sys.path:
+        for sub in ("nvidia/cu13/include", "nvidia/cu12/include"):
+            path = os.path.join(base, sub)
+            if os.path.isdir(path):
+                dirs.append(path)
+    return list(dict.fromkeys(dirs))
+
+
+def _why_not_cuda() -> str | None:
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError:
+        return ("torch is not importable in the build environment "
+                "(build with pip install --no-build-isolation .)")
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} has no CUDA"
+    home = cpp_extension.CUDA_HOME
+    nvcc = os.path.join(home, "bin", "nvcc") if home else shutil.which("nvcc")
+    if not nvcc or not os.path.exists(nvcc):
+        return "nvcc not found (set CUDA_HOME or put nvcc on PATH)"
+    return None
+
 
 def extension_modules() -> tuple[list, dict]:
-    """Return (ext_modules, cmdclass). Empty until the CUDA extension lands."""
-    return [], {}
+    """Return (ext_modules, cmdclass) for setup(); empty when the extension is not built."""
+    mode = os.environ.get("SPEEDTRONIC_CUDA", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise SystemExit(f"SPEEDTRONIC_CUDA={mode!r} is not valid; use auto, 0 or 1")
+    if mode == "0":
+        _say("skipped (SPEEDTRONIC_CUDA=0)")
+        return [], {}
+    reason = _why_not_cuda()
+    if reason:
+        if mode == "1":
+            raise SystemExit(f"SPEEDTRONIC_CUDA=1 but {reason}")
+        _say(f"skipped ({reason}); the pure-PyTorch ops will be used")
+        return [], {}
+
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCH_LIST
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST", "(detected from the visible GPU)")
+    _cap_max_jobs()
+    _say(f"building for {arch_list} with MAX_JOBS={os.environ['MAX_JOBS']}")
+
+    sources = [os.path.join(CSRC, "ops.cpp")] + sorted(glob.glob(os.path.join(CSRC, "*.cu")))
+    torch_version = torch.__version__
+    ext = CUDAExtension(
+        name="speedtronic._C",
+        sources=sources,
+        include_dirs=[os.path.join(ROOT, CSRC)] + _nvidia_include_dirs(),
+        extra_compile_args={
+            "cxx": ["-O3"],
+            "nvcc": [
+                "-O3", "-lineinfo",
+                # A spill or local-memory use in a kernel is a performance bug: say so in the log
+                # (CI turns these into errors, see .ci/run).
+                "-Xptxas=-warn-spills,-warn-lmem-usage",
+            ],
+        },
+    )
+
+    class BuildWithInfo(BuildExtension):
+        """Writes ``_C.build.json`` beside the binary; the loader reads it before importing."""
+
+        def build_extension(self, extension):  # noqa: D401 - setuptools hook
+            super().build_extension(extension)
+            target = self.get_ext_fullpath(extension.name)
+            info = {
+                "torch_version": torch_version,
+                "cuda_version": torch.version.cuda,
+                "arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST", ""),
+            }
+            for folder in {os.path.dirname(target)}:
+                with open(os.path.join(folder, "_C.build.json"), "w") as fh:
+                    json.dump(info, fh, indent=1)
+
+    return [ext], {"build_ext": BuildWithInfo.with_options(use_ninja=shutil.which("ninja") is not None)}
 
 
 ext_modules, cmdclass = extension_modules()

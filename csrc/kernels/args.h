@@ -1,0 +1,79 @@
+// Plain argument structs shared by the kernels (nvcc or emulation), the launchers and the
+// torch glue. No CUDA, no torch: this header compiles anywhere.
+#pragma once
+#include <cstdint>
+
+namespace st {
+
+// Element types the kernels are instantiated for; csrc/ops_impl.h maps at::ScalarType onto it.
+enum class DType : int { F32 = 0, F16 = 1, BF16 = 2 };
+
+// Multi-tensor launch geometry (see TensorChunks in common.cuh).
+constexpr int kMaxTensors = 24;
+constexpr int kMaxBlocks = 320;
+constexpr int64_t kChunk = 16384;     // elements per block; 512 threads x 4 ILP x 8 iterations
+constexpr int kThreads = 512;
+constexpr int kIlp = 4;
+
+struct MaskArgs {
+  bool rescale;
+  unsigned long long* counts;  // per tensor (indexed by TensorChunks::id); pass 2 reads them
+};
+
+// Scalars that the reference forms in double precision (1 - beta1, ...) arrive precomputed, so
+// the kernels see the same float the reference's foreach ops see.
+struct AdamArgs {
+  float w1, beta2, w2, eps, decay;     // w1 = 1 - beta1, w2 = 1 - beta2, decay = 1 - lr*wd
+  float bias2_sqrt, step_size;         // sqrt(1 - b2^t), lr / (1 - b1^t)
+  bool has_decay, cautious;
+  MaskArgs mask;
+};
+
+struct PreArgs {
+  float momentum, w, eps;  // w = 1 - momentum
+  bool nesterov;
+  int64_t numel;     // m * n
+  int chunks;        // blocks per matrix
+  float* partial;    // [b][chunks] sums of squares
+};
+
+struct NormStats {
+  int64_t b;
+  int m, n;
+  float eps;
+  int strips, rows_per_strip;
+  float* rinv;     // [b][m]
+  float* partial;  // [b][strips][n]
+  float* cinv;     // [b][n]
+};
+
+struct PostArgs {
+  int n;
+  int64_t numel;
+  int chunks;
+  float decay, alpha;  // 1 - lr*wd ; -lr*lr_scale
+  bool has_decay, muon_plus, cautious, rescale;
+  NormStats stats;                 // rinv / cinv when muon_plus
+  unsigned long long* counts;      // [b] kept entries when cautious && rescale
+};
+
+struct SyrkArgs {
+  const void* X;
+  void* out;
+  const void* Y;  // may be null (then beta is ignored)
+  int64_t batch;
+  int m, k;
+  int64_t x_bs, out_bs, y_bs;  // batch strides, elements
+  int ldx, ldo, ldy;           // row strides, elements
+  float alpha, beta;
+  int tiles;                   // ceil(m / kSymBM), set by run_syrk
+};
+
+// Strips of rows for the column reduction: at most 32 strips, at least 8 rows each.
+inline void plan_strips(NormStats& s) {
+  s.rows_per_strip = s.m / 32 + (s.m % 32 != 0);
+  if (s.rows_per_strip < 8) s.rows_per_strip = 8;
+  s.strips = s.m == 0 ? 0 : (s.m + s.rows_per_strip - 1) / s.rows_per_strip;
+}
+
+}  // namespace st

@@ -1,0 +1,105 @@
+// The only file of speedtronic._C that includes torch: CUDA registrations of the speedtronic
+// ops (schemas are defined in speedtronic/ops.py) plus a few debug ops for tests/benchmarks.
+// The glue itself lives in ops_impl.h so the CPU emulation tests compile the same code.
+#include <Python.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "ops_impl.h"
+
+namespace st::glue {
+void* current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+}  // namespace st::glue
+
+namespace {
+
+using c10::cuda::OptionalCUDAGuard;
+namespace g = st::glue;
+
+at::Tensor newton_schulz(const at::Tensor& G, int64_t steps, at::ArrayRef<double> coefficients, double eps,
+                         std::optional<at::ScalarType> compute_dtype) {
+  OptionalCUDAGuard guard(G.device());
+  return g::newton_schulz(G, steps, coefficients, eps, compute_dtype);
+}
+
+at::Tensor muon_plus_normalize(const at::Tensor& U, double eps) {
+  OptionalCUDAGuard guard(U.device());
+  return g::muon_plus_normalize(U, eps);
+}
+
+void cautious_mask_(at::TensorList updates, at::TensorList grads, bool rescale) {
+  if (updates.empty()) return;
+  OptionalCUDAGuard guard(updates[0].device());
+  g::cautious_mask_(updates, grads, rescale);
+}
+
+at::Tensor muon_pre_orthogonalize_(at::TensorList bufs, at::TensorList grads, double momentum, bool nesterov,
+                                   double eps, at::ScalarType out_dtype) {
+  OptionalCUDAGuard guard(bufs.empty() ? c10::Device(c10::kCUDA) : bufs[0].device());
+  return g::muon_pre_orthogonalize_(bufs, grads, momentum, nesterov, eps, out_dtype);
+}
+
+void muon_post_update_(at::TensorList params, const at::Tensor& orth, at::TensorList grads, double lr,
+                       double weight_decay, double lr_scale, bool muon_plus, double norm_eps, bool cautious,
+                       bool cautious_rescale) {
+  OptionalCUDAGuard guard(orth.device());
+  g::muon_post_update_(params, orth, grads, lr, weight_decay, lr_scale, muon_plus, norm_eps, cautious,
+                       cautious_rescale);
+}
+
+void cautious_adamw_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                          at::TensorList exp_avg_sqs, double lr, double beta1, double beta2, double eps,
+                          double weight_decay, int64_t step, bool cautious, bool cautious_rescale) {
+  if (params.empty()) return;
+  OptionalCUDAGuard guard(params[0].device());
+  g::cautious_adamw_step_(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
+                          cautious, cautious_rescale);
+}
+
+at::Tensor syrk(const at::Tensor& X, double alpha, double beta, const std::optional<at::Tensor>& Y) {
+  OptionalCUDAGuard guard(X.device());
+  return g::syrk(X, alpha, beta, Y);
+}
+
+at::Tensor mma_probe(const at::Tensor& A, const at::Tensor& Bt) {
+  OptionalCUDAGuard guard(A.device());
+  return g::mma_probe(A, Bt);
+}
+
+int64_t symmetric_min_m() { return g::symmetric_min_m(); }
+void set_symmetric_min_m(int64_t m) { g::symmetric_min_m() = m; }
+std::string arch_list() { return st::compiled_arch_list(); }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(speedtronic, CUDA, m) {
+  m.impl("newton_schulz", &newton_schulz);
+  m.impl("muon_plus_normalize", &muon_plus_normalize);
+  m.impl("cautious_mask_", &cautious_mask_);
+  m.impl("muon_pre_orthogonalize_", &muon_pre_orthogonalize_);
+  m.impl("muon_post_update_", &muon_post_update_);
+  m.impl("cautious_adamw_step_", &cautious_adamw_step_);
+}
+
+// Not part of the public op set: benchmarks and GPU tests reach the symmetric kernel, the mma
+// layout probe and the crossover through these.
+TORCH_LIBRARY(speedtronic_debug, m) {
+  m.def("syrk(Tensor X, float alpha=1.0, float beta=0.0, Tensor? Y=None) -> Tensor");
+  m.def("mma_probe(Tensor A, Tensor Bt) -> Tensor");
+  m.def("symmetric_min_m() -> int", &symmetric_min_m);
+  m.def("set_symmetric_min_m(int m) -> ()", &set_symmetric_min_m);
+  m.def("arch_list() -> str", &arch_list);
+}
+
+TORCH_LIBRARY_IMPL(speedtronic_debug, CUDA, m) {
+  m.impl("syrk", &syrk);
+  m.impl("mma_probe", &mma_probe);
+}
+
+// `import speedtronic._C` needs a module object; the ops above register at load time.
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C",
+                            "Speedtronic CUDA kernels (registered with the torch dispatcher).", -1, nullptr};
+  return PyModule_Create(&def);
+}

@@ -1,0 +1,428 @@
+// Torch-facing glue for every speedtronic op: argument checks (same messages as
+// speedtronic/ops.py), dtype grouping, contiguity, scratch allocation, then the launchers of
+// launch.h. Included by ops.cpp (the CUDA registrations) AND by the CPU emulation binding
+// (tests/cuda_emulation/binding.cpp), so the emulation tests cover this file too. The includer
+// defines st::glue::current_stream().
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include "launch.h"
+
+namespace st::glue {
+
+void* current_stream();
+
+// Newton-Schulz uses the symmetric tensor-core kernel for X X^T and A A only when the Gram
+// side m is at least this. NOT MEASURED YET: no GPU was available when this was written, so the
+// default keeps every size on cuBLAS (never slower than the cuBLAS-only path). Published
+// crossovers for comparable kernels are m ~ 1-2k (QuACK 0.78x at 1024, 1.02x at 2048); set it
+// from benchmarks/gpu_check.sh's table. Override at run time: SPEEDTRONIC_SYMMETRIC_MIN_M.
+constexpr int64_t kSymmetricMinM = INT_MAX;
+
+inline int64_t& symmetric_min_m() {
+  static int64_t value = [] {
+    const char* env = std::getenv("SPEEDTRONIC_SYMMETRIC_MIN_M");
+    return env && *env ? std::atoll(env) : kSymmetricMinM;
+  }();
+  return value;
+}
+
+inline DType dtype_of(const at::Tensor& t, const char* op, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::F32;
+    case at::kHalf: return DType::F16;
+    case at::kBFloat16: return DType::BF16;
+    default:
+      TORCH_CHECK_VALUE(false, "speedtronic::", op, ": ", what, " has dtype ", t.scalar_type(),
+                        "; the CUDA kernels take float32, float16 or bfloat16 (set "
+                        "SPEEDTRONIC_DISABLE_KERNELS=1 to use the PyTorch ops)");
+  }
+  return DType::F32;
+}
+
+// Contiguous stand-ins for tensors the kernels write; copied back by finish().
+struct Writeback {
+  std::vector<std::pair<at::Tensor, at::Tensor>> pending;
+  at::Tensor prepare(const at::Tensor& t) {
+    if (t.is_contiguous()) return t;
+    at::Tensor c = t.contiguous();
+    pending.emplace_back(t, c);
+    return c;
+  }
+  void finish() {
+    for (auto& [orig, copy] : pending) orig.copy_(copy);
+  }
+};
+
+inline void check_pair(const at::Tensor& ref, const at::Tensor& t, const char* op, const char* what,
+                       size_t i) {
+  TORCH_CHECK_VALUE(t.device() == ref.device(), "speedtronic::", op, ": ", what, "[", i, "] is on ",
+                    t.device(), " but the first tensor is on ", ref.device());
+  TORCH_CHECK_VALUE(t.numel() == ref.numel(), "speedtronic::", op, ": ", what, "[", i, "] has ",
+                    t.numel(), " elements, expected ", ref.numel());
+}
+
+inline at::Tensor zeros_i64(int64_t n, const at::Device& dev) {
+  return at::zeros({n}, at::TensorOptions().dtype(at::kLong).device(dev));
+}
+
+// ---------------------------------------------------------------- cautious_mask_
+inline void cautious_mask_(at::TensorList updates, at::TensorList grads, bool rescale) {
+  TORCH_CHECK_VALUE(updates.size() == grads.size(), "cautious_mask_: ", updates.size(),
+                    " updates but ", grads.size(), " grads");
+  const int n = static_cast<int>(updates.size());
+  if (n == 0) return;
+  const at::Device dev = updates[0].device();
+  Writeback wb;
+  std::vector<at::Tensor> U(n), G(n);
+  for (int i = 0; i < n; ++i) {
+    check_pair(updates[i], grads[i], "cautious_mask_", "grads", i);
+    TORCH_CHECK_VALUE(updates[i].device() == dev, "cautious_mask_: updates[", i, "] is on ",
+                      updates[i].device(), ", updates[0] on ", dev);
+    U[i] = wb.prepare(updates[i]);
+    G[i] = grads[i].contiguous();
+  }
+  at::Tensor counts = rescale ? zeros_i64(n, dev) : at::Tensor();
+  std::map<std::pair<int, int>, std::vector<int>> groups;
+  for (int i = 0; i < n; ++i) {
+    groups[{static_cast<int>(dtype_of(U[i], "cautious_mask_", "updates")),
+            static_cast<int>(dtype_of(G[i], "cautious_mask_", "grads"))}]
+        .push_back(i);
+  }
+  for (auto& [key, idx] : groups) {
+    std::vector<void*> up, gp;
+    std::vector<int64_t> numel;
+    for (int i : idx) {
+      up.push_back(U[i].data_ptr());
+      gp.push_back(G[i].data_ptr());
+      numel.push_back(U[i].numel());
+    }
+    MaskArgs a{rescale, rescale ? reinterpret_cast<unsigned long long*>(counts.data_ptr<int64_t>()) : nullptr};
+    launch_cautious_mask(static_cast<DType>(key.first), static_cast<DType>(key.second),
+                         static_cast<int>(idx.size()), up.data(), gp.data(), numel.data(), idx.data(), a,
+                         current_stream());
+  }
+  wb.finish();
+}
+
+// ---------------------------------------------------------------- cautious_adamw_step_
+inline void cautious_adamw_step_(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                                 at::TensorList exp_avg_sqs, double lr, double beta1, double beta2,
+                                 double eps, double weight_decay, int64_t step, bool cautious,
+                                 bool cautious_rescale) {
+  const size_t n = params.size();
+  TORCH_CHECK_VALUE(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n,
+                    "cautious_adamw_step_: params, grads, exp_avgs and exp_avg_sqs must have the "
+                    "same length");
+  TORCH_CHECK_VALUE(step >= 1, "cautious_adamw_step_: step must be >= 1 (1-based), got ", step);
+  if (n == 0) return;
+  const at::Device dev = params[0].device();
+  Writeback wb;
+  std::vector<at::Tensor> P(n), G(n), M(n), V(n);
+  std::map<std::tuple<int, int, int>, std::vector<int>> groups;
+  for (size_t i = 0; i < n; ++i) {
+    TORCH_CHECK_VALUE(params[i].device() == dev, "cautious_adamw_step_: params[", i, "] is on ",
+                      params[i].device(), ", params[0] on ", dev);
+    check_pair(params[i], grads[i], "cautious_adamw_step_", "grads", i);
+    check_pair(params[i], exp_avgs[i], "cautious_adamw_step_", "exp_avgs", i);
+    check_pair(params[i], exp_avg_sqs[i], "cautious_adamw_step_", "exp_avg_sqs", i);
+    const DType dp = dtype_of(params[i], "cautious_adamw_step_", "params");
+    const DType dg = dtype_of(grads[i], "cautious_adamw_step_", "grads");
+    const DType dm = dtype_of(exp_avgs[i], "cautious_adamw_step_", "exp_avgs");
+    const DType dv = dtype_of(exp_avg_sqs[i], "cautious_adamw_step_", "exp_avg_sqs");
+    TORCH_CHECK_VALUE(dm == dv && (dm == DType::F32 || dm == dp), "cautious_adamw_step_: ",
+                      "exp_avgs[", i, "] and exp_avg_sqs[", i, "] must both be float32 or the "
+                      "parameter's dtype, got ", exp_avgs[i].scalar_type(), " and ",
+                      exp_avg_sqs[i].scalar_type());
+    P[i] = wb.prepare(params[i]);
+    G[i] = grads[i].contiguous();
+    M[i] = wb.prepare(exp_avgs[i]);
+    V[i] = wb.prepare(exp_avg_sqs[i]);
+    groups[{static_cast<int>(dp), static_cast<int>(dg), static_cast<int>(dm)}].push_back(static_cast<int>(i));
+  }
+  const bool rescale = cautious && cautious_rescale;
+  at::Tensor counts = rescale ? zeros_i64(static_cast<int64_t>(n), params[0].device()) : at::Tensor();
+  AdamArgs a;
+  a.w1 = static_cast<float>(1.0 - beta1);
+  a.beta2 = static_cast<float>(beta2);
+  a.w2 = static_cast<float>(1.0 - beta2);
+  a.eps = static_cast<float>(eps);
+  a.decay = static_cast<float>(1.0 - lr * weight_decay);
+  a.has_decay = weight_decay != 0.0;
+  a.bias2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
+  a.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
+  a.cautious = cautious;
+  a.mask = MaskArgs{rescale, rescale ? reinterpret_cast<unsigned long long*>(counts.data_ptr<int64_t>()) : nullptr};
+  for (auto& [key, idx] : groups) {
+    std::vector<void*> lists[4];
+    std::vector<int64_t> numel;
+    for (int i : idx) {
+      lists[0].push_back(P[i].data_ptr());
+      lists[1].push_back(G[i].data_ptr());
+      lists[2].push_back(M[i].data_ptr());
+      lists[3].push_back(V[i].data_ptr());
+      numel.push_back(P[i].numel());
+    }
+    void* const* ptrs[4] = {lists[0].data(), lists[1].data(), lists[2].data(), lists[3].data()};
+    launch_adamw(static_cast<DType>(std::get<0>(key)), static_cast<DType>(std::get<1>(key)),
+                 static_cast<DType>(std::get<2>(key)), static_cast<int>(idx.size()), ptrs, numel.data(),
+                 idx.data(), a, current_stream());
+  }
+  wb.finish();
+}
+
+// ---------------------------------------------------------------- muon_pre_orthogonalize_
+inline void check_same_shape(at::TensorList ts, const char* what) {
+  TORCH_CHECK_VALUE(!ts.empty(), what, ": needs at least one tensor");
+  for (const auto& t : ts) {
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.sizes() == ts[0].sizes(), what,
+                      ": all tensors must be 2-D with one shape, got ", t.sizes(), " and ", ts[0].sizes());
+  }
+}
+
+inline at::Tensor muon_pre_orthogonalize_(at::TensorList bufs, at::TensorList grads, double momentum,
+                                          bool nesterov, double eps, at::ScalarType out_dtype) {
+  check_same_shape(bufs, "muon_pre_orthogonalize_");
+  TORCH_CHECK_VALUE(grads.size() == bufs.size(), "muon_pre_orthogonalize_: ", bufs.size(),
+                    " buffers but ", grads.size(), " grads");
+  const int b = static_cast<int>(bufs.size());
+  const int64_t m = bufs[0].size(0), n = bufs[0].size(1);
+  at::Tensor out = at::empty({b, m, n}, bufs[0].options().dtype(out_dtype));  // (b, m, n)
+  const DType dout = dtype_of(out, "muon_pre_orthogonalize_", "out_dtype");
+  Writeback wb;
+  std::vector<at::Tensor> B(b), G(b);
+  std::map<int, std::vector<int>> groups;
+  for (int i = 0; i < b; ++i) {
+    TORCH_CHECK_VALUE(bufs[i].scalar_type() == at::kFloat,
+                      "muon_pre_orthogonalize_: momentum buffers must be float32, got ", bufs[i].scalar_type());
+    check_pair(bufs[i], grads[i], "muon_pre_orthogonalize_", "grads", i);
+    check_pair(bufs[0], bufs[i], "muon_pre_orthogonalize_", "momentum_buffers", i);
+    B[i] = wb.prepare(bufs[i]);
+    G[i] = grads[i].contiguous();
+    groups[static_cast<int>(dtype_of(G[i], "muon_pre_orthogonalize_", "grads"))].push_back(i);
+  }
+  const int64_t numel = m * n;
+  if (numel == 0) return out;
+  PreArgs a;
+  a.momentum = static_cast<float>(momentum);
+  a.w = static_cast<float>(1.0 - momentum);
+  a.eps = static_cast<float>(eps);
+  a.nesterov = nesterov;
+  a.numel = numel;
+  a.chunks = static_cast<int>((numel + kChunk - 1) / kChunk);
+  at::Tensor partial = at::empty({static_cast<int64_t>(b) * a.chunks}, bufs[0].options().dtype(at::kFloat));
+  a.partial = partial.data_ptr<float>();
+  for (auto& [dg, idx] : groups) {
+    std::vector<void*> gp, bp;
+    for (int i : idx) {
+      gp.push_back(G[i].data_ptr());
+      bp.push_back(B[i].data_ptr());
+    }
+    launch_muon_pre(static_cast<DType>(dg), dout, static_cast<int>(idx.size()), gp.data(), bp.data(),
+                    idx.data(), a, out.data_ptr(), current_stream());
+  }
+  wb.finish();
+  return out;
+}
+
+// ---------------------------------------------------------------- Muon+ statistics
+struct Stats {
+  NormStats s;
+  at::Tensor rinv, partial, cinv;  // keep the scratch alive until the launches are queued
+};
+
+inline Stats make_stats(const at::Tensor& U3, double eps) {  // U3: contiguous (b, m, n)
+  Stats st;
+  st.s.b = U3.size(0);
+  st.s.m = static_cast<int>(U3.size(1));
+  st.s.n = static_cast<int>(U3.size(2));
+  st.s.eps = static_cast<float>(eps);
+  plan_strips(st.s);
+  auto opts = U3.options().dtype(at::kFloat);
+  st.rinv = at::empty({st.s.b * st.s.m}, opts);
+  st.partial = at::empty({st.s.b * st.s.strips * st.s.n}, opts);
+  st.cinv = at::empty({st.s.b * st.s.n}, opts);
+  st.s.rinv = st.rinv.data_ptr<float>();
+  st.s.partial = st.partial.data_ptr<float>();
+  st.s.cinv = st.cinv.data_ptr<float>();
+  return st;
+}
+
+inline at::Tensor muon_plus_normalize(const at::Tensor& U, double eps) {
+  TORCH_CHECK_VALUE((U.dim() == 2 || U.dim() == 3) && U.is_floating_point(),
+                    "muon_plus_normalize expects a floating (m, n) or (b, m, n) tensor, got ",
+                    U.scalar_type(), " ", U.sizes());
+  if (U.scalar_type() == at::kDouble) {  // no fp64 kernel: the reference math in ATen
+    at::Tensor rows = U.square().sum(-1, true).add_(eps).rsqrt_();
+    at::Tensor out = U * rows;
+    at::Tensor cols = out.square().sum(-2, true).add_(eps).rsqrt_();
+    return out.mul_(cols);
+  }
+  const DType dt = dtype_of(U, "muon_plus_normalize", "U");
+  at::Tensor U3 = (U.dim() == 3 ? U : U.unsqueeze(0)).contiguous();  // (b, m, n)
+  at::Tensor out = at::empty_like(U3);
+  if (U3.numel() > 0) {
+    Stats st = make_stats(U3, eps);
+    launch_muon_plus_normalize(dt, U3.data_ptr(), out.data_ptr(), st.s, current_stream());
+  }
+  return U.dim() == 3 ? out : out.squeeze(0);
+}
+
+// ---------------------------------------------------------------- muon_post_update_
+inline void muon_post_update_(at::TensorList params, const at::Tensor& orthogonalized, at::TensorList grads,
+                              double lr, double weight_decay, double lr_scale, bool muon_plus,
+                              double norm_eps, bool cautious, bool cautious_rescale) {
+  TORCH_CHECK_VALUE(orthogonalized.dim() == 3 && orthogonalized.size(0) == static_cast<int64_t>(params.size()),
+                    "muon_post_update_: orthogonalized must be (b, m, n) with b=", params.size(),
+                    ", got ", orthogonalized.sizes());
+  TORCH_CHECK_VALUE(grads.size() == params.size(), "muon_post_update_: ", params.size(), " params but ",
+                    grads.size(), " grads");
+  const int b = static_cast<int>(params.size());
+  if (b == 0) return;
+  const at::Tensor O = orthogonalized.contiguous();  // (b, m, n)
+  const DType dout = dtype_of(O, "muon_post_update_", "orthogonalized");
+  const int64_t numel = O.size(1) * O.size(2);
+  Writeback wb;
+  std::vector<at::Tensor> P(b), G(b);
+  std::map<std::pair<int, int>, std::vector<int>> groups;
+  for (int i = 0; i < b; ++i) {
+    TORCH_CHECK_VALUE(params[i].numel() == numel && params[i].device() == O.device(), "muon_post_update_: params[",
+                      i, "] (", params[i].sizes(), " on ", params[i].device(), ") does not match orthogonalized[", i,
+                      "] (", O.sizes().slice(1), " on ", O.device(), ")");
+    check_pair(params[i], grads[i], "muon_post_update_", "grads", i);
+    P[i] = wb.prepare(params[i]);
+    G[i] = grads[i].contiguous();
+    groups[{static_cast<int>(dtype_of(P[i], "muon_post_update_", "params")),
+            static_cast<int>(dtype_of(G[i], "muon_post_update_", "grads"))}]
+        .push_back(i);
+  }
+  if (numel == 0) return;
+  PostArgs a;
+  a.n = static_cast<int>(O.size(2));
+  a.numel = numel;
+  a.chunks = static_cast<int>((numel + kChunk - 1) / kChunk);
+  a.decay = static_cast<float>(1.0 - lr * weight_decay);
+  a.alpha = static_cast<float>(-lr * lr_scale);
+  a.has_decay = weight_decay != 0.0;
+  a.muon_plus = muon_plus;
+  a.cautious = cautious;
+  a.rescale = cautious && cautious_rescale;
+  Stats st;
+  if (muon_plus) {
+    st = make_stats(O, norm_eps);
+    launch_muon_plus_stats(dout, O.data_ptr(), st.s, current_stream());
+  }
+  a.stats = st.s;
+  at::Tensor counts = a.rescale ? zeros_i64(b, O.device()) : at::Tensor();
+  a.counts = a.rescale ? reinterpret_cast<unsigned long long*>(counts.data_ptr<int64_t>()) : nullptr;
+  for (auto& [key, idx] : groups) {
+    std::vector<void*> pp, gp;
+    for (int i : idx) {
+      pp.push_back(P[i].data_ptr());
+      gp.push_back(G[i].data_ptr());
+    }
+    launch_muon_post(static_cast<DType>(key.first), dout, static_cast<DType>(key.second),
+                     static_cast<int>(idx.size()), pp.data(), gp.data(), idx.data(), O.data_ptr(), a,
+                     current_stream());
+  }
+  wb.finish();
+}
+
+// ---------------------------------------------------------------- symmetric product
+// out = alpha X X^T + beta Y for X (m, k) or (b, m, k) in float16/bfloat16.
+inline at::Tensor syrk(const at::Tensor& X_, double alpha, double beta, const std::optional<at::Tensor>& Y_) {
+  TORCH_CHECK_VALUE(X_.dim() == 2 || X_.dim() == 3, "syrk: X must be (m, k) or (b, m, k), got ", X_.sizes());
+  TORCH_CHECK_VALUE(X_.scalar_type() == at::kHalf || X_.scalar_type() == at::kBFloat16,
+                    "syrk: X must be float16 or bfloat16, got ", X_.scalar_type());
+  at::Tensor X = X_.dim() == 3 ? X_ : X_.unsqueeze(0);
+  if (X.stride(-1) != 1 || X.stride(-2) < X.size(-1)) X = X.contiguous();
+  const int64_t b = X.size(0), m = X.size(1), k = X.size(2);
+  TORCH_CHECK_VALUE(m < INT_MAX && k < INT_MAX && X.stride(1) < INT_MAX, "syrk: matrix too large");
+  at::Tensor out = at::empty({b, m, m}, X.options());  // (b, m, m)
+  at::Tensor Y;
+  if (Y_.has_value() && Y_->defined()) {
+    Y = (Y_->dim() == 3 ? *Y_ : Y_->unsqueeze(0)).contiguous();
+    TORCH_CHECK_VALUE(Y.sizes() == out.sizes() && Y.scalar_type() == X.scalar_type() && Y.device() == X.device(),
+                      "syrk: Y must be ", out.sizes(), " ", X.scalar_type(), ", got ", Y.sizes(), " ", Y.scalar_type());
+  }
+  SyrkArgs a{};
+  a.X = X.data_ptr();
+  a.out = out.data_ptr();
+  a.Y = Y.defined() ? Y.data_ptr() : nullptr;
+  a.batch = b;
+  a.m = static_cast<int>(m);
+  a.k = static_cast<int>(k);
+  a.x_bs = X.stride(0);
+  a.out_bs = m * m;
+  a.y_bs = m * m;
+  a.ldx = static_cast<int>(X.stride(1));
+  a.ldo = static_cast<int>(m);
+  a.ldy = static_cast<int>(m);
+  a.alpha = static_cast<float>(alpha);
+  a.beta = static_cast<float>(beta);
+  launch_syrk(X.scalar_type() == at::kHalf ? DType::F16 : DType::BF16, a, current_stream());
+  return X_.dim() == 3 ? out : out.squeeze(0);
+}
+
+// D (16, 8) fp32 = A (16, 16) @ Bt (8, 16)^T through one mma.sync: the layout probe.
+inline at::Tensor mma_probe(const at::Tensor& A, const at::Tensor& Bt) {
+  TORCH_CHECK_VALUE(A.sizes() == at::IntArrayRef({16, 16}) && Bt.sizes() == at::IntArrayRef({8, 16}) &&
+                        A.scalar_type() == Bt.scalar_type(),
+                    "mma_probe: A must be (16, 16) and Bt (8, 16), same dtype");
+  at::Tensor D = at::empty({16, 8}, A.options().dtype(at::kFloat));
+  launch_mma_probe(dtype_of(A, "mma_probe", "A"), A.contiguous().data_ptr(), Bt.contiguous().data_ptr(),
+                   D.data_ptr<float>(), current_stream());
+  return D;
+}
+
+// ---------------------------------------------------------------- newton_schulz
+inline at::Tensor newton_schulz(const at::Tensor& G, int64_t steps, at::ArrayRef<double> coefficients, double eps,
+                                std::optional<at::ScalarType> compute_dtype) {
+  TORCH_CHECK_VALUE(G.dim() == 2 || G.dim() == 3, "newton_schulz expects a (m, n) or (b, m, n) tensor, got shape ",
+                    G.sizes());
+  TORCH_CHECK_VALUE(G.is_floating_point(), "newton_schulz expects a floating-point tensor, got ", G.scalar_type());
+  TORCH_CHECK_VALUE(steps >= 1, "newton_schulz steps must be >= 1, got ", steps);
+  const size_t nc = coefficients.size();
+  TORCH_CHECK_VALUE(nc == 3 || nc == static_cast<size_t>(3 * steps), "newton_schulz coefficients must hold 3 or ",
+                    "3*steps=", 3 * steps, " floats, got ", nc);
+  const at::ScalarType dtype = compute_dtype.has_value() ? *compute_dtype
+                               : G.scalar_type() == at::kDouble ? at::kDouble
+                               : G.is_cuda()                    ? at::kBFloat16
+                                                                : at::kFloat;
+  at::Tensor X = G.dim() == 3 ? G : G.unsqueeze(0);  // (b, m, n)
+  const bool tall = X.size(-2) > X.size(-1);
+  if (tall) X = X.mT();
+  const at::ScalarType norm_dtype = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor norm = at::linalg_vector_norm(X, 2, at::IntArrayRef({-2, -1}), true, norm_dtype);
+  X = (X.to(norm_dtype) / (norm + eps)).to(dtype);
+  const bool sym = (dtype == at::kBFloat16 || dtype == at::kHalf) && X.size(-2) >= symmetric_min_m();
+  for (int64_t s = 0; s < steps; ++s) {
+    const size_t o = nc == 3 ? 0 : static_cast<size_t>(3 * s);
+    const double ca = coefficients[o], cb = coefficients[o + 1], cc = coefficients[o + 2];
+    at::Tensor A, B;
+    if (sym) {
+      A = syrk(X, 1.0, 0.0, std::nullopt);  // (b, m, m)  X X^T, upper tiles only
+      B = syrk(A, cc, cb, A);               // (b, m, m)  b A + c A A  (A symmetric: A A = A A^T)
+    } else {
+      A = at::bmm(X, X.mT());                        // (b, m, m)
+      B = at::baddbmm(A, A, A, /*beta=*/cb, /*alpha=*/cc);
+    }
+    X = at::baddbmm(X, B, X, /*beta=*/ca, /*alpha=*/1.0);  // (b, m, n)  a X + B X
+  }
+  if (tall) X = X.mT();
+  if (G.dim() == 2) X = X.squeeze(0);
+  return X.to(G.scalar_type()).contiguous();
+}
+
+}  // namespace st::glue
