@@ -103,9 +103,10 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
     # Speedtronic op path (cautious, or fused disabled). Steps are bucketed by value: params
     # that first got a gradient later have a smaller step.
     by_step: dict[int, list[int]] = defaultdict(list)
-    for i, s in enumerate(steps):
-        s.add_(1)
-        by_step[int(s.item())].append(i)
+    for i, p in enumerate(params):
+        # A new tensor, not add_: a loaded state_dict may share its step tensors with the saver.
+        steps[i] = state[p]["step"] = steps[i] + 1
+        by_step[int(steps[i].item())].append(i)
     for step, idx in by_step.items():
         ops.cautious_adamw_step_([params[i] for i in idx], [grads[i] for i in idx],
                                  [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx],

@@ -1,0 +1,195 @@
+"""build_optimizer / HybridOptimizer: one optimizer, every param trained, schedules, state."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from speedtronic.config import ConfigError, ModelConfig, OptimizerConfig, load_config
+from speedtronic.optim import AdamW, HybridOptimizer, build_optimizer
+from speedtronic.optim.routing import trainable_parameters
+
+
+def _model(tie: bool = True) -> nn.Module:
+    from speedtronic.models import build_model
+
+    torch.manual_seed(0)
+    return build_model(ModelConfig(n_layer=2, d_model=32, n_head=4, vocab_size=48,
+                                   max_seq_len=16, tie_weights=tie))
+
+
+def _train_step(model: nn.Module, opt: torch.optim.Optimizer, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 48, (2, 16), generator=g)
+    y = torch.randint(0, 48, (2, 16), generator=g)
+    opt.zero_grad()
+    model(x, y).backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("name,cautious,muon_plus", [
+    ("adamw", False, False), ("adamw", True, False), ("muon", False, False),
+    ("muon", True, True)])
+def test_every_trainable_param_changes_after_one_step(name, cautious, muon_plus) -> None:
+    model = _model()
+    frozen = model.blocks[0].attn_norm.weight
+    frozen.requires_grad_(False)
+    before = {id(p): p.detach().clone() for p in model.parameters()}
+    opt = build_optimizer(model, OptimizerConfig(name=name, cautious=cautious,
+                                                 muon_plus=muon_plus))
+    assert isinstance(opt, torch.optim.Optimizer)
+    covered = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(covered) == sorted(id(p) for p in trainable_parameters(model))
+    _train_step(model, opt)
+    unchanged = [n for n, p in model.named_parameters()
+                 if p.requires_grad and torch.equal(p, before[id(p)])]
+    assert unchanged == []
+    assert torch.equal(frozen, before[id(frozen)])
+
+
+def test_branch_hyperparameters_and_no_decay_groups() -> None:
+    cfg = OptimizerConfig(name="muon", lr=1e-3, weight_decay=0.05, muon_lr=0.03,
+                          muon_weight_decay=0.02)
+    opt = build_optimizer(_model(), cfg)
+    by_name = {g["name"]: g for g in opt.param_groups}
+    assert by_name["muon"]["kind"] == "muon" and by_name["muon"]["lr"] == 0.03
+    assert by_name["muon"]["weight_decay"] == 0.02
+    assert by_name["adamw_no_decay"]["weight_decay"] == 0.0
+    assert "adamw_decay" not in by_name  # reference model: embeddings + norms only
+    opt = build_optimizer(_model(), OptimizerConfig(name="muon", decay_embeddings=True,
+                                                    decay_norms_and_biases=True))
+    assert {g["name"] for g in opt.param_groups} == {"muon", "adamw_decay"}
+
+
+def test_adamw_covers_hidden_matrices_with_decay() -> None:
+    opt = build_optimizer(_model(), OptimizerConfig(name="adamw", weight_decay=0.1))
+    kinds = {g["kind"] for g in opt.param_groups}
+    assert kinds == {"adamw"}
+    decay = next(g for g in opt.param_groups if g["name"] == "adamw_decay")
+    assert len(decay["params"]) == 14 and decay["weight_decay"] == 0.1
+
+
+def test_lambda_lr_scales_both_branches_keeping_ratio() -> None:
+    model = _model()
+    opt = build_optimizer(model, OptimizerConfig(name="muon", lr=1e-3, muon_lr=0.02))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.5 ** step)
+    _train_step(model, opt)
+    sched.step()
+    _train_step(model, opt)
+    sched.step()
+    lrs = {g["name"]: g["lr"] for g in opt.param_groups}
+    assert lrs["muon"] == pytest.approx(0.005) and lrs["adamw_no_decay"] == pytest.approx(2.5e-4)
+
+
+def test_state_dict_roundtrips_weights_only_and_resumes_identically() -> None:
+    cfg = OptimizerConfig(name="muon", cautious=True, muon_coefficients="polar_express")
+    model = _model()
+    opt = build_optimizer(model, cfg)
+    _train_step(model, opt, seed=1)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    _train_step(model, opt, seed=2)
+
+    resumed = _model()
+    resumed.load_state_dict(ckpt["model"])
+    opt2 = build_optimizer(resumed, cfg)
+    opt2.load_state_dict(ckpt["opt"])
+    _train_step(resumed, opt2, seed=2)
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_adamw_state_layout_is_the_same_on_fused_and_op_paths() -> None:
+    model = _model()
+    fused = build_optimizer(model, OptimizerConfig(name="adamw", fused=True))
+    _train_step(model, fused)
+    other = _model()
+    other.load_state_dict(model.state_dict())
+    op_path = build_optimizer(other, OptimizerConfig(name="adamw", fused=False, cautious=True))
+    op_path.load_state_dict(fused.state_dict())  # fused checkpoint -> cautious op path
+    for group in op_path.param_groups:  # like torch, loading restores saved hyperparameters
+        assert group["fused"] is True
+        group.update(fused=False, cautious=True)
+    _train_step(other, op_path, seed=3)
+    a, b = fused.state_dict()["state"][0], op_path.state_dict()["state"][0]
+    assert set(a) == set(b) == {"step", "exp_avg", "exp_avg_sq"}
+    assert a["step"].item() == 1 and b["step"].item() == 2
+
+
+def test_fused_and_op_adamw_agree() -> None:
+    results = []
+    for fused in (True, False):
+        model = _model()
+        opt = build_optimizer(model, OptimizerConfig(name="adamw", fused=fused))
+        for s in range(3):
+            _train_step(model, opt, seed=s)
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_reset_state_clears_both_branches() -> None:
+    model = _model()
+    opt = build_optimizer(model, OptimizerConfig(name="muon"))
+    _train_step(model, opt)
+    kinds = {k for st in opt.state.values() for k in st}
+    assert {"momentum_buffer", "exp_avg"} <= kinds
+    lr_before = [g["lr"] for g in opt.param_groups]
+    opt.reset_state()
+    assert len(opt.state) == 0 and [g["lr"] for g in opt.param_groups] == lr_before
+    _train_step(model, opt)  # state re-initializes cleanly
+
+
+def test_loading_a_checkpoint_of_the_other_optimizer_is_a_clear_error() -> None:
+    model = _model()
+    sd = build_optimizer(model, OptimizerConfig(name="adamw")).state_dict()
+    opt = build_optimizer(model, OptimizerConfig(name="muon"))
+    with pytest.raises(ValueError, match="different optimizer.name"):
+        opt.load_state_dict(sd)
+
+
+def test_config_errors_and_capability_log(caplog) -> None:
+    with pytest.raises(ConfigError, match="muon_plus"):
+        load_config({"optimizer": {"name": "adamw", "muon_plus": True}})
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        build_optimizer(frozen, OptimizerConfig())
+    with caplog.at_level(logging.INFO, logger="speedtronic.optim"):
+        build_optimizer(_model(), OptimizerConfig(name="muon"))
+    assert any("muon branch: Newton-Schulz fp32 (auto, no CUDA)" in r.message
+               for r in caplog.records)
+
+
+def test_muon_without_matrices_falls_back_to_adamw() -> None:
+    model = nn.Sequential(nn.Conv1d(2, 2, 3))
+    opt = build_optimizer(model, OptimizerConfig(name="muon"))
+    assert {g["kind"] for g in opt.param_groups} == {"adamw"}
+
+
+def test_hybrid_group_validation() -> None:
+    with pytest.raises(ValueError, match="'kind'"):
+        HybridOptimizer([{"params": [nn.Parameter(torch.ones(2))]}])
+    with pytest.raises(ValueError, match="2D parameters"):
+        HybridOptimizer([{"params": [nn.Parameter(torch.ones(2))], "kind": "muon"}])
+
+
+def test_standalone_cautious_adamw_matches_torch_when_not_cautious() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(6, 5)
+    grads = [torch.randn(6, 5) for _ in range(3)]
+    outs = []
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                 lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1, fused=False)):
+        p = nn.Parameter(w.clone())
+        opt = make([p])
+        for g in grads:
+            p.grad = g.clone()
+            opt.step()
+        outs.append(p.detach())
+    assert torch.allclose(outs[0], outs[1], atol=1e-6)
