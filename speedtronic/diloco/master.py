@@ -364,9 +364,7 @@ class Master:
 
     def _collect_garbage(self, applied_keys: list[str]) -> None:
         try:
-            if self.cfg.delete_processed:
-                for key in applied_keys:
-                    self.store.delete(key)
+            doomed = list(applied_keys) if self.cfg.delete_processed else []
             keep_from = self.pointer.version - self.cfg.keep_versions + 1
             current = {self.pointer.path, self.pointer.state_path}
             for key in self.store.list("global/v") + self.store.list("master/state-"):
@@ -374,7 +372,8 @@ class Master:
                 ver = int(name.split("-")[1 if name.startswith("state-") else 0].lstrip("v"))
                 orphan = ver >= self.pointer.version and key not in current
                 if ver < keep_from or orphan:
-                    self.store.delete(key)
+                    doomed.append(key)
+            self.store.delete_many(doomed)
         except StoreError as exc:  # garbage collection is best effort
             logger.warning("diloco master: cleanup failed (will retry next round): %s", exc)
 

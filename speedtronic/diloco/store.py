@@ -116,6 +116,11 @@ class Store:
     def delete(self, key: str) -> None:
         raise NotImplementedError
 
+    def delete_many(self, keys: list[str]) -> None:
+        """Delete several keys (one commit on the Hub back end)."""
+        for key in keys:
+            self.delete(key)
+
     def swap(self, key: str, data: bytes, expected_etag: str | None) -> str:
         """Replace ``key`` only if its etag is ``expected_etag`` (None: only if absent).
 
@@ -168,6 +173,7 @@ class RetryingStore(Store):
         self._rng = random.Random(seed)
         self.url = inner.url
         self.supports_cas = inner.supports_cas
+        self.single_commit = getattr(inner, "single_commit", False)
         self.retries = 0  # total retried calls, for metrics
 
     def _wait(self, seconds: float) -> None:
@@ -227,6 +233,10 @@ class RetryingStore(Store):
 
     def delete(self, key: str) -> None:
         self._call(f"delete {key}", lambda: self.inner.delete(key))
+
+    def delete_many(self, keys: list[str]) -> None:
+        if keys:
+            self._call(f"delete {len(keys)} keys", lambda: self.inner.delete_many(keys))
 
     def swap(self, key: str, data: bytes, expected_etag: str | None) -> str:
         return self._call(f"swap {key}", lambda: self.inner.swap(key, data, expected_etag))
@@ -397,6 +407,7 @@ class OutageStore(Store):
     def __init__(self, inner: Store, flag_path: str) -> None:
         self.inner, self.flag = inner, flag_path
         self.url, self.supports_cas = inner.url, inner.supports_cas
+        self.single_commit = getattr(inner, "single_commit", False)
 
     def _check(self) -> None:
         if os.path.exists(self.flag):
@@ -429,6 +440,14 @@ class OutageStore(Store):
     def swap(self, key: str, data: bytes, expected_etag: str | None) -> str:
         self._check()
         return self.inner.swap(key, data, expected_etag)
+
+    def delete_many(self, keys: list[str]) -> None:
+        self._check()
+        self.inner.delete_many(keys)
+
+    def commit(self, objects: dict[str, bytes], pointer: tuple[str, bytes, str | None]) -> str:
+        self._check()
+        return self.inner.commit(objects, pointer)
 
 
 def open_store(url: str, *, retry: RetryPolicy | None = None,

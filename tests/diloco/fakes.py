@@ -1,0 +1,132 @@
+"""Test doubles for remote stores: an in-memory object with HfApi's methods (commits, parent
+commit checks, injected HTTP failures) and a moto S3 server on loopback."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+
+class FakeHTTPError(Exception):
+    """Shaped like huggingface_hub's HfHubHTTPError: ``.response.status_code`` and headers."""
+
+    def __init__(self, status: int, retry_after: float | None = None) -> None:
+        super().__init__(f"HTTP {status}")
+        headers = {"Retry-After": str(retry_after)} if retry_after is not None else {}
+        self.response = SimpleNamespace(status_code=status, headers=headers)
+
+
+@dataclass
+class FakeHfApi:
+    """In-memory Hub repo with the HfApi methods HfStore uses. ``fail`` is a list of
+    (method name, status, retry_after) consumed in order by matching calls."""
+
+    files: dict[str, bytes] = field(default_factory=dict)
+    commits: list[str] = field(default_factory=lambda: ["0" * 40])
+    fail: list[tuple[str, int, float | None]] = field(default_factory=list)
+    calls: dict[str, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def _enter(self, name: str) -> None:
+        with self.lock:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            for i, (method, status, ra) in enumerate(self.fail):
+                if method == name:
+                    del self.fail[i]
+                    raise FakeHTTPError(status, ra)
+
+    def create_repo(self, repo_id: str, **kw: Any) -> str:
+        self._enter("create_repo")
+        return f"https://hf.co/{repo_id}"
+
+    def repo_info(self, repo_id: str, **kw: Any) -> Any:
+        self._enter("repo_info")
+        return SimpleNamespace(sha=self.commits[-1])
+
+    def create_commit(self, repo_id: str, operations: list, *, commit_message: str,
+                      parent_commit: str | None = None, **kw: Any) -> Any:
+        self._enter("create_commit")
+        with self.lock:
+            if parent_commit is not None and parent_commit != self.commits[-1]:
+                raise FakeHTTPError(412)
+            for op in operations:
+                if type(op).__name__ == "CommitOperationDelete":
+                    if op.path_in_repo not in self.files:
+                        raise FakeHTTPError(404)
+                    del self.files[op.path_in_repo]
+                else:
+                    src = op.path_or_fileobj
+                    data = src.getvalue() if hasattr(src, "getvalue") else Path(src).read_bytes()
+                    self.files[op.path_in_repo] = data
+            self.commits.append(hashlib.sha1(f"{len(self.commits)}{commit_message}".encode())
+                                .hexdigest())
+        return SimpleNamespace(oid=self.commits[-1])
+
+    def hf_hub_download(self, repo_id: str, filename: str, *, local_dir: str, **kw: Any) -> str:
+        self._enter("hf_hub_download")
+        with self.lock:
+            if filename not in self.files:
+                raise FakeHTTPError(404)
+            data = self.files[filename]
+        path = Path(local_dir) / f"{filename.replace('/', '_')}.{threading.get_ident()}"
+        path.write_bytes(data)
+        return str(path)
+
+    def get_paths_info(self, repo_id: str, paths: list[str], **kw: Any) -> list:
+        self._enter("get_paths_info")
+        with self.lock:
+            return [SimpleNamespace(path=p, size=len(self.files[p]),
+                                    blob_id=hashlib.sha1(self.files[p]).hexdigest())
+                    for p in paths if p in self.files]
+
+    def list_repo_tree(self, repo_id: str, path_in_repo: str | None = None,
+                       recursive: bool = False, **kw: Any) -> list:
+        self._enter("list_repo_tree")
+        with self.lock:
+            prefix = f"{path_in_repo}/" if path_in_repo else ""
+            out = [SimpleNamespace(path=p, size=len(d)) for p, d in self.files.items()
+                   if p.startswith(prefix)]
+        if path_in_repo and not out:
+            raise FakeHTTPError(404)
+        return out
+
+
+class MotoServer:
+    """``moto[server]`` on 127.0.0.1 with an OS-chosen port; a bucket is created on start."""
+
+    def __init__(self, bucket: str = "diloco") -> None:
+        from moto.server import ThreadedMotoServer
+
+        self.bucket = bucket
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+
+    def __enter__(self) -> MotoServer:
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        self.endpoint = f"http://{host}:{port}"
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.endpoint, **aws_env_kwargs()).create_bucket(
+            Bucket=self.bucket)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.stop()
+
+
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def aws_env_kwargs() -> dict:
+    return {"aws_access_key_id": "testing", "aws_secret_access_key": "testing",
+            "region_name": "us-east-1"}
+
+
+def set_aws_env() -> None:
+    os.environ.update(AWS_ENV)
