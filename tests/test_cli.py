@@ -1,0 +1,156 @@
+"""The ``speedtronic`` command: bad configs exit 2 with one line naming the key, train/validate/
+env/plot work, torch is not imported for validate, README command 2 is what CI runs."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from _engine_fixtures import one_thread, tiny_raw  # noqa: F401
+
+from speedtronic.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _write(path: Path, raw: dict) -> Path:
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+BAD_CONFIGS = {
+    # case: (file contents, a substring the one-line message must contain)
+    "unknown_key": ({"optimizer": {"lrr": 0.1}}, "optimizer.lrr"),
+    "unknown_section": ({"optimiser": {"lr": 0.1}}, "optimiser"),
+    "wrong_type": ({"checkpoint": {"enabled": "false"}}, "checkpoint.enabled"),
+    "wrong_type_number": ({"run": {"max_steps": "ten"}}, "run.max_steps"),
+    "out_of_range": ({"optimizer": {"lr": -1.0}}, "optimizer.lr"),
+    "out_of_range_batch": ({"data": {"micro_batch_size": 4, "target_batch_size": 6}},
+                           "data.target_batch_size"),
+    "conflicting_shorthands": ({"name": "a", "run": {"name": "b"}}, "run.name"),
+    "conflicting_sources": ({"data": {"synthetic": True, "text_path": __file__}}, "data"),
+    "missing_text_file": ({"data": {"text_path": "/nonexistent/corpus.txt"}}, "data.text_path"),
+}
+
+
+@pytest.mark.parametrize("command", ["train", "validate"])
+@pytest.mark.parametrize("case", sorted(BAD_CONFIGS))
+def test_bad_config_exits_2_with_one_line_naming_the_key(tmp_path, capsys, case, command):
+    raw, needle = BAD_CONFIGS[case]
+    cfg = _write(tmp_path / "bad.yaml", raw)
+    assert main([command, "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("speedtronic: error: ") and needle in err[0], err[0]
+
+
+def test_missing_config_file(tmp_path, capsys):
+    assert main(["train", "--config", str(tmp_path / "nope.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nope.yaml" in err and "not found" in err
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run:\n  name: x\n  max_steps: [1, 2\n")
+    assert main(["validate", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "bad.yaml" in err and re.search(r"line \d+", err)
+
+
+def test_bad_set_override_names_the_key(tmp_path, capsys):
+    cfg = _write(tmp_path / "ok.yaml", {})
+    assert main(["validate", "--config", str(cfg), "--set", "scheduler.warmup=3"]) == 2
+    assert "scheduler.warmup" in capsys.readouterr().err
+
+
+def test_process_exit_code_and_no_traceback_then_debug_shows_it(tmp_path):
+    cfg = _write(tmp_path / "bad.yaml", {"optimizer": {"lrr": 0.1}})
+    cmd = [sys.executable, "-m", "speedtronic", "validate", "--config", str(cfg)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "speedtronic: error: unknown config key 'optimizer.lrr'; did you mean 'optimizer.lr'?"]
+    debug = subprocess.run([sys.executable, "-m", "speedtronic", "--debug", *cmd[3:]],
+                           capture_output=True, text=True, timeout=120)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_importing_the_cli_and_validate_do_not_import_torch(tmp_path):
+    cfg = _write(tmp_path / "ok.yaml", {"optimizer": "muon"})
+    code = ("import sys; from speedtronic.cli import main; rc = main(['validate', '--config', "
+            f"{str(cfg)!r}]); sys.stdout.flush(); print('TORCH', 'torch' in sys.modules); "
+            "sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("TORCH False")
+
+
+def test_validate_prints_resolved_redacted_config(tmp_path, capsys):
+    cfg = _write(tmp_path / "ok.yaml", {"distributed": {"store": "hf://user:tok123@org/repo"}})
+    assert main(["validate", "--config", str(cfg), "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["data"]["block_size"] == out["model"]["max_seq_len"]
+    assert "tok123" not in json.dumps(out)
+
+
+def test_train_end_to_end_leaves_metrics_config_and_plot(tmp_path, capsys):
+    cfg = _write(tmp_path / "tiny.yaml", tiny_raw(tmp_path / "ignored", name="cli"))
+    out_dir = tmp_path / "runs"
+    rc = main(["train", "--config", str(cfg), "--max-steps", "4", "--output-dir", str(out_dir),
+               "--device", "cpu", "--set", "optimizer.lr=1e-3"])
+    assert rc == 0
+    assert "done: steps=4" in capsys.readouterr().out
+    run = out_dir / "cli"
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["run"]["max_steps"] == 4 and saved["optimizer"]["lr"] == 1e-3
+    assert saved["run"]["output_dir"] == str(out_dir)
+    events = [json.loads(line)["event"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert events[0] == "train_start" and "train_step" in events and events[-1] == "train_end"
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # A resumed run continues to a larger target; a second fresh run moves the old one aside.
+    assert main(["train", "--config", str(cfg), "--max-steps", "6", "--output-dir", str(out_dir),
+                 "--resume"]) == 0
+    assert "done: steps=6" in capsys.readouterr().out
+    assert main(["train", "--config", str(cfg), "--max-steps", "2", "--output-dir",
+                 str(out_dir)]) == 0
+    assert len(list(out_dir.glob("cli.old-*"))) == 1
+
+
+def test_unavailable_device_is_a_user_error(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    cfg = _write(tmp_path / "tiny.yaml", tiny_raw(tmp_path))
+    assert main(["train", "--config", str(cfg), "--device", "cuda"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+def test_env_and_plot_commands(tmp_path, capsys):
+    assert main(["env", "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert {"torch", "python", "cuda_available", "torch_threads"} <= info.keys()
+    assert main(["plot", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def _readme_command_2() -> str:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", text, flags=re.S)
+    return blocks[1].strip()
+
+
+def test_ci_runs_readme_command_2_exactly():
+    """.ci/run extracts command 2 from the README at run time; check the extraction agrees."""
+    proc = subprocess.run(["bash", str(ROOT / ".ci" / "run"), "--print-command-2"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == _readme_command_2()
+    assert "\n" not in _readme_command_2(), "command 2 must be a single line"
