@@ -1,0 +1,87 @@
+"""Metrics fan-out: metrics.jsonl, console line, hooks that fail, optional adapters, plots."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+
+import pytest
+
+from speedtronic.errors import SpeedtronicError
+from speedtronic.metrics import MetricsLogger, TensorBoardHook, format_step_line, read_metrics
+from speedtronic.plot import plot_runs
+
+RECORD = {"step": 10, "loss": 2.5, "lr": 3e-4, "grad_norm": 0.75, "tokens_per_sec": 12345.0,
+          "samples_per_sec": 96.4, "step_ms": 41.0, "memory_bytes": 3 * 2**29}
+
+
+def test_step_line_has_every_metric():
+    line = format_step_line(RECORD, 100)
+    assert line == ("step 10/100 | loss 2.5000 | lr 3.00e-04 | gnorm 0.750 | 12.3k tok/s | "
+                    "96.4 samples/s | 41 ms/step | mem 1.50 GiB")
+
+
+def test_jsonl_records_hooks_and_torn_last_line(tmp_path):
+    seen = []
+    m = MetricsLogger(tmp_path / "metrics.jsonl", max_steps=100,
+                      hooks=[lambda e, p: seen.append(e)], progress_bar=False)
+    m.emit("train_step", RECORD)
+    m.emit("eval", {"step": 10, "eval_loss": float("nan")})
+    m.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"event": "train_st')  # a crash mid-line
+    recs = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["event"] for r in recs] == ["train_step", "eval"]
+    assert recs[0]["loss"] == 2.5 and recs[1]["eval_loss"] == "nan"
+    assert seen == ["train_step", "eval"]
+
+
+def test_failing_hook_is_reported_once_and_training_goes_on(tmp_path, caplog):
+    def broken(event, payload):
+        raise RuntimeError("sink down")
+
+    m = MetricsLogger(tmp_path / "m.jsonl", max_steps=5, hooks=[broken], progress_bar=False)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.metrics"):
+        for _ in range(3):
+            m.emit("train_step", RECORD)
+    m.close()
+    assert caplog.text.count("sink down") == 1
+    assert len(read_metrics(tmp_path / "m.jsonl")) == 3
+
+
+def test_progress_bar_only_when_asked(tmp_path, capsys):
+    m = MetricsLogger(tmp_path / "m.jsonl", max_steps=4, progress_bar=True)
+    m.line("hello")
+    m.advance(2, {"loss": "1.0"})
+    m.close()
+    out = capsys.readouterr().out
+    assert "hello" in out and "2/4" in out
+    MetricsLogger(tmp_path / "n.jsonl", max_steps=4, progress_bar=None).close()  # not a TTY
+    assert "/4" not in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None,
+                    reason="tensorboard is installed")
+def test_missing_tensorboard_is_a_clear_error(tmp_path):
+    with pytest.raises(SpeedtronicError, match=r"speedtronic\[tensorboard\]"):
+        TensorBoardHook(tmp_path)
+
+
+def _fake_run(path, losses, evals):
+    path.mkdir()
+    with open(path / "metrics.jsonl", "w") as f:
+        for i, loss in enumerate(losses, 1):
+            f.write(json.dumps({"event": "train_step", "step": i, "loss": loss}) + "\n")
+        for step, loss in evals:
+            f.write(json.dumps({"event": "eval", "step": step, "eval_loss": loss}) + "\n")
+
+
+def test_plot_compares_runs_in_one_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    _fake_run(tmp_path / "a", [3.0, 2.5, 2.0], [(0, 3.2), (3, 2.1)])
+    _fake_run(tmp_path / "b", [3.0, 2.8, 2.6], [(3, 2.7)])
+    out = plot_runs([tmp_path / "a", tmp_path / "b"], tmp_path / "cmp.png")
+    assert out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 10_000
+    with pytest.raises(SpeedtronicError, match="no metrics.jsonl"):
+        plot_runs([tmp_path / "missing"])
