@@ -136,7 +136,8 @@ def extension_modules() -> tuple[list, dict]:
                 with open(os.path.join(folder, "_C.build.json"), "w") as fh:
                     json.dump(info, fh, indent=1)
 
-    return [ext], {"build_ext": BuildWithInfo.with_options(use_ninja=shutil.which("ninja") is not None)}
+    use_ninja = shutil.which("ninja") is not None
+    return [ext], {"build_ext": BuildWithInfo.with_options(use_ninja=use_ninja)}
 
 
 ext_modules, cmdclass = extension_modules()
