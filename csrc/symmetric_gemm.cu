@@ -27,8 +27,8 @@ void launch_mma_probe(DType t, const void* A, const void* Bt, float* D, void* st
   }
 }
 
-#define ST_STR2(x) #x
-#define ST_STR(x) ST_STR2(x)
+#define ST_STR2(...) #__VA_ARGS__
+#define ST_STR(...) ST_STR2(__VA_ARGS__)
 const char* compiled_arch_list() {
 #if defined(__CUDA_ARCH_LIST__)
   return ST_STR(__CUDA_ARCH_LIST__);  // nvcc >= 11.5 defines it in every pass, e.g. 800,900

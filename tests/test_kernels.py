@@ -1,0 +1,179 @@
+"""The kernel loader (speedtronic.kernels) and the setup.py extension seam, on a CPU machine."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+
+import speedtronic.kernels as kernels
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _fresh_status(monkeypatch):
+    monkeypatch.setattr(kernels, "_status", None)
+    yield
+    kernels._status = None
+
+
+def test_disable_env_wins_and_logs_one_line(monkeypatch, caplog):
+    monkeypatch.setenv("SPEEDTRONIC_DISABLE_KERNELS", "1")
+    with caplog.at_level(logging.INFO, logger="speedtronic.kernels"):
+        st = kernels.load()
+    assert not st.active and "SPEEDTRONIC_DISABLE_KERNELS=1" in st.reason
+    lines = [r.getMessage() for r in caplog.records if r.name == "speedtronic.kernels"]
+    assert lines == ["cuda kernels: fallback: disabled by SPEEDTRONIC_DISABLE_KERNELS=1"]
+    assert not kernels.available()
+
+
+def test_cpu_only_torch_falls_back_with_reason(monkeypatch):
+    monkeypatch.delenv("SPEEDTRONIC_DISABLE_KERNELS", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    st = kernels.load(force=True)
+    assert not st.active and "CPU-only" in st.reason
+    assert st.line().startswith("cuda kernels: fallback: ")
+
+
+def test_missing_extension_says_how_to_build(monkeypatch):
+    monkeypatch.delenv("SPEEDTRONIC_DISABLE_KERNELS", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(kernels, "_find_extension", lambda: None)
+    st = kernels.load(force=True)
+    assert not st.active and "not built" in st.reason and "--no-build-isolation" in st.reason
+
+
+def test_build_for_another_torch_is_not_imported(monkeypatch, tmp_path):
+    so = tmp_path / "_C.so"
+    so.write_bytes(b"not a real library")
+    (tmp_path / kernels.BUILD_INFO_NAME).write_text(json.dumps(
+        {"torch_version": "1.0.0+cu999", "arch_list": "8.0"}))
+    monkeypatch.delenv("SPEEDTRONIC_DISABLE_KERNELS", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(kernels, "_find_extension", lambda: so)
+    imported = []
+    monkeypatch.setattr(kernels.importlib, "import_module", lambda name: imported.append(name))
+    st = kernels.load(force=True)
+    assert not st.active and "built for torch 1.0.0+cu999" in st.reason
+    assert "speedtronic._C" not in imported  # never loads a mismatched binary
+
+
+def test_incompatible_device_arch_is_caught_before_import(monkeypatch, tmp_path):
+    so = tmp_path / "_C.so"
+    so.write_bytes(b"")
+    (tmp_path / kernels.BUILD_INFO_NAME).write_text(json.dumps(
+        {"torch_version": torch.__version__, "arch_list": "8.0;9.0"}))
+    monkeypatch.delenv("SPEEDTRONIC_DISABLE_KERNELS", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(kernels, "_find_extension", lambda: so)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (12, 0))
+    imported = []
+    monkeypatch.setattr(kernels.importlib, "import_module", lambda name: imported.append(name))
+    st = kernels.load(force=True)
+    assert not st.active and st.device_arch == "sm_120"
+    assert "TORCH_CUDA_ARCH_LIST=12.0" in st.reason and "speedtronic._C" not in imported
+
+
+def test_import_failure_and_loader_bugs_never_raise(monkeypatch, tmp_path):
+    so = tmp_path / "_C.so"
+    so.write_bytes(b"")
+    monkeypatch.delenv("SPEEDTRONIC_DISABLE_KERNELS", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(kernels, "_find_extension", lambda: so)
+
+    def boom(name):
+        if name == "speedtronic._C":
+            raise ImportError("undefined symbol: _ZN3c10")
+
+    monkeypatch.setattr(kernels.importlib, "import_module", boom)
+    st = kernels.load(force=True)
+    assert not st.active and "undefined symbol" in st.reason
+
+    monkeypatch.setattr(kernels, "_decide", lambda: 1 / 0)
+    st = kernels.load(force=True)
+    assert not st.active and st.reason.startswith("loader error: ZeroDivisionError")
+
+
+def test_env_info_has_the_fields_speedtronic_env_prints(monkeypatch):
+    monkeypatch.setenv("SPEEDTRONIC_DISABLE_KERNELS", "1")
+    info = kernels.env_info()
+    assert info["cuda_kernels"] == "fallback"
+    keys = {"reason", "extension", "extension_arches", "device_arch", "built_with_torch"}
+    assert keys <= set(info)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("8.0;9.0+PTX", ("sm_80", "sm_90", "compute_90")),
+    ("800,900", ("sm_80", "sm_90")),
+    ("9.0a", ("sm_90a",)),
+    ("", ()),
+])
+def test_parse_arch_list(text, expected):
+    assert kernels.parse_arch_list(text) == expected
+
+
+@pytest.mark.parametrize("arches,cap,ok", [
+    (("sm_80",), (8, 6), True),       # same major, newer minor: SASS runs
+    (("sm_80",), (9, 0), False),      # no Hopper SASS, no PTX
+    (("sm_80", "compute_90"), (12, 0), True),  # PTX JIT on newer GPUs
+    (("sm_90a",), (9, 0), True),
+    (("sm_90a",), (10, 0), False),
+    (("sm_86",), (8, 0), False),
+])
+def test_arch_compatibility(arches, cap, ok):
+    assert kernels.arch_compatible(arches, *cap) is ok
+
+
+def test_every_op_has_a_schema_for_the_cuda_kernels():
+    import speedtronic.ops  # noqa: F401
+
+    for name in kernels.OP_NAMES:
+        assert hasattr(torch.ops.speedtronic, name), name
+
+
+# ------------------------------------------------------------------------------ setup.py seam
+def _setup_module(monkeypatch):
+    import setuptools
+
+    calls = []
+    monkeypatch.setattr(setuptools, "setup", lambda **kw: calls.append(kw))
+    spec = importlib.util.spec_from_file_location("speedtronic_setup", REPO / "setup.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod, calls
+
+
+def test_setup_without_cuda_builds_pure_python(monkeypatch, capsys):
+    monkeypatch.delenv("SPEEDTRONIC_CUDA", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", None)
+    mod, calls = _setup_module(monkeypatch)
+    assert calls and calls[0]["ext_modules"] == []
+    assert "skipped" in capsys.readouterr().err
+    monkeypatch.setenv("SPEEDTRONIC_CUDA", "0")
+    assert mod.extension_modules() == ([], {})
+
+
+def test_setup_cuda_flag_validation(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    mod, _ = _setup_module(monkeypatch)
+    monkeypatch.setenv("SPEEDTRONIC_CUDA", "yes")
+    with pytest.raises(SystemExit, match="auto, 0 or 1"):
+        mod.extension_modules()
+    monkeypatch.setenv("SPEEDTRONIC_CUDA", "1")
+    with pytest.raises(SystemExit, match="SPEEDTRONIC_CUDA=1 but torch"):
+        mod.extension_modules()
+
+
+def test_setup_caps_max_jobs_by_free_ram(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    mod, _ = _setup_module(monkeypatch)
+    monkeypatch.delenv("MAX_JOBS", raising=False)
+    monkeypatch.setattr(mod, "_free_ram_gib", lambda: 3.0)
+    mod._cap_max_jobs()
+    assert int(__import__("os").environ["MAX_JOBS"]) == 1
