@@ -5,8 +5,9 @@ the v2 engine got wrong):
 
 * attention always goes through ``F.scaled_dot_product_attention(..., is_causal=True)`` with no
   dense mask tensor, so SDPA can pick flash / memory-efficient kernels;
-* grouped-query attention uses SDPA's ``enable_gqa`` (torch >= 2.5) instead of materialising
-  repeated K/V; older torch expands K/V through a broadcast view;
+* grouped-query attention uses SDPA's ``enable_gqa`` (torch >= 2.5) where a fast kernel
+  implements it (CPU; CUDA flash) instead of materialising repeated K/V; elsewhere K/V are
+  expanded through a broadcast view (one copy, never ``repeat_interleave``);
 * RoPE cos/sin tables are precomputed non-persistent buffers: no mutable Python cache, so
   ``torch.compile`` sees a static graph with no guards on cache length;
 * the model never shifts labels: the data pipeline already gives ``labels[t] = input_ids[t+1]``.
@@ -35,6 +36,25 @@ def _sdpa_supports_gqa() -> bool:
 
 _SDPA_GQA = _sdpa_supports_gqa()
 _HAS_RMS_NORM = hasattr(F, "rms_norm")
+
+
+def _use_sdpa_gqa(q: torch.Tensor) -> bool:
+    """Whether to pass grouped K/V to SDPA with ``enable_gqa`` (else expand K/V first).
+
+    CPU: enable_gqa measured 18% faster fwd+bwd than expanded K/V (B=16, H=8, KV=2, T=128,
+    hd=32, 1 thread: 152 vs 185 ms per 10 iterations). CUDA: only the flash backend implements
+    enable_gqa; inputs flash cannot take (fp32, head_dim > 256, pre-sm80) would fall back to
+    the O(T^2)-memory math kernel, while expanded K/V keeps the memory-efficient kernel.
+    Everything here is static per (device, dtype, shape), so torch.compile folds it.
+    """
+    if not _SDPA_GQA:
+        return False
+    if q.device.type == "cpu":
+        return True
+    if q.device.type != "cuda":
+        return False
+    return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
+            and torch.cuda.get_device_properties(q.device).major >= 8)
 
 
 def swiglu_hidden(d_model: int, d_ff: int | None) -> int:
@@ -108,7 +128,7 @@ class Attention(nn.Module):
         p = self.dropout if self.training else 0.0
         if KV == H:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        elif _SDPA_GQA:
+        elif _use_sdpa_gqa(q):
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True,
                                                enable_gqa=True)
         else:
