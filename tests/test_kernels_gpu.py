@@ -1,0 +1,222 @@
+"""GPU parity of the CUDA kernels against the pure-PyTorch fallback (run by
+benchmarks/gpu_check.sh; skipped without a CUDA device and a loaded speedtronic._C).
+
+Every run uses fresh random data (seeded from os.urandom, printed on failure). Outputs the
+kernels allocate come from a caching allocator pre-filled with NaN, and a NaN in any output
+fails the test, so an element the kernel forgot to write cannot pass."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import speedtronic.kernels as kernels
+import speedtronic.ops as ops
+
+pytestmark = pytest.mark.gpu
+
+SEED = int.from_bytes(os.urandom(4), "little")
+
+
+def _ready() -> str | None:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    st = kernels.load()
+    return None if st.active else st.reason
+
+
+_why_not = _ready() if torch.cuda.is_available() else "no CUDA device"
+if _why_not:
+    pytestmark = [pytest.mark.gpu, pytest.mark.skip(reason=f"CUDA kernels not active: {_why_not}")]
+
+
+@pytest.fixture
+def gen():
+    g = torch.Generator(device="cuda").manual_seed(SEED)
+    print(f"seed {SEED}")
+    return g
+
+
+def _poison_allocator(mib: int = 512) -> None:
+    """Fill the caching allocator's free blocks with NaN so unwritten outputs show up."""
+    torch.cuda.synchronize()
+    blk = torch.full((mib * 2**18,), float("nan"), device="cuda")
+    del blk
+    torch.cuda.synchronize()
+
+
+def _rand(shape, gen, dtype=torch.float32, scale=1.0):
+    return (torch.randn(shape, generator=gen, device="cuda") * scale).to(dtype)
+
+
+def _close(actual, expected, dtype, what=""):
+    assert not actual.isnan().any(), f"{what}: NaN in the kernel's output"
+    tol = {torch.float32: (2e-5, 1e-5), torch.bfloat16: (2e-2, 1e-2), torch.float16: (2e-3, 2e-3)}
+    rtol, atol_rel = tol[dtype]
+    scale = expected.float().abs().max().item() if expected.numel() else 1.0
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol,
+                               atol=atol_rel * scale + 1e-30,
+                               msg=lambda m: f"{what} (seed {SEED}): {m}")
+
+
+SHAPES = [(1, 67), (45, 1), (37, 45), (300, 7), (129, 257), (768, 3072)]
+
+
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16, torch.float16])
+def test_cautious_mask(gen, dt):
+    ups = [_rand(s, gen, dt) for s in SHAPES + [(70000,)]]
+    grads = [_rand(u.shape, gen, dt) for u in ups]
+    ref = [u.clone() for u in ups]
+    _poison_allocator()
+    torch.ops.speedtronic.cautious_mask_(ups, grads, True)
+    ops._cautious_mask_impl(ref, grads, True)
+    for u, r in zip(ups, ref, strict=True):
+        _close(u, r, dt, "cautious_mask_")
+
+
+@pytest.mark.parametrize("cautious", [False, True])
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_adamw(gen, dt, cautious):
+    shapes = SHAPES + [(5,)] * 30
+    p = [_rand(s, gen, dt) for s in shapes]
+    m = [_rand(s, gen, dt, 0.1) for s in shapes]
+    v = [_rand(s, gen, dt, 0.1).square() for s in shapes]
+    pr, mr, vr = ([t.clone() for t in ts] for ts in (p, m, v))
+    for step in (1, 2):
+        g = [_rand(s, gen, dt) for s in shapes]
+        _poison_allocator()
+        args = (1e-3, 0.9, 0.999, 1e-8, 0.1, step, cautious, True)
+        torch.ops.speedtronic.cautious_adamw_step_(p, g, m, v, *args)
+        ops._adamw_impl(pr, g, mr, vr, *args)
+    for a, b in zip(p + m + v, pr + mr + vr, strict=True):
+        _close(a, b, dt, "adamw")
+
+
+@pytest.mark.parametrize("shape,b", [((768, 768), 4), ((37, 45), 50), ((1, 67), 3)])
+@pytest.mark.parametrize("od", [torch.bfloat16, torch.float32])
+def test_muon_pre(gen, shape, b, od):
+    bufs = [_rand(shape, gen) for _ in range(b)]
+    bufs_r = [t.clone() for t in bufs]
+    grads = [_rand(shape, gen, torch.bfloat16) for _ in range(b)]
+    _poison_allocator()
+    out = torch.ops.speedtronic.muon_pre_orthogonalize_(bufs, grads, 0.95, True, 1e-7, od)
+    ref = ops._muon_pre_impl(bufs_r, grads, 0.95, True, 1e-7, od)
+    _close(out, ref, od, "muon_pre")
+    for a, r in zip(bufs, bufs_r, strict=True):
+        _close(a, r, torch.float32, "momentum")
+
+
+@pytest.mark.parametrize("shape", [(1, 67), (45, 1), (4, 37, 45), (2, 3072, 768)])
+@pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
+def test_muon_plus_normalize(gen, shape, dt):
+    U = _rand(shape, gen, dt)
+    _poison_allocator()
+    out = torch.ops.speedtronic.muon_plus_normalize(U, 1e-8)
+    _close(out, ops._muon_plus_impl(U, 1e-8), dt, "muon+")
+
+
+@pytest.mark.parametrize("muon_plus,cautious", [(False, False), (True, False), (True, True)])
+def test_muon_post(gen, muon_plus, cautious):
+    for shape, b, pd in [((768, 3072), 3, torch.float32), ((300, 7), 5, torch.bfloat16)]:
+        params = [_rand(shape, gen, pd) for _ in range(b)]
+        ref = [p.clone() for p in params]
+        grads = [_rand(shape, gen, pd) for _ in range(b)]
+        orth = _rand((b, *shape), gen, torch.bfloat16)
+        _poison_allocator()
+        args = (0.02, 0.1, 2.0, muon_plus, 1e-8, cautious, True)
+        torch.ops.speedtronic.muon_post_update_(params, orth, grads, *args)
+        ops._muon_post_impl(ref, orth, grads, *args)
+        for a, r in zip(params, ref, strict=True):
+            _close(a, r, pd, f"muon_post {shape}")
+
+
+@pytest.mark.parametrize("m,k", [(1, 5), (33, 40), (130, 72), (768, 3072), (1000, 1000)])
+def test_symmetric_kernel(gen, m, k):
+    X = _rand((3, m, k), gen, torch.bfloat16)
+    _poison_allocator()
+    out = torch.ops.speedtronic_debug.syrk(X, 1.0, 0.0, None)
+    ref = torch.bmm(X.float(), X.float().mT)
+    assert torch.equal(out, out.mT)
+    _close(out, ref, torch.bfloat16, "syrk")
+    out2 = torch.ops.speedtronic_debug.syrk(out, 2.0315, -4.775, out)  # b A + c A A
+    ref2 = -4.775 * out.float() + 2.0315 * torch.bmm(out.float(), out.float())
+    _close(out2, ref2, torch.bfloat16, "syrk fused")
+
+
+@pytest.mark.parametrize("shape", [(768, 3072), (3072, 768), (4, 1024, 1024)])
+def test_newton_schulz_both_paths(gen, shape):
+    G = _rand(shape, gen)
+    ref64 = ops._newton_schulz_impl(G.double(), 5, ops.QUINTIC, 1e-7, torch.float64)
+    dense = torch.ops.speedtronic.newton_schulz(G, 5, list(ops.QUINTIC), 1e-7, torch.bfloat16)
+    old = torch.ops.speedtronic_debug.symmetric_min_m()
+    torch.ops.speedtronic_debug.set_symmetric_min_m(1)
+    try:
+        _poison_allocator()
+        sym = torch.ops.speedtronic.newton_schulz(G, 5, list(ops.QUINTIC), 1e-7, torch.bfloat16)
+    finally:
+        torch.ops.speedtronic_debug.set_symmetric_min_m(old)
+    fallback = ops._newton_schulz_impl(G, 5, ops.QUINTIC, 1e-7, torch.bfloat16)
+    errs = {k: ((v.double() - ref64).norm() / ref64.norm()).item()
+            for k, v in (("dense", dense), ("sym", sym), ("fallback", fallback))}
+    assert not sym.isnan().any()
+    limit = 2 * errs["fallback"] + 1e-3
+    assert errs["sym"] < limit and errs["dense"] < limit, errs
+
+
+def test_mma_layout_matches_hardware_and_emulation(gen):
+    for dt in (torch.bfloat16, torch.float16):
+        A = _rand((16, 16), gen, dt)
+        Bt = _rand((8, 16), gen, dt)
+        hw = torch.ops.speedtronic_debug.mma_probe(A, Bt)
+        torch.testing.assert_close(hw, A.float() @ Bt.float().T, rtol=1e-3, atol=1e-3)
+        try:
+            spec = importlib.util.spec_from_file_location(
+                "emu_build", Path(__file__).parent / "cuda_emulation" / "emu_build.py")
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            emu = mod.load()
+        except Exception as exc:  # noqa: BLE001 - no g++ on the GPU image: say so
+            pytest.skip(f"emulation not buildable here: {exc}")
+        emulated = emu.mma_probe(A.cpu(), Bt.cpu())
+        torch.testing.assert_close(emulated, hw.cpu(), rtol=1e-5, atol=1e-5)
+
+
+def test_full_step_captures_in_a_cuda_graph(gen):
+    shapes = [(768, 768)] * 4 + [(768, 3072)]
+    params = [_rand(s, gen) for s in shapes]
+    grads = [_rand(s, gen) for s in shapes]
+    bufs = [torch.zeros_like(p) for p in params]
+
+    def step():
+        groups: dict = {}
+        for i, p in enumerate(params):
+            groups.setdefault(tuple(p.shape), []).append(i)
+        sp = torch.ops.speedtronic
+        for idx in groups.values():
+            p, g, b = ([ts[i] for i in idx] for ts in (params, grads, bufs))
+            x = sp.muon_pre_orthogonalize_(b, g, 0.95, True, 1e-7, torch.bfloat16)
+            orth = sp.newton_schulz(x, 5, list(ops.QUINTIC), 1e-7, torch.bfloat16)
+            sp.muon_post_update_(p, orth, g, 0.02, 0.01, 1.0, True, 1e-8, True, True)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    snapshot = [p.clone() for p in params] + [b.clone() for b in bufs]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for t, v in zip(params + bufs, snapshot, strict=True):
+        t.copy_(v)
+    graph.replay()
+    replayed = [p.clone() for p in params]
+    for t, v in zip(params + bufs, snapshot, strict=True):
+        t.copy_(v)
+    step()
+    for a, b in zip(replayed, params, strict=True):
+        torch.testing.assert_close(a, b)
