@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# One prepared GPU check for a machine with an NVIDIA GPU (written for the H200 image: torch
+# 2.11+cu130, nvcc 13.0, pytest; no network; nothing of ours installed). Under 8 minutes:
+#   1. build speedtronic._C in place for the visible GPU (no pip, no network)
+#   2. GPU-marked tests: every kernel vs the fallback on fresh random data, NaN-poisoned outputs,
+#      mma layout vs hardware and vs the CPU emulation, CUDA-graph capture
+#   3. compute-sanitizer memcheck + racecheck on one small case of every kernel
+#   4. benchmarks (Muon step GPT-2-small and 1B-class, symmetric kernel vs cuBLAS, bandwidth);
+#      prints a short table last, JSON to benchmarks/results/ and $RESULTS_DIR
+# Exit status: 0 all passed; 3 no GPU (after the build step); else the failing step's status.
+#   benchmarks/gpu_check.sh            # everything
+#   GPU_CHECK_QUICK=1 benchmarks/gpu_check.sh   # skip torch.compile baselines
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT="$PWD"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+LOG_DIR="${RESULTS_DIR:-$ROOT/benchmarks/results}"
+mkdir -p "$LOG_DIR" "$ROOT/benchmarks/results"
+declare -a SUMMARY=()
+t_start=$(date +%s)
+note() { echo "== gpu_check [$(( $(date +%s) - t_start ))s]: $*"; }
+record() { SUMMARY+=("$1: $2"); }
+finish() {
+    echo
+    echo "== gpu_check summary"
+    for line in "${SUMMARY[@]}"; do echo "   $line"; done
+    exit "$1"
+}
+
+# ---- 1. build ---------------------------------------------------------------------------------
+note "building speedtronic._C in place"
+if [[ -z "${TORCH_CUDA_ARCH_LIST:-}" ]] && ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    export TORCH_CUDA_ARCH_LIST="8.0;9.0+PTX"
+fi
+NVIDIA_INC="$("$PY" -c 'import nvidia, os; print(":".join(os.path.join(p, s, "include") for p in nvidia.__path__ for s in ("cu13", "cu12") if os.path.isdir(os.path.join(p, s, "include"))))' 2>/dev/null || true)"
+export CPATH="${NVIDIA_INC}${CPATH:+:$CPATH}"
+if ! SPEEDTRONIC_CUDA=1 "$PY" setup.py -q build_ext --inplace > "$LOG_DIR/gpu_check_build.log" 2>&1; then
+    tail -40 "$LOG_DIR/gpu_check_build.log"
+    record build "FAILED (log: $LOG_DIR/gpu_check_build.log)"
+    finish 1
+fi
+record build "ok ($(( $(date +%s) - t_start ))s)"
+
+# ---- the first step that needs a GPU -----------------------------------------------------------
+if ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    note "no CUDA device visible: stopping before the GPU steps"
+    record gpu "none visible: tests, sanitizer and benchmarks not run"
+    finish 3
+fi
+"$PY" -c "import logging; logging.basicConfig(level=logging.INFO); import speedtronic.kernels as k; st = k.load(); print(k.env_info()); raise SystemExit(0 if st.active else 1)" \
+    || { record load "FAILED: kernels not active"; finish 1; }
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
+
+# ---- 2. GPU tests ------------------------------------------------------------------------------
+note "GPU tests"
+"$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tee "$LOG_DIR/gpu_check_tests.log"
+rc=${PIPESTATUS[0]}
+record tests "$([[ $rc -eq 0 ]] && echo ok || echo "FAILED (exit $rc)") $(tail -1 "$LOG_DIR/gpu_check_tests.log")"
+overall=$rc
+
+# ---- 3. compute-sanitizer ----------------------------------------------------------------------
+SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+for tool in memcheck racecheck; do
+    note "compute-sanitizer $tool"
+    if [[ ! -x "$SAN" ]]; then record "sanitizer $tool" "unavailable (no compute-sanitizer)"; continue; fi
+    timeout 240 "$SAN" --tool "$tool" --error-exitcode 9 "$PY" benchmarks/gpu_sanitize_case.py > "$LOG_DIR/gpu_check_$tool.log" 2>&1
+    src=$?
+    tail -5 "$LOG_DIR/gpu_check_$tool.log"
+    if [[ $src -eq 0 ]]; then record "sanitizer $tool" ok
+    elif grep -q "Device not supported\|Unable to find injection\|error 999" "$LOG_DIR/gpu_check_$tool.log"; then
+        record "sanitizer $tool" "unavailable on this machine (see log)"
+    else record "sanitizer $tool" "FAILED (exit $src)"; overall=1; fi
+done
+
+# ---- 4. benchmarks -----------------------------------------------------------------------------
+note "benchmarks"
+quick=()
+[[ -n "${GPU_CHECK_QUICK:-}" ]] && quick=(--quick)
+"$PY" benchmarks/bench_kernels_gpu.py --out-dir "$ROOT/benchmarks/results" "${quick[@]}" 2>&1 | tee "$LOG_DIR/gpu_check_bench.log"
+brc=${PIPESTATUS[0]}
+record bench "$([[ $brc -eq 0 ]] && echo ok || echo "FAILED (exit $brc)")"
+[[ $brc -ne 0 ]] && overall=1
+finish "$overall"

@@ -1,0 +1,47 @@
+"""One small, awkward call of every CUDA kernel, for compute-sanitizer (memcheck, racecheck).
+
+Run by benchmarks/gpu_check.sh as `compute-sanitizer --tool memcheck python this_file.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import speedtronic.kernels as kernels
+import speedtronic.ops as ops
+
+
+def main() -> int:
+    st = kernels.load()
+    if not st.active:
+        print(f"gpu_sanitize_case: kernels not active: {st.reason}")
+        return 3
+    sp, dbg = torch.ops.speedtronic, torch.ops.speedtronic_debug
+    dev = "cuda"
+    shapes = [(1, 67), (45, 1), (37, 45), (20001,)]
+    u = [torch.randn(s, device=dev) for s in shapes]
+    g = [torch.randn(s, device=dev).bfloat16() for s in shapes]
+    sp.cautious_mask_(u, g, True)
+    p = [torch.randn(s, device=dev) for s in shapes]
+    m = [torch.zeros(s, device=dev) for s in shapes]
+    v = [torch.zeros(s, device=dev) for s in shapes]
+    gf = [x.float() for x in g]
+    sp.cautious_adamw_step_(p, gf, m, v, 1e-3, 0.9, 0.99, 1e-8, 0.1, 1, True, True)
+    bufs = [torch.zeros(37, 45, device=dev) for _ in range(3)]
+    grads = [torch.randn(37, 45, device=dev) for _ in range(3)]
+    x = sp.muon_pre_orthogonalize_(bufs, grads, 0.95, True, 1e-7, torch.bfloat16)
+    dbg.set_symmetric_min_m(1)
+    orth = sp.newton_schulz(x, 2, list(ops.QUINTIC), 1e-7, torch.bfloat16)
+    params = [torch.randn(37, 45, device=dev) for _ in range(3)]
+    sp.muon_post_update_(params, orth, grads, 0.02, 0.1, 1.0, True, 1e-8, True, True)
+    sp.muon_plus_normalize(torch.randn(2, 130, 7, device=dev).bfloat16(), 1e-8)
+    dbg.syrk(torch.randn(2, 130, 33, device=dev).half(), 1.0, 0.0, None)
+    a, bt = torch.randn(16, 16, device=dev), torch.randn(8, 16, device=dev)
+    dbg.mma_probe(a.bfloat16(), bt.bfloat16())
+    torch.cuda.synchronize()
+    print("gpu_sanitize_case: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
