@@ -158,17 +158,20 @@ def arch_compatible(so_arches: tuple[str, ...], major: int, minor: int) -> bool:
 
 
 def _so_arches(so_path: Path, info: dict[str, Any]) -> tuple[str, ...]:
-    """Arches from the binary itself (exported C symbol), else from the build JSON."""
+    """SASS arches from the binary itself (exported C symbol), plus the PTX entries recorded in
+    the build JSON (the symbol cannot tell whether PTX was embedded)."""
+    from_json = parse_arch_list(str(info.get("arch_list", "")))
     try:
         lib = ctypes.CDLL(str(so_path))  # already loaded by the import: no second init
         fn = lib.speedtronic_cuda_arch_list
         fn.restype = ctypes.c_char_p
         text = fn().decode()
-        if text:
-            return parse_arch_list(text)
     except (OSError, AttributeError):
-        pass
-    return parse_arch_list(str(info.get("arch_list", "")))
+        text = ""
+    if not text:
+        return from_json
+    return tuple(dict.fromkeys(parse_arch_list(text)
+                               + tuple(a for a in from_json if a.startswith("compute_"))))
 
 
 def registered_cuda_ops() -> tuple[str, ...]:
