@@ -502,3 +502,10 @@ def cautious_adamw_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
 def _(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, cautious,
       cautious_rescale):
     return None
+
+
+# CUDA implementations of the ops above (speedtronic._C), registered when available; otherwise
+# one "cuda kernels: fallback: <reason>" line is logged and the defaults above run everywhere.
+from . import kernels as _kernels  # noqa: E402
+
+_kernels.load()
