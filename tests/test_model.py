@@ -107,6 +107,12 @@ def test_gqa_matches_explicit_expand_reference(monkeypatch, use_gqa_kernel):
                                atol=1e-5, rtol=1e-4)
 
 
+def test_gqa_kernel_choice():
+    q = torch.zeros(1, 4, 8, 16)
+    assert ref._use_sdpa_gqa(q) is ref._SDPA_GQA  # CPU: the native GQA path when available
+    assert ref._use_sdpa_gqa(q.to("meta")) is False  # unknown devices: expand K/V
+
+
 def test_attention_uses_is_causal_without_a_mask_tensor(monkeypatch):
     calls = []
     real = F.scaled_dot_product_attention
@@ -223,6 +229,9 @@ def test_register_user_model_and_import_string(monkeypatch):
         build_model(ModelConfig(name="speedtronic_test_user_models:missing"))
     with pytest.raises(ConfigError, match="set_gradient_checkpointing"):
         build_model(ModelConfig(name="test-user-model", gradient_checkpointing=True))
+    register_model("test-not-a-module", lambda cfg: "oops")
+    with pytest.raises(SpeedtronicError, match="expected a torch.nn.Module"):
+        build_model(ModelConfig(name="test-not-a-module"))
 
 
 def test_extract_loss_forms_and_errors():

@@ -14,6 +14,7 @@ Every batch is ``(input_ids, labels)``, each ``(B, T)`` int64 on the CPU, with
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -101,6 +102,21 @@ def _windows_bundle(train: TokenStore, held: TokenStore, description: str, vocab
                       micro_batch_size=B, train_tokens=train.n, _make_eval=make_eval)
 
 
+def _node_seed(cfg: Any, seed: int, world: int) -> int:
+    """DiLoCo nodes launched with one config and no rank/world would all read identical data
+    (the v2 engine's defect #21): mix the node id into the data seed so their orders differ."""
+    dist = getattr(cfg, "distributed", None)
+    if dist is None or not dist.enabled or world > 1:
+        return seed
+    if dist.node_id is None:
+        logger.warning("data: distributed.node_id is unset, so every DiLoCo node reads the same "
+                       "data order; set node_id (or pass rank/world to build_data)")
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{dist.node_id}".encode(), digest_size=8).digest()
+    logger.info("data: DiLoCo node %r: data order seeded by node id", dist.node_id)
+    return int.from_bytes(digest, "big")
+
+
 def _check_byte_vocab(cfg: Any, what: str) -> None:
     if cfg.model.vocab_size < BYTE_VOCAB:
         raise ConfigError(f"model.vocab_size: {what} is byte-level (ids 0..255) and needs "
@@ -121,6 +137,7 @@ def build_data(cfg: Any, *, rank: int = 0, world: int = 1,
     T = d.block_size or cfg.model.max_seq_len
     B = d.micro_batch_size
     seed = d.seed if d.seed is not None else cfg.run.seed
+    seed = _node_seed(cfg, seed, world)
     pin = d.pin_memory
     if pin is None:
         pin = device is not None and torch.device(device).type == "cuda"
