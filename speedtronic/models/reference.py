@@ -190,6 +190,8 @@ class ReferenceTransformer(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.final_norm = RMSNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.ooo_stage_names: list[str] = [f"blocks.{i}" for i in range(cfg.n_layer)]
+        """Qualified names of the blocks in forward order: stages for out-of-order backprop."""
         if cfg.tie_weights:
             self.lm_head.weight = self.embed.weight
         # The optimizer router sends these to AdamW even though their weights are 2-D.
@@ -205,11 +207,6 @@ class ReferenceTransformer(nn.Module):
             self.set_gradient_checkpointing(True)
 
     # -- contracts with other components ---------------------------------------------------
-    @property
-    def ooo_stage_names(self) -> list[str]:
-        """Qualified names of the transformer blocks, in forward order (out-of-order backprop)."""
-        return [f"blocks.{i}" for i in range(len(self.blocks))]
-
     def speedtronic_shape_metadata(self) -> dict[str, Any]:
         """GEMM-relevant sizes for the startup shape-alignment table."""
         cfg = self.config
