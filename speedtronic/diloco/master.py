@@ -390,14 +390,13 @@ class Master:
 
     # ------------------------------------------------------------------ loop
     def all_done(self, expected_nodes: set[str] | None = None) -> bool:
-        """Every session seen has finished (and, if given, every expected node has one)."""
-        sessions = self.seen_sessions | set(self.hwm)
-        finished_nodes = {s.split("/")[0] for s in self.done_sessions}
-        if expected_nodes is not None and not expected_nodes <= finished_nodes:
-            return False
-        pending = [s for s in sessions if s not in self.done_sessions
-                   and (expected_nodes is None or s.split("/")[0] in expected_nodes)]
-        return bool(sessions) and not pending
+        """Every node seen (or every expected node) has a finished session. A node restarted
+        after a crash counts as finished once its new session is done: the dead session's
+        uploaded deltas were processed (the caller checks after a round that found nothing)."""
+        seen = {s.split("/")[0] for s in self.seen_sessions | set(self.hwm)}
+        finished = {s.split("/")[0] for s in self.done_sessions}
+        nodes = expected_nodes if expected_nodes is not None else seen
+        return bool(nodes) and nodes <= finished
 
     def run(self, stop: threading.Event, *, until: Callable[[Master], bool] | None = None,
             idle_timeout: float = 0.0) -> None:

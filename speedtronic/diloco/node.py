@@ -256,6 +256,7 @@ class Worker:
 
     def metrics(self, wall: float | None = None) -> dict[str, float]:
         out: dict[str, float] = {"version": self.version, **self.m,
+                                 "store_retries": getattr(self.store, "retries", 0),
                                  "train_thread_s": self._train_s}
         if wall:
             out["train_thread_frac"] = self._train_s / wall

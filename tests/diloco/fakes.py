@@ -130,3 +130,77 @@ def aws_env_kwargs() -> dict:
 
 def set_aws_env() -> None:
     os.environ.update(AWS_ENV)
+
+
+class TcpProxy:
+    """A loopback TCP forwarder that can be paused: while paused it closes new and existing
+    connections, which is what a network outage looks like to an S3 client."""
+
+    def __init__(self, target_host: str, target_port: int) -> None:
+        import socket
+
+        self.target = (target_host, target_port)
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.paused = threading.Event()
+        self.closed = threading.Event()
+        self.conns: list[Any] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+
+        while not self.closed.is_set():
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            if self.paused.is_set():
+                client.close()
+                continue
+            try:
+                upstream = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                client.close()
+                continue
+            with self.lock:
+                self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: Any, dst: Any) -> None:
+        try:
+            while not self.paused.is_set():
+                data = src.recv(65536)
+                if not data:
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def pause(self) -> None:
+        self.paused.set()
+        with self.lock:
+            for c in self.conns:
+                try:
+                    c.close()
+                except OSError:
+                    pass
+            self.conns.clear()
+
+    def resume(self) -> None:
+        self.paused.clear()
+
+    def close(self) -> None:
+        self.closed.set()
+        self.pause()
+        self.sock.close()

@@ -90,7 +90,8 @@ def main() -> None:
     p.add_argument("--delete", action="store_true")
     a = p.parse_args()
     torch.set_num_threads(1)
-    logging.basicConfig(level=logging.INFO, format=f"[{a.node}] %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(relativeCreated)6d [{a.node}] %(name)s: %(message)s")
     worker(a) if a.role == "worker" else master(a)
 
 
