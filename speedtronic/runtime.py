@@ -148,7 +148,10 @@ def _build_data(cfg: SpeedtronicConfig, device: torch.device) -> Any:
     build = optional_attr("data", "build_data")
     if build is None:
         raise SpeedtronicError("speedtronic.data.build_data is not available in this build")
-    return build(cfg, rank=0, world=1, device=device)
+    d = cfg.distributed
+    # DiLoCo nodes each read their own shard of the training samples (eval is shared).
+    rank, world = (d.shard, d.num_shards) if d.enabled else (0, 1)
+    return build(cfg, rank=rank, world=world, device=device)
 
 
 def _metric_hooks(cfg: SpeedtronicConfig, run_dir: Path) -> list[Hook]:
