@@ -111,7 +111,8 @@ def test_train_end_to_end_leaves_metrics_config_and_plot(tmp_path, capsys):
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["run"]["max_steps"] == 4 and saved["optimizer"]["lr"] == 1e-3
     assert saved["run"]["output_dir"] == str(out_dir)
-    events = [json.loads(line)["event"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines = (run / "metrics.jsonl").read_text().splitlines()
+    events = [json.loads(line)["event"] for line in lines]
     assert events[0] == "train_start" and "train_step" in events and events[-1] == "train_end"
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # A resumed run continues to a larger target; a second fresh run moves the old one aside.
