@@ -152,22 +152,33 @@ def _iter_coefficients(coefficients: Sequence[float], steps: int) -> list[tuple[
     return [tuple(flat[3 * k:3 * k + 3]) for k in range(steps)]
 
 
-def _ns_standard(X: Tensor, coeffs: list[tuple[float, ...]], fuse_epilogue: bool) -> Tensor:
+def _ns_standard(X: Tensor, coeffs: list[tuple[float, ...]], fuse_epilogue: bool,
+                 transpose_out: bool) -> Tensor:
     # X: (b, m, n), m <= n, already Frobenius-normalized, in the compute dtype.
-    for a, b, c in coeffs:
+    last = len(coeffs) - 1
+    for k, (a, b, c) in enumerate(coeffs):
         A = torch.bmm(X, X.mT)                                    # (b, m, m)
         if fuse_epilogue:
             B = torch.baddbmm(A, A, A, beta=b, alpha=c)           # bA + cA^2
-            X = torch.baddbmm(X, B, X, beta=a)                    # aX + BX
         else:
             # CPU: addmm with beta != 0 is 1.3-1.5x slower than mm + add (96 vs 75 ms at
             # 768x768x3072, research section 6), so keep GEMMs plain and add in place.
             B = torch.bmm(A, A).mul_(c).add_(A, alpha=b)          # (b, m, m)
+        if k == last and transpose_out:
+            # Tall input: emit X^T B + a X^T (= (BX + aX)^T, B symmetric) directly in the
+            # caller's (b, n, m) layout, saving a transpose copy of the largest tensor.
+            Xt = X.mT
+            if fuse_epilogue:
+                return torch.baddbmm(Xt, Xt, B, beta=a)
+            return torch.bmm(Xt, B).add_(Xt, alpha=a)
+        if fuse_epilogue:
+            X = torch.baddbmm(X, B, X, beta=a)                    # aX + BX
+        else:
             X = torch.bmm(B, X).add_(X, alpha=a)                  # (b, m, n)
     return X
 
 
-def _ns_gram(X: Tensor, coeffs: list[tuple[float, ...]]) -> Tensor:
+def _ns_gram(X: Tensor, coeffs: list[tuple[float, ...]], transpose_out: bool) -> Tensor:
     # Same polynomial, evaluated on R = X X^T (m x m). With P_k = aI + bR_k + cR_k^2:
     # X_{k+1} = P_k X_k and R_{k+1} = P_k R_k P_k (P_k is a polynomial in R_k, so they commute).
     # Only the first R and the final Q X touch the long side n.
@@ -188,7 +199,8 @@ def _ns_gram(X: Tensor, coeffs: list[tuple[float, ...]]) -> Tensor:
         else:
             R = torch.bmm(P, torch.bmm(R, P))
     assert Q is not None and m == Q.size(-1)
-    return torch.bmm(Q, X)
+    # Q is a polynomial in R, hence symmetric: (QX)^T = X^T Q, already in a tall caller's layout.
+    return torch.bmm(X.mT, Q) if transpose_out else torch.bmm(Q, X)
 
 
 def _newton_schulz_impl(G: Tensor, steps: int, coefficients: Sequence[float], eps: float,
@@ -207,16 +219,14 @@ def _newton_schulz_impl(G: Tensor, steps: int, coefficients: Sequence[float], ep
     m, n = X.size(-2), X.size(-1)
     if X.device.type == "cpu" and dtype in (torch.float32, torch.float64) \
             and n >= GRAM_MIN_ASPECT * m:
-        X = _ns_gram(X, coeffs)
+        X = _ns_gram(X, coeffs, transpose_out=tall)
     else:
         # bf16/fp16: baddbmm rounds once per product+add (fp32 accumulation), as torch does.
         fuse = X.device.type != "cpu" or dtype in (torch.bfloat16, torch.float16)
-        X = _ns_standard(X, coeffs, fuse_epilogue=fuse)
-    if tall:
-        X = X.mT
+        X = _ns_standard(X, coeffs, fuse_epilogue=fuse, transpose_out=tall)
     if G.dim() == 2:
         X = X.squeeze(0)
-    return X.to(G.dtype).contiguous()
+    return X.to(G.dtype).contiguous()                             # G's orientation already
 
 
 @torch.library.custom_op(

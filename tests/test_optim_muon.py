@@ -211,3 +211,21 @@ def test_params_without_grad_are_skipped_and_closure_returned() -> None:
 
     assert opt.step(closure) is not None
     assert torch.equal(b, before) and b not in opt.state
+
+
+def test_huge_shape_groups_are_split_and_give_the_same_result(monkeypatch) -> None:
+    init, grads = _setup(steps=2)
+    whole, _ = _run(lambda ps: Muon(ps, **KW), init, grads)
+    calls: list[tuple[int, ...]] = []
+    real = ops.newton_schulz
+
+    def counting(G, *args, **kwargs):
+        calls.append(tuple(G.shape))
+        return real(G, *args, **kwargs)
+
+    monkeypatch.setattr(muon_mod.ops, "newton_schulz", counting)
+    monkeypatch.setattr(muon_mod, "NS_MAX_BATCH_NUMEL", 2 * 16 * 16)
+    split, _ = _run(lambda ps: Muon(ps, **KW), init, grads)
+    assert sorted(calls[:4]) == [(1, 16, 16), (1, 16, 24), (1, 24, 16), (2, 16, 16)]
+    for a, b in zip(whole, split, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)

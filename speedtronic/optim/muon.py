@@ -47,6 +47,11 @@ MUON_DEFAULTS: dict[str, Any] = {
 }
 """Per-group defaults; the first eight are torch.optim.Muon's, with the same values."""
 
+NS_MAX_BATCH_NUMEL = 1 << 25
+"""A shape's matrices are split across several Newton-Schulz calls only when their total size
+exceeds this many elements (128 MiB in fp32), which bounds the step's temporaries (~4 copies of
+one batch) for large models. GPT-2 small's largest bank (48 x 768^2 = 28M) fits in one call."""
+
 _NS_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16,
               "fp32": torch.float32, "fp64": torch.float64}
 _DTYPE_NAMES = {v: k for k, v in _NS_DTYPES.items() if v is not None}
@@ -138,27 +143,38 @@ def muon_step(state: dict, groups: Iterable[dict[str, Any]]) -> None:
                    coeffs if isinstance(coeffs, str) else tuple(coeffs), group["eps"],
                    group["ns_dtype"], group["momentum"], group["nesterov"])
             buckets[key].append((group, p, g, buf))
-    for (shape, device, steps, coeffs, eps, ns_dtype, momentum, nesterov), items in buckets.items():
-        compute = ops.resolve_compute_dtype(device, torch.float32, _NS_DTYPES[ns_dtype])
-        stacked = ops.muon_pre_orthogonalize_([b for _, _, _, b in items],
-                                              [g for _, _, g, _ in items], float(momentum),
-                                              bool(nesterov), float(eps), compute)  # (b, m, n)
-        orth = ops.newton_schulz(stacked, int(steps), ops.resolve_coefficients(coeffs, steps),
-                                 float(eps), compute)                                # (b, m, n)
-        start = 0
-        while start < len(items):
-            group = items[start][0]
-            end = start
-            while end < len(items) and items[end][0] is group:
-                end += 1
-            lr = float(group["lr"])
-            ops.muon_post_update_([p for _, p, _, _ in items[start:end]], orth[start:end],
-                                  [g for _, _, g, _ in items[start:end]], lr,
-                                  float(group["weight_decay"]),
-                                  adjusted_lr_scale(group["adjust_lr_fn"], shape),
-                                  bool(group["muon_plus"]), float(group["norm_eps"]),
-                                  bool(group["cautious"]), bool(group["cautious_rescale"]))
-            start = end
+    for key, bucket in buckets.items():
+        for items in _split(bucket, NS_MAX_BATCH_NUMEL):
+            _bucket_step(key, items)
+
+
+def _split(items: list, max_numel: int) -> list[list]:
+    per = max(1, max_numel // max(1, items[0][1].numel()))
+    return [items[i:i + per] for i in range(0, len(items), per)]
+
+
+def _bucket_step(key: tuple, items: list[tuple[dict, Tensor, Tensor, Tensor]]) -> None:
+    shape, device, steps, coeffs, eps, ns_dtype, momentum, nesterov = key
+    compute = ops.resolve_compute_dtype(device, torch.float32, _NS_DTYPES[ns_dtype])
+    stacked = ops.muon_pre_orthogonalize_([b for _, _, _, b in items],
+                                          [g for _, _, g, _ in items], float(momentum),
+                                          bool(nesterov), float(eps), compute)      # (b, m, n)
+    orth = ops.newton_schulz(stacked, int(steps), ops.resolve_coefficients(coeffs, steps),
+                             float(eps), compute)                                    # (b, m, n)
+    del stacked
+    start = 0
+    while start < len(items):  # one post-pass per param group (items are grouped in order)
+        group = items[start][0]
+        end = start
+        while end < len(items) and items[end][0] is group:
+            end += 1
+        ops.muon_post_update_([p for _, p, _, _ in items[start:end]], orth[start:end],
+                              [g for _, _, g, _ in items[start:end]], float(group["lr"]),
+                              float(group["weight_decay"]),
+                              adjusted_lr_scale(group["adjust_lr_fn"], shape),
+                              bool(group["muon_plus"]), float(group["norm_eps"]),
+                              bool(group["cautious"]), bool(group["cautious_rescale"]))
+        start = end
 
 
 class Muon(Fp32StateMixin, torch.optim.Optimizer):
