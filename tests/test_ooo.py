@@ -361,3 +361,21 @@ class _FixedLMData:
 
     def eval_batches(self, n: int) -> list:
         return self.batches[:n]
+
+
+def test_grad_scaler_unscales_deferred_grads_like_standard() -> None:
+    ref, ooo, sched = _pair(TiedLM())
+    params = []
+    for model, s in ((ref, None), (ooo, sched)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for x, y in _lm_batches(2, 37):
+            scaler.scale(model(x, y)).backward()
+        if s is not None:
+            s.flush()  # before unscale_: the trainer's order
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        scaler.step(opt)
+        scaler.update()
+        params.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*params, strict=True))
