@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import statistics
 import sys
@@ -196,8 +197,9 @@ def bench_model(name: str, model: nn.Module, vocab: int, device: torch.device, r
 
 
 def _hardware(device: torch.device) -> dict[str, Any]:
-    info = {"platform": platform.platform(), "processor": platform.processor() or "unknown",
-            "cpu_count": __import__("os").cpu_count(), "python": platform.python_version(),
+    info = {"load_average_1m_at_start": round(os.getloadavg()[0], 1),
+            "platform": platform.platform(), "processor": platform.processor() or "unknown",
+            "cpu_count": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
@@ -211,8 +213,9 @@ def _markdown(report: dict[str, Any]) -> str:
              f"Command: `{report['command']}`  ",
              f"torch {report['hardware']['torch']}, dtype {report['dtype']}, "
              f"{report['hardware'].get('gpu', report['hardware']['processor'])} "
-             f"({report['hardware']['cpu_count']} CPUs), {report['rounds']} interleaved rounds x "
-             f"{report['steps']} steps, median per step.", "",
+             f"({report['hardware']['cpu_count']} CPUs, 1-min load average "
+             f"{report['hardware']['load_average_1m_at_start']} at start), {report['rounds']} "
+             f"interleaved rounds x {report['steps']} steps, median per step.", "",
              "| threads | model | standard ms | off | paused | on | wall ms (std / on) | "
              "grads fp32 |", "|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
@@ -261,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, (model, vocab) in _models(device.type).items():
             res = bench_model(name, model, vocab, device, args.rounds, args.steps)
             run["models"].append(res)
-            print(f"[threads={threads}] {name}: standard {res['step_ms']['standard']:.1f} ms, "
+            base = res[res["overhead_basis"]]["standard"]
+            print(f"[threads={threads}] {name}: standard {base:.1f} ms, "
                   + ", ".join(f"{v} {p:+.1f}%" for v, p in res["overhead_pct"].items())
                   + f", grads {res['grad_check_fp32']}", flush=True)
         report["runs"].append(run)

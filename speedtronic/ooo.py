@@ -187,6 +187,7 @@ class OOOScheduler:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.mode = "cuda-streams" if self.device.type == "cuda" else "cpu-queue"
         self._active = False
+        # Keyed by autograd graph-task id: a global counter, never reused (unlike id(tensor)).
         self._batches: dict[int, _Batch] = {}
         self._warned: set[str] = set()
         self._layers: list[_Layer] = []
