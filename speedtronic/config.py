@@ -393,7 +393,8 @@ class DistributedConfig:
     ``nesterov``: torch SGD-Nesterov on the mean of each poll's deltas (synchronous DiLoCo).
     ``sgd``: momentum-free (outer_lr 1 = plain parameter averaging)."""
     expected_workers: int | None = None
-    """Deltas per round (M) for delayed Nesterov; None = nodes that sent a delta recently."""
+    """Deltas per round (M) for delayed Nesterov, and how many finished nodes a master waits
+    for before it stops; None = nodes that sent a delta recently / every node it has seen."""
     max_staleness: int = 8
     """Master drops (quarantines) deltas whose base is more than this many versions old."""
     staleness_weighting: Literal["none", "inverse", "inverse_sqrt"] = "none"

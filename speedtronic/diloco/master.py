@@ -389,14 +389,14 @@ class Master:
         })
 
     # ------------------------------------------------------------------ loop
-    def all_done(self, expected_nodes: set[str] | None = None) -> bool:
+    def all_done(self, expected_nodes: set[str] | None = None, min_nodes: int = 0) -> bool:
         """Every node seen (or every expected node) has a finished session. A node restarted
         after a crash counts as finished once its new session is done: the dead session's
         uploaded deltas were processed (the caller checks after a round that found nothing)."""
         seen = {s.split("/")[0] for s in self.seen_sessions | set(self.hwm)}
         finished = {s.split("/")[0] for s in self.done_sessions}
         nodes = expected_nodes if expected_nodes is not None else seen
-        return bool(nodes) and nodes <= finished
+        return bool(nodes) and nodes <= finished and len(finished) >= min_nodes
 
     def run(self, stop: threading.Event, *, until: Callable[[Master], bool] | None = None,
             idle_timeout: float = 0.0) -> None:

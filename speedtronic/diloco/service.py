@@ -95,7 +95,9 @@ class MasterNode:
         if idle > self.cfg.master_idle_timeout:
             logger.info("diloco master: no new delta for %.0fs after training; stopping", idle)
             return True
-        return m.all_done()
+        # expected_workers (when set) is also how many finished nodes to wait for: nodes that
+        # start after everyone seen so far finished would otherwise find the master gone.
+        return m.all_done(min_nodes=self.cfg.expected_workers or 0)
 
     def after_optimizer_step(self, trainer: Any, step: int) -> None:
         self.worker.after_optimizer_step(trainer, step)
@@ -143,7 +145,7 @@ def run_master(cfg: Any, *, expect_nodes: set[str] | None = None,
 
     thread = MasterThread(d, node_id, initial)
     idle = d.master_idle_timeout if idle_timeout is None else idle_timeout
-    thread.until = lambda m: m.all_done(expect_nodes) or (
+    thread.until = lambda m: m.all_done(expect_nodes, d.expected_workers or 0) or (
         idle > 0 and time.monotonic() - m.last_new_delta > idle)
     thread.start()
     try:
