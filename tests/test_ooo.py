@@ -379,3 +379,91 @@ def test_grad_scaler_unscales_deferred_grads_like_standard() -> None:
         scaler.update()
         params.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*params, strict=True))
+
+
+# ----------------------------------------------------------------------------- CUDA path logic
+class _FakeStream:
+    """Stands in for torch.cuda.Stream on CPU: records the synchronisation calls made on it."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: _FakeStream) -> None:
+        self.log.append(("wait_stream", self.name, other.name))
+
+    def wait_event(self, event: _FakeEvent) -> None:
+        self.log.append(("wait_event", self.name, event.stream))
+
+
+class _FakeEvent:
+    def __init__(self) -> None:
+        self.stream = None
+
+    def record(self, stream: _FakeStream) -> None:
+        self.stream = stream.name
+
+
+def test_cuda_stream_path_logic_with_fake_streams(monkeypatch) -> None:
+    """Runs the CUDA branch (immediate side-stream launch, events, record_stream, fold after
+    waiting) on CPU tensors with recorded fake streams: same gradients, every event waited."""
+    import contextlib
+
+    log: list = []
+    ambient = _FakeStream("ambient", log)
+    side = [_FakeStream(f"side{i}", log) for i in range(2)]
+    recorded: list[str] = []
+    current = [ambient]
+
+    @contextlib.contextmanager
+    def use(stream):
+        before, current[0] = current[0], stream
+        try:
+            yield
+        finally:
+            current[0] = before
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[0])
+    monkeypatch.setattr(torch.cuda, "stream", use)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, s: recorded.append(s.name), raising=False)
+    ref, ooo, sched = _pair(TiedLM())
+    sched.mode, sched.streams = "cuda-streams", side
+    for i, layer in enumerate(sched._layers):
+        for slot in (layer.weight, layer.bias):
+            if slot is not None:
+                slot.stream = side[i % 2]
+    data = _lm_batches(2, 37)
+    _run(ref, data)
+    _run(ooo, data, sched)
+    _assert_grads_equal(ref, ooo)
+    launches = 2 * sched.num_layers  # one per deferred layer per backward
+    assert sum(1 for e in log if e[0] == "wait_stream" and e[2] == "ambient") >= launches
+    waited = [e for e in log if e[0] == "wait_event"]
+    assert len(waited) == launches and all(e[1] == "ambient" for e in waited)
+    assert recorded.count("ambient") >= launches and recorded.count("side0") > 0
+    assert ("wait_stream", "ambient", "side1") in log  # flush waits on every side stream
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_streams_match_standard_backward() -> None:
+    """On a real GPU: config path builds side streams; fp32 grads match, bf16 grads close."""
+    torch.manual_seed(0)
+    base = _tiny_reference().cuda()
+    for autocast in (False, True):
+        ref = copy.deepcopy(base)
+        ooo = copy.deepcopy(base)
+        sched = build_ooo_scheduler(ooo, _cfg(ooo_streams=3), "cuda")
+        assert sched is not None and len(sched.streams) == 3
+        for m in (ref, ooo):
+            for x, y in _lm_batches(3, 61):
+                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+                    loss = m(x.cuda(), y.cuda())
+                loss.backward()
+        sched.flush()
+        for (name, pa), (_, pb) in zip(ref.named_parameters(), ooo.named_parameters(),
+                                       strict=True):
+            tol = 1e-2 if autocast else 1e-6  # another stream may pick another cuBLAS kernel
+            torch.testing.assert_close(pb.grad, pa.grad, rtol=tol, atol=tol, msg=name)
+        sched.close()
