@@ -358,6 +358,15 @@ class Worker:
                 logger.warning("diloco worker %s: poll failed (%s); retrying next poll",
                                self.node_id, exc)
 
+    # ------------------------------------------------------------------ driven use
+    def poll_now(self) -> None:
+        """Fetch and stage a newer global now (what the poll thread does every interval)."""
+        self._poll_once()
+
+    def install_now(self, trainer: Any) -> None:
+        """Install a staged global now; call only between optimizer steps."""
+        self._install(trainer)
+
     # ------------------------------------------------------------------ shutdown
     def flush(self, timeout: float) -> bool:
         """Wait until every snapshot has been uploaded (or ``timeout``)."""
