@@ -36,8 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``compare`` to the CLI's subparsers."""
     p = sub.add_parser(
         "compare", help="train the same model with several optimizers and compare quality",
-        description="Train one base config with several optimizer variants from the same "
-                    "initial weights, data order and seeds; write a markdown table, a JSON "
+        description="Train one base config with several optimizer variants from the same\n"
+                    "initial weights, data order and seeds; write a markdown table, a JSON\n"
                     "report and PNGs of eval loss and weight spectra.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True, help="base YAML or JSON config")

@@ -132,7 +132,7 @@ def plot_spectrum(spectra: dict[str, dict[str, dict[str, Any]]],
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
     ax_rank.set_ylim(bottom=0)
-    ax_rank.legend(fontsize=7)
+    fig.legend(*ax_rank.get_legend_handles_labels(), loc="outside right upper", fontsize=7)
     ax_rank.set_title("hidden matrices: stable rank ||W||_F² / ||W||_2²", fontsize=9)
     ax_top.set_title("hidden matrices: top singular value", fontsize=9)
     fig.savefig(path, dpi=100)

@@ -175,13 +175,18 @@ class CompareRecorder:
             end.record()
             self._pending_events[-1] = (self._pending_events[-1][0], end)
         else:
-            self.state["optimizer_step_s"].append(time.perf_counter() - self._t_pre)
+            self._add_step_times([time.perf_counter() - self._t_pre])
+
+    def _add_step_times(self, seconds: list[float]) -> None:
+        # Keep the newest 4096 samples: enough for a stable median, and the list rides in every
+        # checkpoint, so it must not grow with the run length.
+        self.state["optimizer_step_s"] = [*self.state["optimizer_step_s"], *seconds][-4096:]
 
     def _drain_cuda_events(self) -> None:
         done = [(a, b) for a, b in self._pending_events if b is not None]
         if done:
             done[-1][1].synchronize()
-            self.state["optimizer_step_s"].extend(a.elapsed_time(b) / 1000.0 for a, b in done)
+            self._add_step_times([a.elapsed_time(b) / 1000.0 for a, b in done])
         self._pending_events = []
 
     def _peak(self) -> int | None:

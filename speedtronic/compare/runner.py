@@ -150,8 +150,9 @@ def _saved_run_config(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _has_checkpoint(cfg: SpeedtronicConfig) -> bool:
-    directory = cfg.run_dir / cfg.checkpoint.directory
-    return directory.is_dir() and any(directory.glob("step_*.pt"))
+    from ..checkpoint import CheckpointManager
+
+    return bool(CheckpointManager(cfg.run_dir / cfg.checkpoint.directory).list())
 
 
 def _nan_to_inf(value: float | None) -> float:
