@@ -44,6 +44,16 @@ def _fresh_cli_logging():
         root.removeHandler(handler)
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from a second thread, and on a shared CI host oversubscribed
+    torch threads made these runs several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture
 def tiny_yaml(tmp_path: Path) -> Path:
     path = tmp_path / "base.yaml"
