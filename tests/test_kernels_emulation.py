@@ -341,3 +341,34 @@ def test_emulated_schemas_match_the_op_registry(emu):
         assert [(a.name, str(a.type), a.default_value) for a in ours.arguments] == \
                [(a.name, str(a.type), a.default_value) for a in emulated.arguments], name
         assert [str(r.type) for r in ours.returns] == [str(r.type) for r in emulated.returns]
+
+
+def test_launch_count_depends_on_shape_groups_not_parameter_count(emu):
+    """Issue target: launches per step grow with distinct shapes, not with the parameter count."""
+    emu.configure("forward", 0)
+
+    def launches(fn) -> int:
+        before = emu.stats()[0]
+        fn()
+        return emu.stats()[0] - before
+
+    def pre(b):
+        bufs = [torch.zeros(6, 10) for _ in range(b)]
+        grads = [torch.randn(6, 10) for _ in range(b)]
+        return lambda: emu.muon_pre_orthogonalize_(bufs, grads, 0.9, True, 1e-7, torch.bfloat16)
+
+    def post(b):
+        params = [torch.zeros(6, 10) for _ in range(b)]
+        orth = torch.randn(b, 6, 10)
+        return lambda: emu.muon_post_update_(params, orth, params, 0.1, 0.1, 1.0, True, 1e-8,
+                                             True, True)
+
+    def adamw(n):
+        ts = [[torch.randn(9) for _ in range(n)] for _ in range(4)]
+        for v in ts[3]:
+            v.abs_()
+        return lambda: emu.cautious_adamw_step_(*ts, 1e-3, 0.9, 0.99, 1e-8, 0.1, 1, True, True)
+
+    assert launches(pre(2)) == launches(pre(MAX_MATS)) == 2
+    assert launches(post(2)) == launches(post(MAX_MATS)) == 5  # 3 Muon+ stats, count, apply
+    assert launches(adamw(2)) == launches(adamw(MAX_TENSORS)) == 2
