@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..precision import max_memory_bytes
 from .spectrum import model_spectrum
 
 __all__ = ["CompareRecorder", "state_hash"]
@@ -58,21 +59,16 @@ def _reset_peak_memory(device: torch.device) -> str:
 
 
 def _peak_memory(device: torch.device) -> int | None:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    try:
-        for line in _PROC_STATUS.read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # kB
-    except OSError:
-        pass
-    try:
-        import resource
-        import sys
-    except ImportError:
-        return None
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(rss if sys.platform == "darwin" else rss * 1024)
+    """CUDA allocator peak, or this process's peak RSS since the last reset (Linux VmHWM);
+    elsewhere the lifetime peak RSS from :func:`speedtronic.precision.max_memory_bytes`."""
+    if device.type != "cuda":
+        try:
+            for line in _PROC_STATUS.read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+        except OSError:
+            pass
+    return max_memory_bytes(device)
 
 
 class CompareRecorder:

@@ -99,23 +99,14 @@ def markdown_table(summary: dict[str, Any], variants: dict[str, str], baseline: 
     return "\n".join(lines) + "\n"
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)  # JSON has no NaN/inf; keep them readable instead of invalid JSON
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value
-
-
 def write_json(path: str | Path, payload: dict[str, Any], strict: bool = True) -> None:
-    """Write ``payload`` as JSON atomically. ``strict``: non-finite floats become strings (valid
-    JSON for any reader); otherwise NaN/Infinity are kept so Python's json reads them back."""
-    path = Path(path)
-    tmp = path.with_suffix(path.suffix + ".tmp")
+    """Write ``payload`` as JSON, durably and atomically (a done-file is never half written).
+
+    ``strict``: non-finite floats become strings (valid JSON for any reader); otherwise
+    NaN/Infinity are kept so Python's json reads them back as floats.
+    """
+    from ..checkpoint import atomic_write_text
+    from ..metrics import _jsonable
+
     data = _jsonable(payload) if strict else payload
-    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n", encoding="utf-8")
-    tmp.replace(path)
+    atomic_write_text(Path(path), json.dumps(data, indent=1, default=str) + "\n")
