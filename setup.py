@@ -124,17 +124,22 @@ def extension_modules() -> tuple[list, dict]:
     class BuildWithInfo(BuildExtension):
         """Writes ``_C.build.json`` beside the binary; the loader reads it before importing."""
 
-        def build_extension(self, extension):  # noqa: D401 - setuptools hook
-            super().build_extension(extension)
-            target = self.get_ext_fullpath(extension.name)
+        def run(self):  # noqa: D401 - setuptools hook
+            super().run()
             info = {
                 "torch_version": torch_version,
                 "cuda_version": torch.version.cuda,
                 "arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST", ""),
             }
-            for folder in {os.path.dirname(target)}:
-                with open(os.path.join(folder, "_C.build.json"), "w") as fh:
-                    json.dump(info, fh, indent=1)
+            # Beside the binary in build_lib (so wheels carry it) and, for --inplace builds,
+            # beside the copy in the source tree.
+            folders = {os.path.join(self.build_lib, "speedtronic")}
+            if self.inplace:
+                folders.add(os.path.join(ROOT, "speedtronic"))
+            for folder in folders:
+                if os.path.isdir(folder):
+                    with open(os.path.join(folder, "_C.build.json"), "w") as fh:
+                        json.dump(info, fh, indent=1)
 
     use_ninja = shutil.which("ninja") is not None
     return [ext], {"build_ext": BuildWithInfo.with_options(use_ninja=use_ninja)}
