@@ -31,8 +31,8 @@ __all__ = ["CompareResult", "run_compare", "DEFAULT_LR_FACTORS"]
 logger = logging.getLogger("speedtronic.compare")
 
 DEFAULT_LR_FACTORS = (0.5, 1.0, 2.0)
-"""Sweep points as multiples of the variant's own lr (a factor-2 grid: Muon's and AdamW's loss
-curves are flat within about 2x of a good lr, so coarser grids miss less than they cost)."""
+"""Sweep points as multiples of the variant's own lr: three runs that bracket the default on
+both sides. A pick on the grid's edge is flagged; widen the grid with ``lr_factors`` then."""
 
 
 @dataclass
