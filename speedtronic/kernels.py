@@ -80,8 +80,9 @@ class KernelStatus:
         return asdict(self)
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _status: KernelStatus | None = None
+_deciding = False  # True while _decide() runs; it imports speedtronic.ops, which calls load()
 
 
 def _find_extension() -> Path | None:
@@ -250,14 +251,19 @@ def _decide() -> KernelStatus:
 
 def load(force: bool = False) -> KernelStatus:
     """Decide (once) whether the CUDA kernels are used; log the decision; never raise."""
-    global _status
+    global _status, _deciding
     with _lock:
+        if _deciding:  # re-entered from the speedtronic.ops import inside _decide(): the outer
+            return _status or KernelStatus(False, "still loading")  # call finishes the job
         if _status is not None and not force:
             return _status
+        _deciding = True
         try:
             st = _decide()
         except Exception as exc:  # noqa: BLE001 - a loader bug must not break training
             st = KernelStatus(False, f"loader error: {type(exc).__name__}: {exc}")
+        finally:
+            _deciding = False
         _status = st
     logger.info(st.line())
     return st

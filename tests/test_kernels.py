@@ -177,3 +177,28 @@ def test_setup_caps_max_jobs_by_free_ram(monkeypatch):
     monkeypatch.setattr(mod, "_free_ram_gib", lambda: 3.0)
     mod._cap_max_jobs()
     assert int(__import__("os").environ["MAX_JOBS"]) == 1
+
+
+def test_load_before_ops_import_does_not_deadlock(tmp_path):
+    """load() imports speedtronic.ops, whose import calls load() again (same thread)."""
+    import subprocess
+    import sys
+
+    so = tmp_path / "_C.so"
+    so.write_bytes(b"")
+    info = {"torch_version": torch.__version__}
+    (tmp_path / kernels.BUILD_INFO_NAME).write_text(json.dumps(info))
+    code = (
+        "import torch, sys\n"
+        "torch.version.cuda = '13.0'\n"
+        "import speedtronic.kernels as k\n"
+        "assert 'speedtronic.ops' not in sys.modules\n"
+        f"k._find_extension = lambda: __import__('pathlib').Path({str(so)!r})\n"
+        "st = k.load()\n"
+        "assert 'speedtronic.ops' in sys.modules\n"
+        "print(st.reason)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert "importing speedtronic._C failed" in out.stdout
