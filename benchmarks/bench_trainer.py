@@ -64,6 +64,7 @@ class _Clock:
 
 
 def run_trainer(raw: dict) -> float:
+    raw = {**raw, "run": {**raw["run"], "name": f"bench-{time.monotonic_ns()}"}}  # fresh dir
     cfg = load_config(raw)
     clock = _Clock()
     trainer = build_trainer(cfg, callbacks=[clock])
