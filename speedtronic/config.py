@@ -150,7 +150,8 @@ class DataConfig:
     pin_memory: bool | None = None
     """Pin host memory; None = when training on CUDA."""
     shuffle: bool = True
-    """Shuffle sample order (seeded; ignored for streams, which are read in a seeded order)."""
+    """Seeded random sample order; false reads windows / items sequentially (an
+    ``IterableDataset`` is always read in its own order)."""
     seed: int | None = None
     """Data-order seed; None = ``run.seed``."""
 
