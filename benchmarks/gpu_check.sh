@@ -55,7 +55,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>/
 
 # ---- 2. GPU tests ------------------------------------------------------------------------------
 note "GPU tests"
-"$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py 2>&1 | tee "$LOG_DIR/gpu_check_tests.log"
+"$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py tests/test_ooo.py 2>&1 | tee "$LOG_DIR/gpu_check_tests.log"
 rc=${PIPESTATUS[0]}
 record tests "$([[ $rc -eq 0 ]] && echo ok || echo "FAILED (exit $rc)") $(tail -1 "$LOG_DIR/gpu_check_tests.log")"
 overall=$rc
@@ -75,6 +75,11 @@ for tool in memcheck racecheck; do
 done
 
 # ---- 4. benchmarks -----------------------------------------------------------------------------
+note "out-of-order backprop benchmark"
+"$PY" benchmarks/bench_ooo.py --device cuda --rounds 5 --steps 3 2>&1 | tee "$LOG_DIR/gpu_check_ooo.log"
+orc=${PIPESTATUS[0]}
+record "bench ooo" "$([[ $orc -eq 0 ]] && echo ok || echo "FAILED (exit $orc)")"
+[[ -n "${RESULTS_DIR:-}" ]] && cp -f "$ROOT"/benchmarks/results/ooo_cuda.* "$RESULTS_DIR"/ 2>/dev/null
 note "benchmarks"
 quick=()
 [[ -n "${GPU_CHECK_QUICK:-}" ]] && quick=(--quick)
