@@ -167,6 +167,12 @@ def main() -> None:
                      f"{statistics.median(r['hand_loop_tokens_per_s']):.0f} | "
                      f"{r['ratio_median']:.3f} | "
                      + ", ".join(f"{x:.3f}" for x in r["ratio_per_repeat"]) + " |")
+    if len(rows) > 1 and statistics.median(rows[0]["hand_loop_tokens_per_s"]) < \
+            statistics.median(rows[-1]["hand_loop_tokens_per_s"]):
+        lines += ["", f"Note: with {rows[0]['threads']} threads both loops ran slower than with 1 "
+                  "thread, so the machine was oversubscribed (threads spinning against other "
+                  "processes); that row's ratio measures noise, not the trainer. Trust the "
+                  "1-thread row, or rerun on an idle machine."]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
