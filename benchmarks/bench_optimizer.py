@@ -285,12 +285,42 @@ def hardware() -> dict:
                 break
     except OSError:
         pass
-    info = {"cpu": cpu, "logical_cpus": os.cpu_count(), "platform": platform.platform(),
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = " ".join(f for f in line.split() if "bf16" in f or "amx" in f)
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cpu_bf16_flags": flags or "none", "logical_cpus": os.cpu_count(),
+            "platform": platform.platform(),
             "python": platform.python_version(), "torch": torch.__version__,
             "load_average_at_start": os.getloadavg()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+    else:
+        info["gemm_gflops_1thread"] = gemm_calibration()
     return info
+
+
+def gemm_calibration() -> dict[str, float]:
+    """Best-of-15 single-thread GFLOP/s of a (256x1024)(1024x256) GEMM per dtype: tells whether
+    this CPU has fast bf16 (AVX512-BF16/AMX) or the ~70x slower emulated path."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        a = torch.randn(256, 1024, dtype=dtype)
+        b = torch.randn(1024, 256, dtype=dtype)
+        best = float("inf")
+        for _ in range(15):
+            t0 = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - t0)
+        out[name] = 2 * 256 * 1024 * 256 / best / 1e9
+    torch.set_num_threads(before)
+    return out
 
 
 def bench_set(name: str, shapes, args, device: str, threads: int) -> list[dict]:
@@ -374,8 +404,10 @@ def write_markdown(path: Path, meta: dict, rows, speedups, memory) -> None:
              f"Command: `{meta['command']}`  ", f"Date: {meta['date']}  ",
              f"Hardware: {meta['hardware']['cpu']}, {meta['hardware']['logical_cpus']} logical "
              f"CPUs{', ' + meta['hardware']['gpu'] if 'gpu' in meta['hardware'] else ''}; "
-             f"torch {meta['hardware']['torch']}; load average at start "
+             f"torch {meta['hardware']['torch']}; single-thread GEMM GFLOP/s "
+             f"{meta['hardware'].get('gemm_gflops_1thread', {})}; load average at start "
              f"{', '.join(f'{x:.1f}' for x in meta['hardware']['load_average_at_start'])}  ",
+             f"CPU flags: {meta['hardware'].get('cpu_bf16_flags', '-')}  ",
              f"Params/grads/state: fp32. Hyperparameters: {HP}, 5 quintic NS steps. "
              f"Median of {meta['repeats']} interleaved rounds after one warm-up step. "
              "Error = relative Frobenius error of the parameter change after 3 steps vs a "
