@@ -409,10 +409,31 @@ def _muon_post_impl(params: Sequence[Tensor], orth: Tensor, grads: Sequence[Tens
     views = list(upd.unbind(0))
     if cautious:
         _cautious_mask_impl(views, grads, cautious_rescale)
-    params = list(params)
-    if weight_decay != 0.0:
-        torch._foreach_mul_(params, 1.0 - lr * weight_decay)      # decoupled, unscaled lr
-    torch._foreach_add_(params, views, alpha=-lr * lr_scale)
+    _decay_and_add_(list(params), views, 1.0 - lr * weight_decay, -lr * lr_scale)
+
+
+def _decay_and_add_(params: list[Tensor], updates: Sequence[Tensor], decay: float,
+                    alpha: float) -> None:
+    """``p <- p * decay + alpha * u`` with fp32 math whatever the parameter dtype.
+
+    torch's foreach ops round a Python scalar to the tensor's dtype: on a bf16 parameter,
+    ``decay = 0.998`` became 0.996 (twice the intended weight decay) and any decay closer to 1
+    than ~0.002 became exactly 1.0 (no decay at all). Low-precision parameters are therefore
+    updated through an fp32 copy and rounded once, as the CUDA kernels do."""
+    full = [i for i, q in enumerate(params) if q.dtype in (torch.float32, torch.float64)]
+    if full:
+        fp = [params[i] for i in full]
+        if decay != 1.0:
+            torch._foreach_mul_(fp, decay)
+        torch._foreach_add_(fp, [updates[i] for i in full], alpha=alpha)
+    for i, q in enumerate(params):
+        if q.dtype in (torch.float32, torch.float64):
+            continue
+        q32 = q.float()
+        if decay != 1.0:
+            q32.mul_(decay)
+        q32.add_(updates[i].float(), alpha=alpha)
+        q.copy_(q32)
 
 
 @torch.library.custom_op(
@@ -476,8 +497,8 @@ def _adamw_impl(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, wei
         g = [grads[i] for i in idx]
         m = [exp_avgs[i] for i in idx]
         v = [exp_avg_sqs[i] for i in idx]
-        if weight_decay != 0.0:
-            torch._foreach_mul_(p, 1.0 - lr * weight_decay)
+        # State may be fp32 beside bf16/fp16 params and grads: lerp needs matching dtypes.
+        g = [gi if gi.dtype == mi.dtype else gi.to(mi.dtype) for gi, mi in zip(g, m, strict=True)]
         torch._foreach_lerp_(m, g, 1.0 - beta1)                   # m <- b1 m + (1 - b1) g
         torch._foreach_mul_(v, beta2)
         torch._foreach_addcmul_(v, g, g, 1.0 - beta2)             # v <- b2 v + (1 - b2) g^2
@@ -488,7 +509,7 @@ def _adamw_impl(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, wei
         torch._foreach_mul_(upd, m)                               # m / (sqrt(v_hat) + eps)
         if cautious:
             _cautious_mask_impl(upd, g, cautious_rescale)
-        torch._foreach_add_(p, upd, alpha=-lr / bias1)
+        _decay_and_add_(p, upd, 1.0 - lr * weight_decay, -lr / bias1)
 
 
 @torch.library.custom_op(

@@ -301,3 +301,33 @@ def test_ops_trace_under_compile_without_graph_breaks() -> None:
     assert torch.allclose(out, ref, atol=1e-6)
     for a, b in zip(params + bufs, eager_params + eager_bufs, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_low_precision_params_are_updated_in_fp32_and_rounded_once():
+    """foreach ops round a Python scalar to the tensor dtype (bf16: 1 - 2e-3 -> 0.99609); the
+    update must instead be computed in fp32 and rounded once, as the CUDA kernels do."""
+    torch.manual_seed(0)
+    p32 = torch.randn(8, 16) * 50
+    grad32 = torch.randn(8, 16)
+    orth = torch.randn(1, 8, 16)
+    lr, wd = 0.02, 0.1
+    expected = (p32.bfloat16().float() * (1 - lr * wd) - lr * orth[0]).bfloat16()
+    p = [p32.bfloat16()]
+    ops.muon_post_update_(p, orth, [grad32.bfloat16()], lr, wd, 1.0, False, 1e-8, False, True)
+    assert torch.equal(p[0], expected)
+
+
+def test_adamw_op_accepts_bf16_params_with_fp32_state():
+    torch.manual_seed(0)
+    p = [torch.randn(5, 7).bfloat16()]
+    g = [torch.randn(5, 7).bfloat16()]
+    m, v = [torch.zeros(5, 7)], [torch.zeros(5, 7)]
+    ref_p = p[0].float().clone()
+    ops.cautious_adamw_step_(p, g, m, v, 1e-2, 0.9, 0.95, 1e-8, 0.1, 1, False, True)
+    g32 = g[0].float()
+    m_ref = 0.1 * g32
+    v_ref = 0.05 * g32 * g32
+    upd = (m_ref / 0.1) / ((v_ref / 0.05).sqrt() + 1e-8)
+    expected = (ref_p * (1 - 1e-2 * 0.1) - 1e-2 * upd).bfloat16()
+    assert torch.allclose(m[0], m_ref) and torch.allclose(v[0], v_ref)
+    assert torch.equal(p[0], expected)
