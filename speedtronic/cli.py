@@ -32,10 +32,24 @@ class _ConsoleFormatter(logging.Formatter):
         return f"{stamp} {level}{record.getMessage()}"
 
 
+class _CurrentStdoutHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is *now*: ``main()`` may run several times in one
+    process (tests, notebooks) with stdout swapped in between, and a handler bound to the first
+    stream then writes to a closed file."""
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value) -> None:  # noqa: ANN001
+        pass
+
+
 def _setup_logging(debug: bool) -> None:
     root = logging.getLogger("speedtronic")
     if not any(getattr(h, "_speedtronic_console", False) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stdout)
+        handler = _CurrentStdoutHandler()
         handler.setFormatter(_ConsoleFormatter())
         handler._speedtronic_console = True  # type: ignore[attr-defined]
         root.addHandler(handler)
