@@ -1,5 +1,6 @@
-"""DiLoCo fault tests with real OS processes (spawned, OMP_NUM_THREADS=1) over file:// and over
-s3:// against a moto server on 127.0.0.1. Every wait is a poll with a deadline; crashes come from
+"""DiLoCo fault tests with real OS processes (forked from a server that imported torch once, see
+diloco/launcher.py; OMP_NUM_THREADS=1) over file:// and over s3:// against a moto server on
+127.0.0.1. Every wait is a poll with a deadline; crashes come from
 deterministic crash points (SPEEDTRONIC_DILOCO_CRASH_AT) or SIGKILL at an observed step. Each test
 ends by checking that every delta was applied at most once (exactly once when nothing was
 rejected) and that every node at version v holds the weights the pointer named for v."""
@@ -18,7 +19,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "diloco"))
 from fakes import MotoServer, TcpProxy, set_aws_env  # noqa: E402
 from harness import (  # noqa: E402
-    PROC,
     applied_keys,
     assert_consistent,
     child_env,
@@ -26,13 +26,14 @@ from harness import (  # noqa: E402
     read_pointer,
     read_report,
 )
+from launcher import Node  # noqa: E402
 
 from speedtronic.diloco import codec  # noqa: E402
 from speedtronic.diloco.faults import CRASH_EXIT_CODE  # noqa: E402
 from speedtronic.diloco.store import ObjectNotFound, open_store, wait_for  # noqa: E402
 
 TIMEOUT = 90.0
-pytestmark = pytest.mark.slow  # every test here spawns 2-4 Python processes (torch import each)
+pytestmark = pytest.mark.slow  # every test here runs 2-4 node processes
 
 
 class Cluster:
@@ -40,22 +41,20 @@ class Cluster:
 
     def __init__(self, tmp: Path, url: str, env: dict[str, str]) -> None:
         self.tmp, self.url, self.env = tmp, url, env
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[Node] = []
 
     def start(self, role: str, node: str, *args: str, env: dict[str, str] | None = None,
-              tag: str = "") -> subprocess.Popen:
+              tag: str = "") -> Node:
         name = f"{node}{tag}"
-        cmd = [sys.executable, str(PROC), role, "--store", self.url, "--node", node,
-               "--report", str(self.tmp / f"{name}.json"),
-               "--progress", str(self.tmp / f"{name}.progress"), *args]
-        log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
-        p = subprocess.Popen(cmd, env=child_env(**self.env, **(env or {})), stdout=log,
-                             stderr=subprocess.STDOUT)
-        p.log_path = self.tmp / f"{name}.log"  # type: ignore[attr-defined]
+        argv = [role, "--store", self.url, "--node", node,
+                "--report", str(self.tmp / f"{name}.json"),
+                "--progress", str(self.tmp / f"{name}.progress"), *args]
+        # forked from a server that imported torch once (launcher.py): a real process, ~0 s start
+        p = Node(argv, child_env(**self.env, **(env or {})), self.tmp / f"{name}.log")
         self.procs.append(p)
         return p
 
-    def wait(self, p: subprocess.Popen, code: int = 0) -> None:
+    def wait(self, p: Node, code: int = 0) -> None:
         try:
             rc = p.wait(timeout=TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -68,6 +67,14 @@ class Cluster:
             return int((self.tmp / f"{name}.progress").read_text() or 0)
         except (FileNotFoundError, ValueError):
             return 0
+
+    def frozen(self, p: Node) -> bool:
+        """True once a node started with ``--stop-at`` has stopped itself (state T)."""
+        try:
+            stat = Path(f"/proc/{p.pid}/stat").read_text()
+        except FileNotFoundError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] == "T"
 
     def report(self, name: str) -> dict:
         return read_report(self.tmp / f"{name}.json")
@@ -150,8 +157,9 @@ def test_master_crash_and_restart_applies_every_delta_once(cluster, point):
 def test_worker_killed_during_inner_steps_rejoins(cluster):
     m = cluster.start("master", "master", "--expect", "w0,w1")
     w0 = cluster.start("worker", "w0", *WORKER)
-    w1 = cluster.start("worker", "w1", *WORKER, "--shard", "1")
-    assert wait_for(lambda: cluster.progress("w1") >= 12, TIMEOUT)
+    w1 = cluster.start("worker", "w1", *WORKER, "--shard", "1", "--stop-at", "12")
+    assert wait_for(lambda: cluster.frozen(w1), TIMEOUT)
+    assert cluster.progress("w1") == 12  # mid-round (H=5), 18 steps before the end
     w1.send_signal(signal.SIGKILL)
     w1.wait(timeout=10)
     w1b = cluster.start("worker", "w1", *WORKER, "--shard", "1", tag="-restarted")
@@ -247,10 +255,12 @@ def test_store_outage_training_continues_and_recovers(cluster, backend, tmp_path
     env = {} if proxy else {"SPEEDTRONIC_DILOCO_OUTAGE_FILE": str(flag)}
     args = ("--steps", "60", "--h", "5", "--step-time", "0.01", "--final-sync", "60")
     m = cluster.start("master", "master", "--expect", "w0", env=env)
-    w0 = cluster.start("worker", "w0", *args, env=env)
-    assert wait_for(lambda: cluster.progress("w0") >= 10, TIMEOUT)
+    w0 = cluster.start("worker", "w0", *args, "--stop-at", "10", env=env)
+    assert wait_for(lambda: cluster.frozen(w0), TIMEOUT)
     proxy.pause() if proxy else flag.touch()
     start = cluster.progress("w0")
+    assert start == 10
+    w0.send_signal(signal.SIGCONT)  # the outage begins with 50 of 60 steps still to train
     # training goes on through the outage: several rounds complete while the store is gone
     assert wait_for(lambda: cluster.progress("w0") >= start + 20, TIMEOUT)
     proxy.resume() if proxy else flag.unlink()
@@ -266,7 +276,9 @@ def test_store_outage_training_continues_and_recovers(cluster, backend, tmp_path
 def test_late_joiner_starts_from_the_latest_global(cluster):
     m = cluster.start("master", "master", "--expect", "w0,late")
     w0 = cluster.start("worker", "w0", "--steps", "60", "--h", "5", "--step-time", "0.004")
-    assert wait_for(lambda: _pointer_version(cluster.url) >= 3, TIMEOUT)
+    # >= 1, not more: how many versions w0's deltas make depends on how the master batches
+    # them (one run put 11 deltas into v1 + v2 and w0 finished, so ">= 3" never came).
+    assert wait_for(lambda: _pointer_version(cluster.url) >= 1, TIMEOUT)
     joined_at = _pointer_version(cluster.url)
     late = cluster.start("worker", "late", *WORKER, "--shard", "1")
     for p in (w0, late, m):

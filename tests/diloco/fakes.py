@@ -133,8 +133,8 @@ def set_aws_env() -> None:
 
 
 class TcpProxy:
-    """A loopback TCP forwarder that can be paused: while paused it closes new and existing
-    connections, which is what a network outage looks like to an S3 client."""
+    """A loopback TCP forwarder that can be paused: while paused it shuts down existing and
+    refuses new connections, which is what a network outage looks like to an S3 client."""
 
     def __init__(self, target_host: str, target_port: int) -> None:
         import socket
@@ -188,9 +188,19 @@ class TcpProxy:
                     pass
 
     def pause(self) -> None:
+        import socket
+
         self.paused.set()
         with self.lock:
             for c in self.conns:
+                # shutdown() first: close() from this thread neither wakes the pump blocked in
+                # recv() nor tells the peer, so a request in flight used to hang until the
+                # client's read timeout (the master sat 60 s on one, and the s3 outage test
+                # failed its final sync); shutdown sends FIN and ends the pump at once.
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
                 try:
                     c.close()
                 except OSError:

@@ -3,8 +3,9 @@
     python tests/diloco/proc.py worker --store URL --node ID --steps N --report R [...]
     python tests/diloco/proc.py master --store URL --node ID --expect a,b --report R [...]
 
-Progress is written to ``--progress`` (the step count) so a test can kill the process at a
-known point by polling it; crash points come from SPEEDTRONIC_DILOCO_CRASH_AT.
+Progress is written to ``--progress`` (the step count); ``--stop-at N`` freezes the process
+right after step N so a test can kill or resume it at that exact point; crash points come from
+SPEEDTRONIC_DILOCO_CRASH_AT.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -43,6 +46,11 @@ def worker(a: argparse.Namespace) -> None:
     def on_step(step: int) -> None:
         if a.progress:
             Path(a.progress).write_text(str(step))
+        if step == a.stop_at:
+            # Freeze (all threads) at exactly this step; the test SIGKILLs or SIGCONTs it. Polling
+            # the progress file and killing "soon" raced: under load a 30-step worker finished,
+            # done marker and all, before the kill landed.
+            os.kill(os.getpid(), signal.SIGSTOP)
         if a.step_time:
             time.sleep(a.step_time)  # stands in for compute; never used to synchronize
 
@@ -84,6 +92,7 @@ def main() -> None:
     p.add_argument("--final-sync", type=float, default=60.0)
     p.add_argument("--poll", type=float, default=0.05)
     p.add_argument("--step-time", type=float, default=0.0)
+    p.add_argument("--stop-at", type=int, default=-1, help="SIGSTOP itself after this step")
     p.add_argument("--expect", default="")
     p.add_argument("--outer", default="delayed_nesterov")
     p.add_argument("--max-staleness", type=int, default=8)
