@@ -4,14 +4,16 @@ Rows (eval cross-entropy in nats/byte on 20 fixed held-out batches of 64 x 64 by
 
 * DP, 1 worker, batch 16                     (reference: what one node does alone)
 * DP, batch 64 = 4 workers all-reducing every step
-* DiLoCo M=4, H=20, outer delayed Nesterov 0.7/0.9 (= Nesterov when a round arrives together)
-* DiLoCo without the inner-optimizer reset after each confirmed upload
-* plain averaging (outer SGD lr 1, no momentum = LocalSGD)
+* DiLoCo M=4, H=20 at the tuned outer settings (OUTER_LR / OUTER_MOMENTUM / RESET_INNER below,
+  chosen by ``--sweep``; delayed Nesterov = Nesterov when a round arrives together)
+* DiLoCo at the config defaults (outer 0.7/0.9 as in the paper, inner reset on)
+* plain averaging (outer SGD lr 1, no momentum = LocalSGD), same inner settings as the tuned row
 * DiLoCo with each delta dropped with p = 0.5
 * uneven workers (speeds 1, 1, 0.7, 0.35), asynchronous master polling every H/2 time units,
-  default outer optimizer vs plain Nesterov per poll, vs a synchronous barrier stopped at the
-  same simulated wall-clock
+  default outer optimizer (delayed Nesterov) vs plain Nesterov per poll, both at the tuned
+  settings, vs the synchronous barrier stopped at the same simulated wall-clock
 
+The DP rows use the same inner settings (AdamW 2e-3, constant lr) as every DiLoCo row.
 The DiLoCo rows run the real code path: :class:`~speedtronic.diloco.node.Worker` callbacks and a
 :class:`~speedtronic.diloco.master.Master` over a ``file://`` store in a temp dir, with uploads on
 the worker's background thread; the benchmark only decides *when* things happen (sequential,
@@ -19,6 +21,7 @@ deterministic schedule) so rows are comparable. ``train_thread_ms/step`` is the 
 callback spent on the training thread, next to the measured compute time of a step.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py [--steps 400] [--out benchmarks/results]
+    OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py --sweep 0.5,0.7,1.0x0.5,0.7 --no-reset-inner
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ from speedtronic.models import build_model
 from speedtronic.optim import build_optimizer
 
 M, H, SPEEDS = 4, 20, (1.0, 1.0, 0.7, 0.35)
+# Outer settings of the tuned rows (chosen by the sweep recorded in results/bench_diloco.md).
+OUTER_LR, OUTER_MOMENTUM, RESET_INNER = 0.5, 0.5, False
 
 
 def make_cfg(batch: int = 16):
@@ -224,11 +229,40 @@ def run_async_uneven(cfg, total_steps: int, evals, **dist) -> dict:
 
 
 def corpus_fingerprint(cfg) -> dict:
-    bundle = build_data(cfg)
-    h = hashlib.sha256()
-    for x, _ in bundle.eval_batches(4):
-        h.update(x.numpy().tobytes())
-    return {"description": getattr(bundle, "description", ""), "eval_sha256": h.hexdigest()}
+    """SHA-256 and size of the exact train and eval bytes (the stdlib text differs between
+    Python versions; the research note asks for both with every result)."""
+    from speedtronic.data.sources import stdlib_corpus
+
+    c = stdlib_corpus(cfg.data.stdlib_max_bytes, cfg.data.eval_fraction)
+    train, held = c.train.tobytes(), c.eval.tobytes()
+    return {"source": f"python {sys.version.split()[0]} stdlib *.py, cap "
+                      f"{cfg.data.stdlib_max_bytes} bytes", "root": c.root,
+            "train_bytes": len(train), "train_sha256": hashlib.sha256(train).hexdigest(),
+            "eval_bytes": len(held), "eval_sha256": hashlib.sha256(held).hexdigest(),
+            "files": [len(c.train_paths), len(c.eval_paths)]}
+
+
+def run_sweep(cfg, steps: int, evals, grid: str, out: Path, reset: bool) -> None:
+    """Synchronous DiLoCo rows over ``grid`` = "lr,lr,...xmu,mu,..."; appends each point to
+    ``out/bench_diloco_sweep.json`` as it finishes and skips points already there (so a stopped
+    sweep resumes). Run concurrent sweeps with different ``--out`` folders."""
+    lrs, mus = (tuple(float(v) for v in part.split(",")) for part in grid.split("x"))
+    path = out / "bench_diloco_sweep.json"
+    done = json.loads(path.read_text()) if path.exists() else []
+    for lr in lrs:
+        for mu in mus:
+            key = {"outer_lr": lr, "outer_momentum": mu, "reset_inner_optimizer": reset,
+                   "steps_per_worker": steps}
+            if any(all(r.get(k) == v for k, v in key.items()) for r in done):
+                continue
+            t0 = time.perf_counter()
+            r = run_diloco_sync(cfg, steps, evals, outer_lr=lr, outer_momentum=mu,
+                                reset_inner_optimizer=reset)
+            row = {**key, "eval": r["eval"], "wall_s": time.perf_counter() - t0}
+            print(f"[bench_diloco] sweep {json.dumps(row)}", flush=True)
+            done = json.loads(path.read_text()) if path.exists() else []
+            done.append(row)
+            path.write_text(json.dumps(done, indent=1))
 
 
 def main() -> None:
@@ -236,25 +270,39 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400, help="inner steps per worker")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--only", default="", help="comma-separated row keys to run")
+    ap.add_argument("--outer-lr", type=float, default=OUTER_LR,
+                    help="outer lr of the tuned DiLoCo rows")
+    ap.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM,
+                    help="outer momentum of the tuned DiLoCo rows")
+    ap.add_argument("--reset-inner", action=argparse.BooleanOptionalAction, default=RESET_INNER,
+                    help="reset the inner optimizer after each confirmed upload (tuned rows)")
+    ap.add_argument("--sweep", default="", help='only run an outer sweep, e.g. "0.5,0.7x0.5,0.8"')
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg = make_cfg()
     evals = build_data(replace_batch(cfg, 64)).eval_batches(20)
+    if args.sweep:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        run_sweep(cfg, args.steps, evals, args.sweep, Path(args.out), args.reset_inner)
+        return
     rows: dict[str, dict] = {}
+    dist = {"outer_lr": args.outer_lr, "outer_momentum": args.outer_momentum,
+            "reset_inner_optimizer": args.reset_inner}
+    steps = args.steps
     plan = {
-        "dp_1_worker": lambda: run_dp(cfg, 16, args.steps, evals),
-        "dp_4x_batch": lambda: run_dp(cfg, 64, args.steps, evals),
+        "dp_1_worker": lambda: run_dp(cfg, 16, steps, evals),
+        "dp_4x_batch": lambda: run_dp(cfg, 64, steps, evals),
         "diloco_m4_h20": lambda: run_diloco_sync(
-            cfg, args.steps, evals, eval_at_round=_equal_wallclock_rounds(args.steps)),
-        "diloco_no_inner_reset": lambda: run_diloco_sync(cfg, args.steps, evals,
-                                                         reset_inner_optimizer=False),
-        "plain_averaging": lambda: run_diloco_sync(cfg, args.steps, evals,
-                                                   outer_optimizer="sgd", outer_lr=1.0,
-                                                   outer_momentum=0.0),
-        "diloco_half_dropped": lambda: run_diloco_sync(cfg, args.steps, evals, drop=0.5),
-        "async_uneven_default": lambda: run_async_uneven(cfg, M * args.steps, evals),
-        "async_uneven_nesterov": lambda: run_async_uneven(cfg, M * args.steps, evals,
-                                                          outer_optimizer="nesterov"),
+            cfg, steps, evals, eval_at_round=_equal_wallclock_rounds(steps), **dist),
+        # the config defaults (outer 0.7/0.9 as in the paper, inner reset on), for comparison
+        "diloco_config_defaults": lambda: run_diloco_sync(cfg, steps, evals),
+        "plain_averaging": lambda: run_diloco_sync(
+            cfg, steps, evals, outer_optimizer="sgd", outer_lr=1.0, outer_momentum=0.0,
+            reset_inner_optimizer=args.reset_inner),
+        "diloco_half_dropped": lambda: run_diloco_sync(cfg, steps, evals, drop=0.5, **dist),
+        "async_uneven_default": lambda: run_async_uneven(cfg, M * steps, evals, **dist),
+        "async_uneven_nesterov": lambda: run_async_uneven(cfg, M * steps, evals,
+                                                          outer_optimizer="nesterov", **dist),
     }
     only = {k for k in args.only.split(",") if k}
     out = Path(args.out)
@@ -267,7 +315,8 @@ def main() -> None:
         print(f"[bench_diloco] {key}: {json.dumps(rows[key])}", flush=True)
         (out / "bench_diloco.json").write_text(json.dumps(
             {"config": {"M": M, "H": H, "steps_per_worker": args.steps, "speeds": SPEEDS,
-                        "threads": torch.get_num_threads(), "python": sys.version.split()[0],
+                        "tuned": dist, "threads": torch.get_num_threads(),
+                        "torch": torch.__version__, "python": sys.version.split()[0],
                         "corpus": corpus_fingerprint(cfg)}, "rows": rows}, indent=1))
     print(report(rows, args.steps))
 
