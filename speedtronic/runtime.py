@@ -86,38 +86,11 @@ def build_scheduler(optimizer: torch.optim.Optimizer,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def _fallback_adamw(model: nn.Module, cfg: SpeedtronicConfig) -> torch.optim.Optimizer:
-    """AdamW over ALL trainable parameters, with no-decay groups for norms/biases/embeddings."""
-    o = cfg.optimizer
-    embed_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        is_embed = id(p) in embed_ids
-        if (p.ndim >= 2 and not is_embed) or (is_embed and o.decay_embeddings) or \
-                (p.ndim < 2 and o.decay_norms_and_biases):
-            decay.append(p)
-        else:
-            no_decay.append(p)
-    groups = [{"params": decay, "weight_decay": o.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=o.lr, betas=tuple(o.betas),
-                             eps=o.eps)
-
-
 def build_optimizer(model: nn.Module, cfg: SpeedtronicConfig) -> torch.optim.Optimizer:
-    """``speedtronic.optim.build_optimizer`` when present, else a local AdamW (logged)."""
-    build = optional_attr("optim", "build_optimizer")
-    if build is not None:
-        return build(model, cfg.optimizer)
-    # TODO(engine): remove once speedtronic.optim.build_optimizer has landed everywhere.
-    if cfg.optimizer.name != "adamw":
-        raise SpeedtronicError(f"optimizer.name: {cfg.optimizer.name} needs speedtronic.optim, "
-                               "which is not available in this build; use optimizer: adamw")
-    logger.info("optimizer: AdamW over all trainable parameters (engine fallback; "
-                "speedtronic.optim.build_optimizer not found)")
-    return _fallback_adamw(model, cfg)
+    """One optimizer over every trainable parameter (``speedtronic.optim.build_optimizer``)."""
+    from .optim import build_optimizer as build
+
+    return build(model, cfg.optimizer)
 
 
 def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
@@ -186,6 +159,8 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
         logging.getLogger("speedtronic").addHandler(handler)
     cfg.save(run_dir / "config.yaml")
 
+    if cfg.run.num_threads is not None:
+        torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.run.seed)
     dev = resolve_device(device if device is not None else cfg.run.device)
     plan = resolve_precision(cfg.precision.mode, dev)

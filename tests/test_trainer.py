@@ -17,9 +17,7 @@ from speedtronic.trainer import TrainerCallback, loss_from_output
 
 
 def _optimizer_names() -> list[str]:
-    from speedtronic.runtime import optional_attr
-
-    return ["adamw", "muon"] if optional_attr("optim", "build_optimizer") else ["adamw"]
+    return ["adamw", "muon"]
 
 
 @pytest.mark.parametrize("opt", _optimizer_names())
