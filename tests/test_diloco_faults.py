@@ -141,7 +141,9 @@ def _pointer_version(url: str) -> int:
 @pytest.mark.parametrize("point", ["after_apply", "after_weights_written",
                                    "after_pointer_written"])
 def test_master_crash_and_restart_applies_every_delta_once(cluster, point):
-    crash = {"SPEEDTRONIC_DILOCO_CRASH_AT": point, "SPEEDTRONIC_DILOCO_CRASH_COUNT": "3"}
+    # The 1st publication: how many versions a run makes depends on timing (under load the
+    # master batched 10 deltas into 2 versions and never reached a 3rd), the first always comes.
+    crash = {"SPEEDTRONIC_DILOCO_CRASH_AT": point, "SPEEDTRONIC_DILOCO_CRASH_COUNT": "1"}
     m = cluster.start("master", "master", "--expect", "w0,w1", env=crash)
     ws = [cluster.start("worker", f"w{i}", *WORKER, "--shard", str(i)) for i in range(2)]
     cluster.wait(m, CRASH_EXIT_CODE)
