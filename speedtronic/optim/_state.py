@@ -12,6 +12,15 @@ from typing import Any
 
 import torch
 
+
+def run_closure(closure: Any) -> Any:
+    """Re-evaluate the loss with autograd on, as torch optimizers' ``step(closure)`` does."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 FP32_STATE_KEYS = frozenset({"momentum_buffer"})
 """State keys that are always float32 regardless of the parameter dtype."""
 

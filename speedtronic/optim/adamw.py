@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 
 from .. import ops
+from ._state import run_closure
 
 __all__ = ["AdamW", "adamw_step", "ADAMW_DEFAULTS", "fused_supported"]
 
@@ -137,10 +138,7 @@ class AdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Perform one optimization step."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         for group in self.param_groups:
             adamw_step(self.state, group)
         return loss

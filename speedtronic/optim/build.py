@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..config import OptimizerConfig
-from ._state import Fp32StateMixin
+from ._state import Fp32StateMixin, run_closure
 from .adamw import ADAMW_DEFAULTS, adamw_step, fused_supported
 from .adamw import _check_group as _check_adamw_group
 from .muon import MUON_DEFAULTS, muon_step
@@ -74,10 +74,7 @@ class HybridOptimizer(Fp32StateMixin, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Perform one optimization step over both branches."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         muon_groups = [g for g in self.param_groups if g["kind"] == "muon"]
         if muon_groups:
             muon_step(self.state, muon_groups)

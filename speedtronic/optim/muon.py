@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ._state import Fp32StateMixin
+from ._state import Fp32StateMixin, run_closure
 
 __all__ = ["Muon", "muon_step", "adjusted_lr_scale", "MUON_DEFAULTS", "resolve_ns_dtype"]
 
@@ -216,9 +216,6 @@ class Muon(Fp32StateMixin, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         """Perform one optimization step (``closure`` re-evaluates the loss, as in torch)."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         muon_step(self.state, self.param_groups)
         return loss
