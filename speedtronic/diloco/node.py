@@ -92,6 +92,7 @@ class Worker:
         self._refs: dict[int, dict[str, torch.Tensor]] = {}  # generation -> reference weights
         self._gen_version: dict[int, int] = {}
         self.gen = -1
+        self.final_synced = False  # on_train_end installed a global holding the last delta
         self.version = -1  # installed global version
         self.digest = ""   # tensor digest of the installed global
         self._pending: dict[int, _Snapshot] = {}  # newest un-sent snapshot per generation
@@ -171,7 +172,7 @@ class Worker:
         except StoreError as exc:
             logger.warning("diloco worker %s: could not write done marker: %s", self.node_id, exc)
         if flushed and self.cfg.final_sync_timeout > 0:
-            self.final_sync(trainer, self.cfg.final_sync_timeout)
+            self.final_synced = self.final_sync(trainer, self.cfg.final_sync_timeout)
         self.close()
         self._log(trainer)
 
@@ -393,7 +394,8 @@ class Worker:
                     if pointer.version > self.version:
                         self._poll_once()
                         self._install(trainer)
-                    return True
+                    if self.version >= pointer.version:  # installed, not only staged
+                        return True
             except (StoreError, FormatError) as exc:
                 logger.debug("final sync: %s", exc)
             time.sleep(min(self.cfg.poll_interval, 0.5))

@@ -58,7 +58,7 @@ def worker(a: argparse.Namespace) -> None:
     params = {k: p.detach() for k, p in model.named_parameters()}
     _write(a.report, {"node": a.node, "session": cb.session, "version": cb.version,
                       "digest": cb.digest, "weights_digest": codec.tensor_digest(params),
-                      "final_synced": a.final_sync > 0, "last_seq": cb.last_seq,
+                      "final_synced": cb.final_synced, "last_seq": cb.last_seq,
                       "metrics": cb.metrics()})
 
 
