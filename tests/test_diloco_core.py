@@ -17,6 +17,7 @@ from harness import (  # noqa: E402
     TinyModel,
     applied_keys,
     assert_consistent,
+    batch,
     eval_loss,
     initial_weights,
     make_cfg,
@@ -280,6 +281,45 @@ def test_master_quarantines_bad_deltas_and_never_refetches_them(tmp_path):
     stats = m.run_once()
     assert stats.stale_dropped == 1 and "stale" in dict(m.quarantined)[k_stale]
     assert len(applied_keys(store)) == len(set(applied_keys(store))) == 3
+
+
+def _inner_round(worker, trainer, poison: bool = False) -> None:
+    """One round of H inner steps; ``poison`` makes the delta non-finite."""
+    for _ in range(worker.cfg.inner_steps):
+        x, y = batch(trainer.step, 0)
+        loss = torch.nn.functional.mse_loss(trainer.model(x), y)
+        trainer.optimizer.zero_grad()
+        loss.backward()
+        trainer.optimizer.step()
+        trainer.step += 1
+        if poison and trainer.step % worker.cfg.inner_steps == 0:
+            with torch.no_grad():
+                trainer.model.fc1.bias.fill_(float("nan"))
+        worker.after_optimizer_step(trainer, trainer.step)
+
+
+@pytest.mark.parametrize("case", ["stale", "non_finite"])
+def test_worker_whose_last_delta_is_rejected_ends_on_the_published_global(tmp_path, case):
+    # No version is published for a batch that is entirely rejected, so the worker cannot wait
+    # for a global "including" its last delta: the master's rejection receipt ends the wait.
+    store, m = _master(tmp_path, max_staleness=1, final_sync_timeout=20, poll_interval=0.5)
+    w = Worker(m.cfg, store=store, node_id="w0")
+    t = FakeTrainer(TinyModel(0))
+    w.on_train_start(t)
+    assert w.version == 0
+    if case == "stale":  # the global moves on twice while w0 trains on v0
+        good = {k: 0.01 * torch.ones_like(v) for k, v in initial_weights().items()}
+        for seq in range(2):
+            _put_delta(store, good, seq, base=m.pointer.version, node="w9")
+            m.run_once()
+    _inner_round(w, t, poison=case == "non_finite")
+    assert w.flush(10)
+    stats = m.run_once()
+    assert stats.rejected == 1 and stats.applied == 0 and not stats.published
+    w.on_train_end(t)
+    pointer = read_pointer(store)
+    assert w.final_synced and w.version == pointer.version == (2 if case == "stale" else 0)
+    assert codec.tensor_digest(dict(t.model.named_parameters())) == pointer.weights_digest
 
 
 def test_master_restart_resumes_bit_exactly_from_the_store(tmp_path):

@@ -123,6 +123,13 @@ def delta_key(node: str, session: str, seq: int, base_version: int) -> str:
     return f"nodes/{node}/{session}/d{seq:08d}-b{base_version:08d}.safetensors"
 
 
+def rejection_key(node: str, session: str, seq: int) -> str:
+    """Where the master records that delta ``seq`` of ``node/session`` was rejected (a small JSON
+    with the reason): a worker whose last deltas were all rejected publishes no new version, so
+    without this receipt its final sync could only wait for a global that never comes."""
+    return f"rejected/{node}/{session}/d{seq:08d}.json"
+
+
 def parse_delta_key(key: str) -> tuple[str, str, int, int] | None:
     """``(node, session, seq, base_version)`` for a delta key, else None (done markers etc.)."""
     m = _DELTA_NAME.fullmatch(key)

@@ -256,6 +256,15 @@ class Master:
         self.skip.add(key)  # never downloaded again by this master (the hwm covers restarts)
         stats.rejected += 1
         stats.reasons.append(reason)
+        parsed = codec.parse_delta_key(key)
+        if parsed is not None:  # tell the sender, so its final sync need not wait for a global
+            node, session, seq, _base = parsed
+            try:
+                self.store.put(codec.rejection_key(node, session, seq),
+                               json.dumps({"key": key, "reason": reason}).encode())
+            except StoreError as exc:
+                logger.warning("diloco master: could not record the rejection of %s: %s",
+                               key, exc)
         if self.cfg.delete_processed:
             self.store.delete(key)
 

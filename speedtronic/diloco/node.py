@@ -219,7 +219,9 @@ class Worker:
             self._lock.notify_all()
 
     @torch.no_grad()
-    def _install(self, trainer: Any) -> None:
+    def _install(self, trainer: Any, force: bool = False) -> None:
+        """Copy the staged global into the model; ``force`` re-installs the same version (the
+        local weights moved on from it and the work since was rejected)."""
         with self._lock:
             if self._candidate is None:
                 return
@@ -229,7 +231,7 @@ class Worker:
                 return
             pointer, tensors = self._candidate
             self._candidate = None
-            if pointer.version <= self.version:
+            if pointer.version <= self.version and not force:
                 return
             for k, p in self._params.items():
                 p.copy_(tensors[k])
@@ -339,6 +341,10 @@ class Worker:
         current = self._candidate[0].version if self._candidate else self.version
         if pointer.version <= current:
             return
+        self._stage(pointer)
+
+    def _stage(self, pointer: Pointer) -> None:
+        """Download, verify and stage the global ``pointer`` names (installed at a boundary)."""
         data = self.store.get(pointer.path)
         self.m["bytes_down"] += len(data)
         tensors = codec.decode_global(data, pointer)  # verifies sha256 + digest
@@ -381,14 +387,15 @@ class Worker:
         return True
 
     def final_sync(self, trainer: Any, timeout: float) -> bool:
-        """Wait for a global that includes this session's last delta and install it, so the
-        node ends holding the published weights."""
+        """Wait until the master has processed this session's last delta, then install the
+        global: the one that includes it or, when the master rejected it (stale, non-finite,
+        ...), the current one. Either way the node ends holding published weights."""
         deadline = time.monotonic() + timeout
         key = f"{self.node_id}/{self.session}"
+        receipt = codec.rejection_key(self.node_id, self.session, self.last_seq)
         while time.monotonic() < deadline:
             try:
-                data = self.store.get(POINTER_KEY)
-                pointer = Pointer.from_bytes(data)
+                pointer = Pointer.from_bytes(self.store.get(POINTER_KEY))
                 _, meta = codec.decode(self.store.get(pointer.state_path))
                 if meta.get("hwm", {}).get(key, -1) >= self.last_seq:
                     if pointer.version > self.version:
@@ -396,11 +403,18 @@ class Worker:
                         self._install(trainer)
                     if self.version >= pointer.version:  # installed, not only staged
                         return True
-            except (StoreError, FormatError) as exc:
+                elif self.store.stat(receipt) is not None:
+                    reason = json.loads(self.store.get(receipt)).get("reason", "?")
+                    logger.warning("diloco worker %s: the master rejected its last delta (%s); "
+                                   "ending on global v%d", self.node_id, reason, pointer.version)
+                    self._stage(pointer)
+                    self._install(trainer, force=True)
+                    return self.version == pointer.version
+            except (StoreError, FormatError, ValueError) as exc:
                 logger.debug("final sync: %s", exc)
             time.sleep(min(self.cfg.poll_interval, 0.5))
-        logger.warning("diloco worker %s: no global with its last delta within %.0fs",
-                       self.node_id, timeout)
+        logger.warning("diloco worker %s: the master processed neither its last delta nor a "
+                       "rejection of it within %.0fs", self.node_id, timeout)
         return False
 
     def close(self) -> None:
