@@ -1,4 +1,4 @@
-"""One narrow object-store contract for DiLoCo, the retry layer around it, and the file back end.
+"""One narrow object-store contract for DiLoCo, the retry layer around it, and ``open_store``.
 
 Every DiLoCo component talks to storage only through :class:`Store`:
 
@@ -19,24 +19,18 @@ own threads (see node.py / master.py).
 
 from __future__ import annotations
 
-import errno
-import fcntl
-import hashlib
 import logging
 import os
 import random
 import re
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TypeVar
 from urllib.parse import urlparse
 
 from ..errors import SpeedtronicError
-from .faults import crash_point
 
 logger = logging.getLogger("speedtronic.diloco.store")
 
@@ -250,153 +244,6 @@ class RetryingStore(Store):
         return self._call(f"commit {pointer[0]}", lambda: self.inner.commit(objects, pointer))
 
 
-# Errnos that a shared filesystem (NFS, Lustre, FUSE mounts) returns for conditions that clear.
-_TRANSIENT_ERRNOS = {errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.EAGAIN, errno.EBUSY,
-                     errno.ENOSPC, errno.EDQUOT, errno.ECONNRESET, errno.EHOSTUNREACH}
-
-
-class FileStore(Store):
-    """``file:///path``: a local or shared directory (NFS, Lustre, FUSE-mounted buckets).
-
-    Atomic put = write ``.tmp-*`` in the target directory, fsync, then ``rename`` (replace) or
-    ``link`` (create-only: link fails with EEXIST, which NFS also guarantees); the directory is
-    fsynced so the name survives a crash. Swap holds a POSIX ``lockf`` lock (NFS lockd) around
-    read-compare-write. The etag is the sha256 of the content (pointer objects are tiny).
-    """
-
-    def __init__(self, root: str | Path) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
-        self.url = f"file://{self.root}"
-
-    def _path(self, key: str) -> Path:
-        return self.root / check_key(key)
-
-    @staticmethod
-    def _translate(exc: OSError, key: str) -> Exception:
-        if isinstance(exc, FileNotFoundError):
-            return ObjectNotFound(f"no object {key!r}")
-        if isinstance(exc, PermissionError):
-            return AccessDenied(f"permission denied for {key!r}: {exc}")
-        if exc.errno in _TRANSIENT_ERRNOS:
-            return TransientStoreError(f"{key!r}: {exc}")
-        return StoreError(f"{key!r}: {exc}")
-
-    def _write_tmp(self, path: Path, data: bytes) -> Path:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".tmp-{path.name}-{uuid.uuid4().hex[:12]}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        return tmp
-
-    @staticmethod
-    def _fsync_dir(path: Path) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
-        path = self._path(key)
-        tmp = None
-        try:
-            tmp = self._write_tmp(path, data)
-            crash_point("store_tmp_written")  # a crash here leaves only an unlisted .tmp- file
-            if if_absent:
-                try:
-                    os.link(tmp, path)
-                except FileExistsError:
-                    raise ObjectExists(f"{key!r} already exists") from None
-            else:
-                os.replace(tmp, path)
-                tmp = None
-            self._fsync_dir(path.parent)
-        except StoreError:
-            raise
-        except OSError as exc:
-            raise self._translate(exc, key) from exc
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-
-    def get(self, key: str) -> bytes:
-        try:
-            return self._path(key).read_bytes()
-        except OSError as exc:
-            raise self._translate(exc, key) from exc
-
-    def get_with_etag(self, key: str) -> tuple[bytes, str]:
-        data = self.get(key)
-        return data, hashlib.sha256(data).hexdigest()
-
-    def stat(self, key: str) -> ObjectInfo | None:
-        try:
-            st = self._path(key).stat()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise self._translate(exc, key) from exc
-        return ObjectInfo(key, st.st_size, f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}")
-
-    def list(self, prefix: str = "") -> list[str]:
-        out: list[str] = []
-        try:
-            for dirpath, _dirs, files in os.walk(self.root):
-                rel = Path(dirpath).relative_to(self.root).as_posix()
-                for name in files:
-                    if name.startswith(".tmp-") or name.startswith(".lock"):
-                        continue
-                    key = name if rel == "." else f"{rel}/{name}"
-                    if key.startswith(prefix):
-                        out.append(key)
-        except OSError as exc:
-            raise self._translate(exc, prefix) from exc
-        return sorted(out)
-
-    def delete(self, key: str) -> None:
-        try:
-            self._path(key).unlink()
-        except FileNotFoundError:
-            pass
-        except OSError as exc:
-            raise self._translate(exc, key) from exc
-
-    def swap(self, key: str, data: bytes, expected_etag: str | None) -> str:
-        path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        lock_path = path.parent / f".lock-{path.name}"
-        try:
-            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise self._translate(exc, key) from exc
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX)
-            try:
-                current = hashlib.sha256(path.read_bytes()).hexdigest()
-            except FileNotFoundError:
-                current = None
-            if current != expected_etag:
-                raise PreconditionFailed(f"{key!r}: etag is {current}, expected {expected_etag}")
-            self.put(key, data)
-            return hashlib.sha256(data).hexdigest()
-        except StoreError:
-            raise
-        except OSError as exc:
-            raise self._translate(exc, key) from exc
-        finally:
-            os.close(fd)  # releases the lock
-
-
 class OutageStore(Store):
     """Chaos wrapper: every call fails with a transient error while ``flag_path`` exists.
 
@@ -464,6 +311,7 @@ def open_store(url: str, *, retry: RetryPolicy | None = None,
         if parsed.netloc not in ("", "localhost"):
             raise ValueError(f"distributed.store: file URLs need an absolute path "
                              f"(file:///path), got {url!r}")
+        from .store_file import FileStore
         inner: Store = FileStore(parsed.path)
     elif parsed.scheme == "s3":
         from .store_remote import S3Store
@@ -489,3 +337,10 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
         if time.monotonic() >= deadline:
             return False
         time.sleep(interval)
+
+
+from .store_file import FileStore  # noqa: E402  (re-exported; store_file imports the contract above)
+
+__all__ = ["AccessDenied", "FileStore", "ObjectExists", "ObjectInfo", "ObjectNotFound",
+           "PreconditionFailed", "RetryPolicy", "RetryingStore", "Store", "StoreError",
+           "StoreUnavailable", "TransientStoreError", "check_key", "open_store", "wait_for"]
