@@ -322,6 +322,46 @@ def test_worker_whose_last_delta_is_rejected_ends_on_the_published_global(tmp_pa
     assert codec.tensor_digest(dict(t.model.named_parameters())) == pointer.weights_digest
 
 
+def test_m_workers_averaging_every_step_equals_data_parallel_with_m_times_the_batch(tmp_path):
+    # With inner SGD, H=1 and outer SGD lr 1 (plain averaging), the mean of M workers' one-step
+    # deltas is one SGD step on the mean gradient of all M batches: DP with an M x batch. This
+    # pins the whole path (snapshot, delta sign, upload, master mean, publish, install) at M > 1.
+    M, steps, lr = 3, 6, 0.1
+    store, m = _master(tmp_path, inner_steps=1, outer_optimizer="sgd", outer_lr=1.0,
+                       outer_momentum=0.0, expected_workers=M, poll_interval=600.0,
+                       lease_ttl=3600.0, reset_inner_optimizer=False)
+    workers = [Worker(m.cfg, store=store, node_id=f"w{i}") for i in range(M)]
+    trainers = [FakeTrainer(TinyModel(0)) for _ in range(M)]
+    for w, t in zip(workers, trainers, strict=True):
+        t.optimizer = torch.optim.SGD(t.model.parameters(), lr=lr)
+        w.on_train_start(t)
+    dp = TinyModel(0)
+    dp_opt = torch.optim.SGD(dp.parameters(), lr=lr)
+    for step in range(steps):
+        for i, (w, t) in enumerate(zip(workers, trainers, strict=True)):
+            x, y = batch(step, i)
+            t.optimizer.zero_grad()
+            torch.nn.functional.mse_loss(t.model(x), y).backward()
+            t.optimizer.step()
+            w.after_optimizer_step(t, step + 1)
+            assert w.flush(10)
+        assert m.run_once().applied == M
+        for w, t in zip(workers, trainers, strict=True):
+            w.poll_now()
+            w.install_now(t)
+        xs, ys = zip(*(batch(step, i) for i in range(M)), strict=True)
+        dp_opt.zero_grad()
+        torch.nn.functional.mse_loss(dp(torch.cat(xs)), torch.cat(ys)).backward()
+        dp_opt.step()
+    for w in workers:
+        w.close()
+    assert m.pointer.version == steps
+    for k, p in dp.named_parameters():
+        torch.testing.assert_close(m.weights[k], p.detach(), rtol=1e-5, atol=1e-6)
+        for t in trainers:
+            assert torch.equal(dict(t.model.named_parameters())[k].detach(), m.weights[k])
+
+
 def test_master_restart_resumes_bit_exactly_from_the_store(tmp_path):
     store, m = _master(tmp_path, outer_optimizer="nesterov")
     w = initial_weights()
