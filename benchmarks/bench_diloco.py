@@ -15,20 +15,21 @@ Rows (eval cross-entropy in nats/byte on 20 fixed held-out batches of 64 x 64 by
 
 The DP rows use the same inner settings (AdamW 2e-3, constant lr) as every DiLoCo row.
 
-Length: 1200 inner steps per worker by default (60 rounds). The research note's 400 (20 rounds)
-is the steepest part of this model's learning curve, where each round moves the weights far and
-averaging four such moves loses most: at 400 steps the tuned DiLoCo row is +10.2% over DP 4x
-batch, at 1200 steps +2.9% with the same settings (results/bench_diloco.md). ``--steps 400``
-reproduces the recipe's length. ``--inner-schedule``, ``--warmup``, ``--inner-lr`` and
-``--model diloco_recipe_gpt`` (the note's GPT-2-style toy, diloco_recipe_model.py) apply to
+Length: 2000 inner steps per worker by default (100 rounds). The research note's 400 (20 rounds)
+is the steepest part of this model's learning curve, where averaging four workers' rounds loses
+most: the tuned DiLoCo row is +10.2% over DP 4x batch at 400 steps, +2.9% at 1200 and +1.1% at
+2000 with the same settings (results/bench_diloco.md has all three). ``--steps 400``
+reproduces the recipe's length. ``--seed``, ``--inner-schedule``, ``--warmup``, ``--inner-lr``
+and ``--model diloco_recipe_gpt`` (the note's GPT-2-style toy, diloco_recipe_model.py) apply to
 every row; they were tried when looking for the gap's cause and are recorded there too.
+
 The DiLoCo rows run the real code path: :class:`~speedtronic.diloco.node.Worker` callbacks and a
 :class:`~speedtronic.diloco.master.Master` over a ``file://`` store in a temp dir, with uploads on
 the worker's background thread; the benchmark only decides *when* things happen (sequential,
 deterministic schedule) so rows are comparable. ``train_thread_ms/step`` is the time the worker
 callback spent on the training thread, next to the measured compute time of a step.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py [--steps 1200] [--out benchmarks/results]
+    OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py [--steps 2000] [--out benchmarks/results]
     OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py --sweep 0.5,0.7,1.0x0.5,0.7 --no-reset-inner
 """
 
@@ -65,11 +66,11 @@ INNER_SCHEDULE, INNER_WARMUP = "constant", 0
 
 
 def make_cfg(batch: int = 16, schedule: str = "constant", warmup: int = 0, lr: float = 2e-3,
-             model: str = "reference_transformer"):
+             model: str = "reference_transformer", seed: int = 0):
     """The ladder's config; ``schedule``/``warmup`` set the inner lr schedule of every row (DP
     included), with the cosine horizon = each worker's own number of inner steps."""
     return load_config({
-        "run": {"seed": 0, "device": "cpu"},
+        "run": {"seed": seed, "device": "cpu"},
         "model": {"name": model, "n_layer": 2, "d_model": 128, "n_head": 4, "max_seq_len": 64},
         "data": {"micro_batch_size": batch, "block_size": 64, "stdlib_max_bytes": 4_000_000},
         "optimizer": {"name": "adamw", "lr": lr, "weight_decay": 0.1, "betas": [0.9, 0.95],
@@ -82,7 +83,7 @@ class Node:
     """One simulated machine: model, inner optimizer, its data shard; the Trainer surface."""
 
     def __init__(self, cfg, rank: int, world: int, total_steps: int) -> None:
-        torch.manual_seed(0)  # same init on every node, as with a shared run.seed
+        torch.manual_seed(cfg.run.seed)  # same init on every node, as with a shared run.seed
         self.model = build_model(cfg.model)
         self.optimizer = build_optimizer(self.model, cfg.optimizer)
         self.peak_lrs = [g["lr"] for g in self.optimizer.param_groups]
@@ -290,7 +291,7 @@ def run_sweep(cfg, steps: int, evals, grid: str, out: Path, reset: bool) -> None
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=1200,
+    ap.add_argument("--steps", type=int, default=2000,
                     help="inner steps per worker (the research recipe: 400)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results"))
     ap.add_argument("--only", default="", help="comma-separated row keys to run")
@@ -305,13 +306,14 @@ def main() -> None:
     ap.add_argument("--model", choices=("reference_transformer", "diloco_recipe_gpt"),
                     default="reference_transformer",
                     help="our reference model, or the research note's GPT-2-style toy")
+    ap.add_argument("--seed", type=int, default=0, help="model init and data order of every row")
     ap.add_argument("--inner-lr", type=float, default=2e-3, help="inner AdamW lr of every row")
     ap.add_argument("--warmup", type=int, default=INNER_WARMUP, help="inner lr warmup steps")
     ap.add_argument("--sweep", default="", help='only run an outer sweep, e.g. "0.5,0.7x0.5,0.8"')
     args = ap.parse_args()
     torch.set_num_threads(1)
     cfg = make_cfg(schedule=args.inner_schedule, warmup=args.warmup, lr=args.inner_lr,
-                   model=args.model)
+                   model=args.model, seed=args.seed)
     evals = build_data(replace_batch(cfg, 64)).eval_batches(20)
     if args.sweep:
         Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -348,7 +350,7 @@ def main() -> None:
         (out / "bench_diloco.json").write_text(json.dumps(
             {"config": {"M": M, "H": H, "steps_per_worker": args.steps, "speeds": SPEEDS,
                         "tuned": dist, "threads": torch.get_num_threads(),
-                        "model": args.model, "inner_lr": args.inner_lr,
+                        "model": args.model, "inner_lr": args.inner_lr, "seed": args.seed,
                         "inner_schedule": args.inner_schedule, "warmup": args.warmup,
                         "torch": torch.__version__, "python": sys.version.split()[0],
                         "corpus": corpus_fingerprint(cfg)}, "rows": rows}, indent=1))
