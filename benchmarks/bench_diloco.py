@@ -30,6 +30,9 @@ deterministic schedule) so rows are comparable. ``train_thread_ms/step`` is the 
 callback spent on the training thread, next to the measured compute time of a step.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py [--steps 2000] [--out benchmarks/results]
+    (about 50 min on one core of the 2-core CI machine: DP 1 worker ~100 s, every other row
+    ~400 s, wall_s in results/bench_diloco.json; ``--only a,b`` runs
+    some rows, so several processes can share the ladder)
     OMP_NUM_THREADS=1 python benchmarks/bench_diloco.py --sweep 0.5,0.7,1.0x0.5,0.7 --no-reset-inner
 """
 
@@ -276,7 +279,8 @@ def run_sweep(cfg, steps: int, evals, grid: str, out: Path, reset: bool) -> None
         for mu in mus:
             key = {"outer_lr": lr, "outer_momentum": mu, "reset_inner_optimizer": reset,
                    "steps_per_worker": steps, "inner_schedule": cfg.scheduler.name,
-                   "warmup": cfg.scheduler.warmup_steps, "inner_lr": cfg.optimizer.lr}
+                   "warmup": cfg.scheduler.warmup_steps, "inner_lr": cfg.optimizer.lr,
+                   "seed": cfg.run.seed, "model": cfg.model.name}
             if any(all(r.get(k) == v for k, v in key.items()) for r in done):
                 continue
             t0 = time.perf_counter()
