@@ -30,6 +30,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .kernels import OP_NAMES  # the one list of custom ops (kernels.py imports nothing from here)
+
 __all__ = [
     "COEFFICIENT_SCHEDULES",
     "QUINTIC",
@@ -37,12 +39,7 @@ __all__ = [
     "polar_express_coefficients",
     "resolve_coefficients",
     "resolve_compute_dtype",
-    "newton_schulz",
-    "muon_plus_normalize",
-    "cautious_mask_",
-    "muon_pre_orthogonalize_",
-    "muon_post_update_",
-    "cautious_adamw_step_",
+    *OP_NAMES,
 ]
 
 QUINTIC: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
