@@ -1,4 +1,4 @@
-"""The DiLoCo ladder at tiny scale on the bundled real text (research note, section 5.2).
+"""The DiLoCo ladder at tiny scale on the bundled real text (Douillard et al., arXiv 2311.08105).
 
 Rows (eval cross-entropy in nats/byte on 20 fixed held-out batches of 64 x 64 bytes):
 
@@ -15,7 +15,7 @@ Rows (eval cross-entropy in nats/byte on 20 fixed held-out batches of 64 x 64 by
 
 The DP rows use the same inner settings (AdamW 2e-3, constant lr) as every DiLoCo row.
 
-Length: 2000 inner steps per worker by default (100 rounds). The research note's 400 (20 rounds)
+Length: 2000 inner steps per worker by default (100 rounds). The original recipe's 400 (20 rounds)
 is the steepest part of this model's learning curve, where averaging four workers' rounds loses
 most: the tuned DiLoCo row is +10.2% over DP 4x batch at 400 steps, +2.9% at 1200 and +1.1% at
 2000 with the same settings (results/bench_diloco.md has all three). ``--steps 400``
@@ -256,7 +256,7 @@ def run_async_uneven(cfg, total_steps: int, evals, **dist) -> dict:
 
 def corpus_fingerprint(cfg) -> dict:
     """SHA-256 and size of the exact train and eval bytes (the stdlib text differs between
-    Python versions; the research note asks for both with every result)."""
+    Python versions, so every result records both)."""
     from speedtronic.data.sources import stdlib_corpus
 
     c = stdlib_corpus(cfg.data.stdlib_max_bytes, cfg.data.eval_fraction)
@@ -309,7 +309,7 @@ def main() -> None:
                     help="inner lr schedule of every row (cosine decays to 0.1x at the end)")
     ap.add_argument("--model", choices=("reference_transformer", "diloco_recipe_gpt"),
                     default="reference_transformer",
-                    help="our reference model, or the research note's GPT-2-style toy")
+                    help="our reference model, or the GPT-2-style toy of diloco_recipe_model.py")
     ap.add_argument("--seed", type=int, default=0, help="model init and data order of every row")
     ap.add_argument("--inner-lr", type=float, default=2e-3, help="inner AdamW lr of every row")
     ap.add_argument("--warmup", type=int, default=INNER_WARMUP, help="inner lr warmup steps")

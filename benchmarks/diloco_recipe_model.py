@@ -1,10 +1,10 @@
-"""The research note's toy model for the DiLoCo ladder (section 5.2), next to our reference one.
+"""A GPT-2-style toy model for the DiLoCo ladder, next to our reference one.
 
-The note's recipe names "a 2-layer pre-norm transformer, d=128, 4 heads, context 64 - 470,528
+The ladder's recipe names "a 2-layer pre-norm transformer, d=128, 4 heads, context 64 - 470,528
 parameters": that count is exactly a GPT-2-style block stack (learned positions, LayerNorm,
 biased linears, 4x GELU MLP) with an untied, bias-free head, which is what this file builds.
 Our bundled reference model (RoPE, RMSNorm, SwiGLU, tied head) learns much faster per step on
-the same text (DP 1 worker 1.66 vs the note's 2.06), which changes how much a 4x larger batch is
+the same text (DP 1 worker 1.66 vs 2.06 for this model), which changes how much a 4x larger batch is
 worth and so how hard the "DiLoCo within 3% of DP 4x batch" gate is; the ladder runs on both.
 
 Registered as ``diloco_recipe_gpt`` when this module is imported (benchmarks only).

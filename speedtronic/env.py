@@ -52,26 +52,17 @@ def collect_env() -> dict[str, Any]:
     info["mps_available"] = bool(mps is not None and mps.is_available())
     for pkg in ("numpy", "yaml", "safetensors", "tqdm", "matplotlib", "tensorboard", "wandb"):
         info[pkg] = _version(pkg)
-    kernels = _kernel_status()
-    if kernels is not None:
-        info["kernels"] = kernels
+    info["kernels"] = _kernel_status()
     return info
 
 
-def _kernel_status() -> Any:
-    """The kernels module's own report, when it exists (it is added by the kernels issue)."""
-    if importlib.util.find_spec(f"{__package__}.kernels") is None:
-        return None
-    from . import kernels
+def _kernel_status() -> dict[str, Any]:
+    """The kernel loader's decision, as plain values (importing ops makes the loader decide)."""
+    from . import kernels, ops  # noqa: F401  (ops defines the schemas, then loads the kernels)
 
-    status = getattr(kernels, "status", None)
-    if not callable(status):
-        return None
-    report = status()
-    if dataclasses.is_dataclass(report) and not isinstance(report, type):
-        return {k: (list(v) if isinstance(v, tuple) else v)
-                for k, v in dataclasses.asdict(report).items()}
-    return report
+    report = kernels.status()
+    return {k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in dataclasses.asdict(report).items()}
 
 
 def format_env(info: dict[str, Any]) -> str:

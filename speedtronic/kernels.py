@@ -15,6 +15,11 @@ pure-PyTorch default for CUDA tensors, so callers never branch on the kernels th
 Loading never raises: every failure becomes a ``fallback: <reason>`` status, logged as one line
 on the ``speedtronic.kernels`` logger (``cuda kernels: loaded (sm_90)`` or
 ``cuda kernels: fallback: <reason>``). :func:`env_info` feeds ``speedtronic env``.
+
+This module is a leaf: it imports nothing from the package. :mod:`speedtronic.ops` owns the op
+list; it defines every schema first and then calls ``load(op_names=OP_NAMES)``, so the CUDA
+implementations in the binary always attach to ops that exist. Until then :func:`status`
+reports "not loaded" instead of importing the binary out of order.
 """
 
 from __future__ import annotations
@@ -39,15 +44,7 @@ EXTENSION = "speedtronic._C"
 #: import (a crash no try/except can catch).
 BUILD_INFO_NAME = "_C.build.json"
 
-#: Every op the extension must implement for CUDA (the schemas live in speedtronic.ops).
-OP_NAMES = (
-    "newton_schulz",
-    "muon_plus_normalize",
-    "cautious_mask_",
-    "muon_pre_orthogonalize_",
-    "muon_post_update_",
-    "cautious_adamw_step_",
-)
+NOT_LOADED = "not loaded yet: import speedtronic.ops (it defines the op schemas, then loads)"
 
 
 @dataclass(frozen=True)
@@ -82,7 +79,8 @@ class KernelStatus:
 
 _lock = threading.RLock()
 _status: KernelStatus | None = None
-_deciding = False  # True while _decide() runs; it imports speedtronic.ops, which calls load()
+#: The ops the extension must implement for CUDA, as handed over by speedtronic.ops.
+_expected_ops: tuple[str, ...] = ()
 
 
 def _find_extension() -> Path | None:
@@ -175,12 +173,17 @@ def _so_arches(so_path: Path, info: dict[str, Any]) -> tuple[str, ...]:
                                + tuple(a for a in from_json if a.startswith("compute_"))))
 
 
+def expected_ops() -> tuple[str, ...]:
+    """The ops that must have a CUDA kernel (empty until :mod:`speedtronic.ops` has loaded)."""
+    return _expected_ops
+
+
 def registered_cuda_ops() -> tuple[str, ...]:
-    """Names from :data:`OP_NAMES` that have a CUDA kernel in the dispatcher right now."""
+    """Names from :func:`expected_ops` that have a CUDA kernel in the dispatcher right now."""
     import torch
 
     found = []
-    for name in OP_NAMES:
+    for name in _expected_ops:
         try:
             if torch._C._dispatch_has_kernel_for_dispatch_key(f"speedtronic::{name}", "CUDA"):
                 found.append(name)
@@ -229,11 +232,8 @@ def _decide() -> KernelStatus:
                 f"TORCH_CUDA_ARCH_LIST={major}.{minor}",
                 so_arches=info_arches, device_arch=dev, **base,
             )
-    try:
-        # Schemas first, so the CUDA impls attach to defined ops.
-        importlib.import_module("speedtronic.ops")
-    except ImportError as exc:
-        logger.debug("speedtronic.ops not importable before _C: %s", exc)
+    if not _expected_ops:  # the schemas do not exist yet: importing now would attach to nothing
+        return KernelStatus(False, NOT_LOADED, **base)
     try:
         importlib.import_module(EXTENSION)
     except Exception as exc:  # noqa: BLE001 - any import failure means "fall back"
@@ -243,34 +243,38 @@ def _decide() -> KernelStatus:
     if dev is None:
         return KernelStatus(False, "no CUDA device visible (extension imported)", **common)
     ops = common["registered_ops"]
-    missing = [n for n in OP_NAMES if n not in ops]
+    missing = [n for n in _expected_ops if n not in ops]
     if missing:
         return KernelStatus(False, f"CUDA kernels missing for {', '.join(missing)}", **common)
     return KernelStatus(True, "", **common)
 
 
-def load(force: bool = False) -> KernelStatus:
-    """Decide (once) whether the CUDA kernels are used; log the decision; never raise."""
-    global _status, _deciding
+def load(force: bool = False, *, op_names: tuple[str, ...] | None = None) -> KernelStatus:
+    """Decide (once) whether the CUDA kernels are used; log the decision; never raise.
+
+    ``op_names`` is the op list of :mod:`speedtronic.ops`, passed once its schemas exist. Called
+    before that, a decision that needs the binary is not cached: the status says "not loaded
+    yet" until ``speedtronic.ops`` is imported.
+    """
+    global _status, _expected_ops
     with _lock:
-        if _deciding:  # re-entered from the speedtronic.ops import inside _decide(): the outer
-            return _status or KernelStatus(False, "still loading")  # call finishes the job
+        if op_names is not None:
+            _expected_ops = tuple(op_names)
         if _status is not None and not force:
             return _status
-        _deciding = True
         try:
             st = _decide()
         except Exception as exc:  # noqa: BLE001 - a loader bug must not break training
             st = KernelStatus(False, f"loader error: {type(exc).__name__}: {exc}")
-        finally:
-            _deciding = False
+        if st.reason == NOT_LOADED:
+            return st
         _status = st
     logger.info(st.line())
     return st
 
 
 def status() -> KernelStatus:
-    """The cached decision (loads on first call)."""
+    """The cached decision (decides now if the op schemas are defined, else "not loaded")."""
     return _status if _status is not None else load()
 
 
@@ -289,5 +293,6 @@ def env_info() -> dict[str, Any]:
         "extension_arches": ",".join(st.so_arches) or None,
         "device_arch": st.device_arch,
         "built_with_torch": st.built_with_torch,
-        "cuda_ops_registered": f"{len(st.registered_ops)}/{len(OP_NAMES)}" if st.imported else None,
+        "cuda_ops_registered": (f"{len(st.registered_ops)}/{len(_expected_ops)}" if st.imported
+                                else None),
     }

@@ -30,9 +30,20 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .kernels import OP_NAMES  # the one list of custom ops (kernels.py imports nothing from here)
+from . import kernels as _kernels
+
+#: Every custom op defined below; the CUDA extension must implement each of them.
+OP_NAMES: tuple[str, ...] = (
+    "newton_schulz",
+    "muon_plus_normalize",
+    "cautious_mask_",
+    "muon_pre_orthogonalize_",
+    "muon_post_update_",
+    "cautious_adamw_step_",
+)
 
 __all__ = [
+    "OP_NAMES",
     "COEFFICIENT_SCHEDULES",
     "QUINTIC",
     "POLAR_EXPRESS_PUBLISHED",
@@ -107,8 +118,9 @@ def resolve_coefficients(spec: str | Sequence[float], steps: int) -> list[float]
 def resolve_compute_dtype(device: torch.device, dtype: torch.dtype,
                           requested: torch.dtype | None = None) -> torch.dtype:
     """Newton-Schulz matmul dtype: ``requested`` if given; else float64 stays float64, bf16 on
-    CUDA and fp32 elsewhere (bf16 GEMM is ~70x slower than fp32 on AVX2-only CPUs: 0.7-0.8 vs
-    51-64 GFLOP/s at 768x3072x768, muon-kernels-research.md section 6)."""
+    CUDA and fp32 elsewhere: AVX2-only CPUs have no bf16 GEMM path and run it tens of times slower
+    than fp32 (each CPU benchmark records the machine's flags and single-thread GEMM rates, e.g.
+    benchmarks/results/optimizer_cpu.md)."""
     if requested is not None:
         return requested
     if dtype == torch.float64:
@@ -535,6 +547,5 @@ def _(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay,
 
 # CUDA implementations of the ops above (speedtronic._C), registered when available; otherwise
 # one "cuda kernels: fallback: <reason>" line is logged and the defaults above run everywhere.
-from . import kernels as _kernels  # noqa: E402
-
-_kernels.load()
+# Loaded only now, after every schema above exists, so the CUDA impls attach to defined ops.
+_kernels.load(op_names=OP_NAMES)

@@ -1,14 +1,13 @@
 """Config -> a running trainer: seeds, device, precision, model, data, optimizer, schedule,
 checkpoints, metrics, callbacks. The one place where the parts are wired together.
 
-Optional components (optimizer package, shape check, out-of-order backprop, DiLoCo) are looked
-up with :func:`optional_attr`, so each lands independently of the others.
+Data flows one way: the CLI reads a config, this module builds the parts, the
+:class:`~speedtronic.trainer.Trainer` runs them. Nothing in the package imports this module
+except the CLI and ``compare``.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 import math
 import os
@@ -22,31 +21,19 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import optim
 from .checkpoint import CheckpointManager
 from .config import SpeedtronicConfig, load_config
-from .errors import SpeedtronicError
+from .data import DataBundle, build_data
 from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook
+from .models import build_model
 from .precision import resolve_device, resolve_precision
-from .trainer import Trainer, TrainResult
+from .trainer import Trainer, TrainerCallback, TrainResult
 
 logger = logging.getLogger("speedtronic.runtime")
 
 __all__ = ["build_trainer", "train_from_config", "build_scheduler", "build_optimizer",
-           "lr_factor", "optional_attr", "seed_everything"]
-
-
-def optional_attr(module: str, attr: str) -> Any:
-    """``speedtronic.<module>.<attr>`` if that module exists, else None.
-
-    A module that exists but fails to import raises (a bug must not look like a missing part).
-    """
-    name = f"{__package__}.{module}"
-    try:
-        if importlib.util.find_spec(name) is None:
-            return None
-    except ModuleNotFoundError:
-        return None
-    return getattr(importlib.import_module(name), attr, None)
+           "lr_factor", "seed_everything"]
 
 
 def seed_everything(seed: int) -> None:
@@ -88,9 +75,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer,
 
 def build_optimizer(model: nn.Module, cfg: SpeedtronicConfig) -> torch.optim.Optimizer:
     """One optimizer over every trainable parameter (``speedtronic.optim.build_optimizer``)."""
-    from .optim import build_optimizer as build
-
-    return build(model, cfg.optimizer)
+    return optim.build_optimizer(model, cfg.optimizer)
 
 
 def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
@@ -110,21 +95,11 @@ def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _build_model(cfg: SpeedtronicConfig) -> nn.Module:
-    build = optional_attr("models", "build_model")
-    if build is None:
-        raise SpeedtronicError("speedtronic.models.build_model is not available in this build")
-    return build(cfg.model)
-
-
-def _build_data(cfg: SpeedtronicConfig, device: torch.device) -> Any:
-    build = optional_attr("data", "build_data")
-    if build is None:
-        raise SpeedtronicError("speedtronic.data.build_data is not available in this build")
+def _build_data(cfg: SpeedtronicConfig, device: torch.device) -> DataBundle:
     d = cfg.distributed
     # DiLoCo nodes each read their own shard of the training samples (eval is shared).
     rank, world = (d.shard, d.num_shards) if d.enabled else (0, 1)
-    return build(cfg, rank=rank, world=world, device=device)
+    return build_data(cfg, rank=rank, world=world, device=device)
 
 
 def _metric_hooks(cfg: SpeedtronicConfig, run_dir: Path) -> list[Hook]:
@@ -139,7 +114,7 @@ def _metric_hooks(cfg: SpeedtronicConfig, run_dir: Path) -> list[Hook]:
 
 def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool = False,
                   device: str | torch.device | None = None, hooks: Iterable[Hook] = (),
-                  callbacks: Sequence[Any] = (), model: nn.Module | None = None,
+                  callbacks: Sequence[TrainerCallback] = (), model: nn.Module | None = None,
                   data: Any = None) -> Trainer:
     """Build every part of a run and return a ready :class:`Trainer` (resumed if asked).
 
@@ -167,7 +142,7 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
     logger.info("device: %s | precision: %s (%s) | threads: %d", dev, plan.mode, plan.reason,
                 torch.get_num_threads())
     if model is None:
-        model = _build_model(cfg)
+        model = build_model(cfg.model)
     model = model.to(dev)
     if data is None:
         data = _build_data(cfg, dev)
@@ -175,11 +150,10 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
     scheduler = build_scheduler(optimizer, cfg)
     callbacks = list(callbacks)
     if cfg.distributed.enabled:
-        build_cb = optional_attr("diloco", "build_callbacks")
-        if build_cb is None:
-            raise SpeedtronicError("distributed.enabled: true needs speedtronic.diloco, which is "
-                                   "not available in this build")
-        callbacks.extend(build_cb(cfg))
+        # Imported only for DiLoCo runs: single-node runs never load the store back ends.
+        from .diloco import build_callbacks
+
+        callbacks.extend(build_callbacks(cfg))
     checkpoints = None
     if cfg.checkpoint.enabled:
         checkpoints = CheckpointManager(run_dir / cfg.checkpoint.directory,
@@ -217,7 +191,7 @@ def _resume(trainer: Trainer, checkpoints: CheckpointManager | None, directory: 
 
 def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: bool = False,
                       device: str | torch.device | None = None, hooks: Iterable[Hook] = (),
-                      callbacks: Sequence[Any] = (), model: nn.Module | None = None,
+                      callbacks: Sequence[TrainerCallback] = (), model: nn.Module | None = None,
                       data: Any = None, plot: bool = True) -> TrainResult:
     """Build the run from ``config`` and train to ``run.max_steps``.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -18,10 +18,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from . import ooo, shapes
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from .config import SpeedtronicConfig
 from .errors import SpeedtronicError
 from .metrics import MetricsLogger, format_step_line
+from .models.loss import extract_loss
 from .precision import PrecisionPlan, max_memory_bytes
 
 logger = logging.getLogger("speedtronic.trainer")
@@ -66,23 +68,8 @@ class TrainResult:
     metrics_path: Path
 
 
-def loss_from_output(out: Any) -> torch.Tensor:
-    """Normalize a model output: a scalar tensor, ``{"loss": t}`` or ``(loss, ...)``."""
-    if isinstance(out, Mapping):
-        if "loss" not in out:
-            raise SpeedtronicError(f"model returned a mapping without 'loss' (keys: {list(out)})")
-        out = out["loss"]
-    elif isinstance(out, (tuple, list)):
-        if not out:
-            raise SpeedtronicError("model returned an empty tuple; expected (loss, ...)")
-        out = out[0]
-    if not isinstance(out, torch.Tensor):
-        raise SpeedtronicError(f"model must return a loss tensor, {{'loss': ...}} or (loss, ...); "
-                               f"got {type(out).__name__}")
-    if out.ndim != 0:
-        raise SpeedtronicError(f"model returned a loss of shape {tuple(out.shape)}; expected a "
-                               "scalar (labels are already shifted by the data: y[t] = x[t+1])")
-    return out
+#: The trainer's name for :func:`speedtronic.models.extract_loss` (the same function).
+loss_from_output = extract_loss
 
 
 def _compile_error_types() -> tuple[type[BaseException], ...]:
@@ -180,18 +167,13 @@ class Trainer:
         self.metrics.emit("metrics", {"step": self.step, **values})
 
     def _start_features(self) -> None:
-        from .runtime import optional_attr
-
-        check_shapes = optional_attr("shapes", "check_shapes")
-        if check_shapes is not None and self.config.shape_validation.enabled:
-            self._shape_report = check_shapes(self.model, self.config, self.device,
-                                              self.precision.dtype)
+        if self.config.shape_validation.enabled:
+            self._shape_report = shapes.check_shapes(self.model, self.config, self.device,
+                                                     self.precision.dtype)
             table = self._shape_report.format_table()
             if table:  # "" when the check is off (alignment: none, CPU): print nothing
                 self.metrics.line(table)
-        build_ooo = optional_attr("ooo", "build_ooo_scheduler")
-        if build_ooo is not None:
-            self._ooo = build_ooo(self.model, self.config, self.device)
+        self._ooo = ooo.build_ooo_scheduler(self.model, self.config, self.device)
 
     # ----------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -267,7 +249,7 @@ class Trainer:
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Forward + backward of one micro-batch; returns the detached loss (on device)."""
         with self.precision.autocast():
-            loss = loss_from_output(self._forward(x, y))
+            loss = extract_loss(self._forward(x, y))
         scaled = loss / self.accumulation_steps
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return loss.detach().float()
@@ -304,7 +286,7 @@ class Trainer:
         with torch.no_grad():
             for x, y in self._eval_cache:
                 with self.precision.autocast():
-                    total += loss_from_output(self.model(x, y)).float()
+                    total += extract_loss(self.model(x, y)).float()
         self.model.train(was_training)
         value = float(total.item()) / max(1, len(self._eval_cache))
         self.last_eval_loss = value

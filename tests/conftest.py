@@ -9,7 +9,13 @@ Set SPEEDTRONIC_TEST_THREADS to change it.
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import torch
+
+# Shared helpers (_engine_fixtures.py) live in tests/; test files in subfolders import them by
+# name, which --import-mode=importlib (pyproject.toml) does not arrange by itself.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 torch.set_num_threads(int(os.environ.get("SPEEDTRONIC_TEST_THREADS", "1")))

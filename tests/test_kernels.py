@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import speedtronic.kernels as kernels
+import speedtronic.ops  # noqa: F401  (defines the schemas, then hands its op list to the loader)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -130,16 +131,17 @@ def test_arch_compatibility(arches, cap, ok):
     assert kernels.arch_compatible(arches, *cap) is ok
 
 
-def test_every_op_has_a_schema_for_the_cuda_kernels():
+def test_ops_owns_the_op_list_and_hands_it_to_the_loader():
     from speedtronic import ops
 
-    for name in kernels.OP_NAMES:
+    for name in ops.OP_NAMES:
         assert hasattr(torch.ops.speedtronic, name), name
-    # kernels.py cannot import ops (ops loads the kernels), so it keeps its own list: it must
-    # name every custom op, or the CI registration check would miss a new op's CUDA kernel.
+    # OP_NAMES must name every custom op, or the CUDA registration check (and CI's check of the
+    # built extension) would miss a new op's kernel.
     defined = {n for n in ops.__all__
                if isinstance(getattr(ops, n), torch._library.custom_ops.CustomOpDef)}
-    assert defined == set(kernels.OP_NAMES)
+    assert defined == set(ops.OP_NAMES)
+    assert kernels.expected_ops() == ops.OP_NAMES
 
 
 # ------------------------------------------------------------------------------ setup.py seam
@@ -184,8 +186,10 @@ def test_setup_caps_max_jobs_by_free_ram(monkeypatch):
     assert int(__import__("os").environ["MAX_JOBS"]) == 1
 
 
-def test_load_before_ops_import_does_not_deadlock(tmp_path):
-    """load() imports speedtronic.ops, whose import calls load() again (same thread)."""
+def test_load_before_ops_import_waits_for_the_schemas(tmp_path):
+    """kernels is a leaf: called before speedtronic.ops exists it neither imports ops nor the
+    binary (whose CUDA impls would attach to undefined ops), and caches nothing; importing ops
+    then makes the real decision."""
     import subprocess
     import sys
 
@@ -197,11 +201,13 @@ def test_load_before_ops_import_does_not_deadlock(tmp_path):
         "import torch, sys\n"
         "torch.version.cuda = '13.0'\n"
         "import speedtronic.kernels as k\n"
-        "assert 'speedtronic.ops' not in sys.modules\n"
         f"k._find_extension = lambda: __import__('pathlib').Path({str(so)!r})\n"
         "st = k.load()\n"
-        "assert 'speedtronic.ops' in sys.modules\n"
-        "print(st.reason)\n"
+        "assert 'speedtronic.ops' not in sys.modules and 'speedtronic._C' not in sys.modules\n"
+        "assert not st.active and st.reason == k.NOT_LOADED, st\n"
+        "assert k._status is None\n"
+        "import speedtronic.ops\n"
+        "print(k.status().reason)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          cwd=REPO)

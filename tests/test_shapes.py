@@ -110,7 +110,7 @@ def test_alignment_none_prints_nothing(caplog) -> None:
 
 
 def test_reference_engine_batch_example_never_breaks_the_batch_rule() -> None:
-    # v2 defect #3: target 24, micro 12, A = 8 suggested micro 16, which does not divide 24.
+    # The v2.0 engine's case: target 24, micro 12, A = 8 suggested micro 16 (does not divide 24).
     cfg = _cfg(micro=12, target=24, block=101, alignment=8)
     report = check_shapes(nn.Linear(8, 8), cfg, "cuda", torch.bfloat16, capability=H100)
     tokens = _rows(report)[("tokens", 12 * 101)]

@@ -158,7 +158,8 @@ def _check_same_start(records: dict[str, list[dict[str, Any]]], baseline: str, n
                 "an unseeded RNG?")
 
 
-def _sweep_variant(config: Any, overrides: Sequence[str], base: SpeedtronicConfig, v: Variant,
+def _sweep_variant(config: str | Path | Mapping[str, Any], overrides: Sequence[str],
+                   base: SpeedtronicConfig, v: Variant,
                    cfg0: SpeedtronicConfig, out: Path, steps: int, factors: Sequence[float],
                    device: str | None, callbacks: Sequence[Any]) -> dict[str, Any]:
     key, center = _lr_of(cfg0)

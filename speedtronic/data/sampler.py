@@ -5,7 +5,7 @@ Training order (one *epoch* = one pass over the train tokens):
 * sample ``j`` of epoch ``e`` is the window ``tokens[o + j*T : o + j*T + T + 1]`` where the
   offset ``o`` in ``[0, T)`` is drawn per epoch, so sample boundaries move between epochs; the
   stride is ``T`` (windows share one token), so every adjacent token pair is a training target
-  once per epoch (v2's non-overlapping blocks never trained block transitions, defect #20);
+  once per epoch (v2.0's non-overlapping blocks never trained the transitions between blocks);
 * samples are grouped in chunks of ``chunk_samples`` consecutive windows (a whole in-memory
   array is one chunk; a text file uses ~1 MiB chunks so only one chunk is in memory); chunk
   order and the order inside each chunk are seeded permutations;

@@ -10,7 +10,7 @@ Sources built here:
 * :func:`stdlib_corpus`: the Python standard library's own ``.py`` files as bytes (vocab 256),
   split into train/eval *by file* (a hash of the relative path), so eval text is truly held out.
   Building it reads ~8 MB and takes ~0.15 s on a 2-core machine, so there is no disk cache.
-* :class:`FileStore`: a byte range of a UTF-8 file, read with seek + read.
+* :class:`TextFileStore`: a byte range of a UTF-8 file, read with seek + read.
 * :func:`synthetic_tokens`: seeded uniform random ids, different for every rank.
 """
 
@@ -27,9 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
+from .._renamed import renamed
 from ..errors import SpeedtronicError
 
-__all__ = ["TokenStore", "ArrayStore", "FileStore", "StdlibCorpus", "stdlib_corpus",
+__all__ = ["TokenStore", "ArrayStore", "TextFileStore", "StdlibCorpus", "stdlib_corpus",
            "synthetic_tokens"]
 
 # Directories whose files are not representative source text (tests are huge, repetitive data
@@ -67,7 +68,7 @@ class ArrayStore(TokenStore):
         return self.tokens[idx]
 
 
-class FileStore(TokenStore):
+class TextFileStore(TokenStore):
     """Bytes ``[start, stop)`` of a file, read on demand (never the whole file)."""
 
     def __init__(self, path: str | Path, start: int, stop: int) -> None:
@@ -183,7 +184,7 @@ def synthetic_tokens(n: int, vocab_size: int, seed: int, stream: int) -> np.ndar
     """``n`` uniform ids in ``[0, vocab_size)`` from the seeded stream number ``stream``.
 
     Each (seed, stream) pair is an independent generator; ranks use different streams, so
-    DiLoCo nodes do not train on identical data (the v2 engine's defect #21).
+    DiLoCo nodes do not train on identical data (the v2.0 engine gave every node the same order).
     """
     dtype = np.uint16 if vocab_size <= 2**16 else np.int32
     rng = np.random.default_rng([_u64(seed), stream, 0x5EED])
@@ -198,3 +199,7 @@ def _u64(seed: int) -> int:
 def python_tag() -> str:
     """``3.11`` etc., for log lines."""
     return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+# Renamed in 2.1: ``FileStore`` was also the name of DiLoCo's file:// back end.
+__getattr__ = renamed(__name__, "FileStore", "TextFileStore", TextFileStore)

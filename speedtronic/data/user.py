@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
-from ..config import ConfigError
+from ..config import ConfigError, SpeedtronicConfig
 from ..errors import SpeedtronicError
 from .sources import _u64
 
@@ -69,7 +69,7 @@ def _is_dataset(obj: Any) -> bool:
         hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
 
 
-def resolve_user_dataset(spec: Any, cfg: Any) -> tuple[Any, Any | None]:
+def resolve_user_dataset(spec: Any, cfg: SpeedtronicConfig) -> tuple[Any, Any | None]:
     """``data.dataset`` -> ``(train_dataset, eval_dataset_or_None)``."""
     obj = spec
     if isinstance(spec, str):

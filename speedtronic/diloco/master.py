@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..config import DistributedConfig
 from . import codec
 from .codec import LEASE_KEY, POINTER_KEY, FormatError, Pointer
 from .faults import crash_point
@@ -66,7 +67,7 @@ class Master:
     """Aggregates deltas from the store and publishes globals. Not thread-safe: one thread
     drives it (the master service thread or the standalone loop)."""
 
-    def __init__(self, store: Store, cfg: Any, node_id: str,
+    def __init__(self, store: Store, cfg: DistributedConfig, node_id: str,
                  initial_weights: Callable[[], dict[str, torch.Tensor]] | None = None,
                  log_metrics: Callable[[dict], None] | None = None) -> None:
         self.store, self.cfg = store, cfg

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..config import DistributedConfig
 from . import codec
 from .codec import POINTER_KEY, FormatError, Pointer
 from .faults import crash_point
@@ -79,8 +80,8 @@ class Worker:
 
     name = "diloco"
 
-    def __init__(self, cfg: Any, *, store: Store | None = None, node_id: str | None = None,
-                 tokens_per_step: int = 0) -> None:
+    def __init__(self, cfg: DistributedConfig, *, store: Store | None = None,
+                 node_id: str | None = None, tokens_per_step: int = 0) -> None:
         self.cfg = cfg
         self.node_id = codec.check_id(node_id or cfg.node_id or default_node_id())
         self.session = uuid.uuid4().hex[:10]  # a restarted process never reuses a delta name

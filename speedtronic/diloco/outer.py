@@ -7,7 +7,7 @@ Three methods (``distributed.outer_optimizer``):
     ``buf = mu * buf + g; theta -= lr * (g + mu * buf)``, exactly ``torch.optim.SGD(nesterov=True)``
     with the pseudo-gradient as ``.grad``. Right for a synchronous schedule (every worker's delta
     arrives in the same poll). With uneven workers it applies momentum to small stale arrivals
-    and diverged in the research note's simulation (section 5.2).
+    and trailed delayed Nesterov in our uneven-worker ladder (benchmarks/results/bench_diloco.md).
 ``delayed_nesterov`` (default)
     Delayed Nesterov (Liu et al. 2024, "Asynchronous Local-SGD"): each update takes a
     momentum-free step ``lr * g`` with ``g = sum(w_i * d_i) / M`` (M = workers per round), adds

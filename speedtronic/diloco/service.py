@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..config import DistributedConfig, SpeedtronicConfig
 from .master import LeaseLost, Master
 from .node import Worker, default_node_id, sync_parameters
 from .store import open_store
@@ -30,7 +31,8 @@ logger = logging.getLogger("speedtronic.diloco.service")
 class MasterThread:
     """Owns a :class:`Master` in a daemon thread: lease, bootstrap, rounds, clean stop."""
 
-    def __init__(self, cfg: Any, node_id: str, initial: Callable[[], dict[str, torch.Tensor]],
+    def __init__(self, cfg: DistributedConfig, node_id: str,
+                 initial: Callable[[], dict[str, torch.Tensor]],
                  log_metrics: Callable[[dict], None] | None = None) -> None:
         self.stop = threading.Event()
         self.store = open_store(cfg.store, stop=self.stop)
@@ -72,7 +74,7 @@ class MasterNode:
 
     name = "diloco"
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: DistributedConfig) -> None:
         self.cfg = cfg
         self.worker = Worker(cfg)
         self.node_id = self.worker.node_id
@@ -118,7 +120,7 @@ class MasterNode:
         self.worker.load_state_dict(state)
 
 
-def build_callbacks(cfg: Any) -> list[Any]:
+def build_callbacks(cfg: SpeedtronicConfig) -> list[Any]:
     """Trainer callbacks for ``cfg.distributed`` (the runtime calls this when enabled)."""
     d = cfg.distributed
     if not d.enabled:
@@ -129,7 +131,7 @@ def build_callbacks(cfg: Any) -> list[Any]:
     return [MasterNode(d)] if d.role == "master" else [Worker(d)]
 
 
-def run_master(cfg: Any, *, expect_nodes: set[str] | None = None,
+def run_master(cfg: SpeedtronicConfig, *, expect_nodes: set[str] | None = None,
                idle_timeout: float | None = None) -> Master:
     """Master-only loop for ``python -m speedtronic.diloco master``; returns when every node it
     has seen (or every expected node) is done, or after ``idle_timeout`` idle seconds."""

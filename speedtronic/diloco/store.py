@@ -1,14 +1,9 @@
-"""One narrow object-store contract for DiLoCo, the retry layer around it, and ``open_store``.
+"""Opening a DiLoCo store from a URL, and the retry and outage layers around every back end.
 
-Every DiLoCo component talks to storage only through :class:`Store`:
-
-* ``put(key, data, if_absent=False)`` - atomic (readers see all or nothing); ``if_absent`` makes
-  it create-only and raises :class:`ObjectExists` when the key is taken;
-* ``get(key)``, ``stat(key)`` (``None`` when missing), ``list(prefix)``, ``delete(key)``;
-* ``swap(key, data, expected_etag)`` - compare-and-swap of a small pointer object
-  (``expected_etag=None`` means "must not exist"); raises :class:`PreconditionFailed`;
-* ``commit(objects, pointer)`` - write immutable objects, then swap the pointer (the Hub back end
-  does all of it in one commit).
+The contract itself (errors, keys, the :class:`Store` API, documented there) lives in
+:mod:`.store_contract` and is re-exported here; every DiLoCo component talks to storage only
+through it. :func:`open_store` picks the back end from the URL (``file://`` ->
+:class:`DirectoryStore`, ``s3://`` -> :class:`S3Store`, ``hf://`` -> :class:`HfStore`).
 
 Back ends raise :class:`TransientStoreError` for what may succeed later (timeouts, 429, 5xx);
 :class:`RetryingStore` retries exactly those with exponential backoff and full jitter, honouring
@@ -22,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import random
-import re
 import threading
 import time
 from collections.abc import Callable
@@ -30,109 +24,25 @@ from dataclasses import dataclass
 from typing import TypeVar
 from urllib.parse import urlparse
 
-from ..errors import SpeedtronicError
+from .._renamed import renamed
+from .store_contract import (
+    AccessDenied,
+    ObjectExists,
+    ObjectInfo,
+    ObjectNotFound,
+    PreconditionFailed,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    TransientStoreError,
+    check_key,
+)
+from .store_file import DirectoryStore
+from .store_remote import HfStore, S3Store
 
 logger = logging.getLogger("speedtronic.diloco.store")
 
 T = TypeVar("T")
-
-_KEY_RE = re.compile(r"[A-Za-z0-9_.\-]+(/[A-Za-z0-9_.\-]+)*")
-
-
-class StoreError(SpeedtronicError):
-    """Base class of store failures."""
-
-
-class TransientStoreError(StoreError):
-    """A failure that may go away (timeout, connection reset, HTTP 429/5xx)."""
-
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
-class StoreUnavailable(StoreError):
-    """Retries were exhausted (or the caller asked to stop) for a transient failure."""
-
-
-class ObjectNotFound(StoreError, FileNotFoundError):
-    """The key does not exist (HTTP 404). Never retried."""
-
-
-class AccessDenied(StoreError, PermissionError):
-    """Credentials are missing or lack permission (HTTP 401/403). Never retried."""
-
-
-class ObjectExists(StoreError, FileExistsError):
-    """A create-only put found the key already taken."""
-
-
-class PreconditionFailed(StoreError):
-    """A conditional pointer swap lost the race (the etag changed)."""
-
-
-@dataclass(frozen=True)
-class ObjectInfo:
-    """What ``stat`` returns: the key, its size in bytes and an opaque version tag."""
-
-    key: str
-    size: int
-    etag: str
-
-
-def check_key(key: str) -> str:
-    """Reject keys that could escape the store root or be misread by a back end."""
-    if not _KEY_RE.fullmatch(key) or any(part in (".", "..") for part in key.split("/")):
-        raise ValueError(f"invalid store key {key!r}: use [A-Za-z0-9_.-] segments joined by '/'")
-    return key
-
-
-class Store:
-    """The contract every back end implements (see the module docstring)."""
-
-    supports_cas: bool = True
-    """Whether ``swap`` is a real compare-and-swap on this back end."""
-
-    url: str = ""
-
-    def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
-        raise NotImplementedError
-
-    def get(self, key: str) -> bytes:
-        raise NotImplementedError
-
-    def stat(self, key: str) -> ObjectInfo | None:
-        raise NotImplementedError
-
-    def list(self, prefix: str = "") -> list[str]:
-        raise NotImplementedError
-
-    def delete(self, key: str) -> None:
-        raise NotImplementedError
-
-    def delete_many(self, keys: list[str]) -> None:
-        """Delete several keys (one commit on the Hub back end)."""
-        for key in keys:
-            self.delete(key)
-
-    def swap(self, key: str, data: bytes, expected_etag: str | None) -> str:
-        """Replace ``key`` only if its etag is ``expected_etag`` (None: only if absent).
-
-        Returns the new etag.
-        """
-        raise NotImplementedError
-
-    def get_with_etag(self, key: str) -> tuple[bytes, str]:
-        """Read a small object together with the etag a later ``swap`` must name."""
-        raise NotImplementedError
-
-    def commit(self, objects: dict[str, bytes], pointer: tuple[str, bytes, str | None]) -> str:
-        """Write immutable ``objects`` (create-only), then swap the pointer; returns its etag."""
-        for key, data in objects.items():
-            self.put(key, data, if_absent=True)
-        key, data, expected = pointer
-        return self.swap(key, data, expected)
-
 
 @dataclass
 class RetryPolicy:
@@ -311,13 +221,10 @@ def open_store(url: str, *, retry: RetryPolicy | None = None,
         if parsed.netloc not in ("", "localhost"):
             raise ValueError(f"distributed.store: file URLs need an absolute path "
                              f"(file:///path), got {url!r}")
-        from .store_file import FileStore
-        inner: Store = FileStore(parsed.path)
+        inner: Store = DirectoryStore(parsed.path)
     elif parsed.scheme == "s3":
-        from .store_remote import S3Store
         inner = S3Store(url, **backend_kwargs)
     elif parsed.scheme == "hf":
-        from .store_remote import HfStore
         inner = HfStore(url, **backend_kwargs)
     else:
         raise ValueError(f"distributed.store: unsupported URL {url!r}; use file:///path, "
@@ -339,8 +246,11 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
         time.sleep(interval)
 
 
-from .store_file import FileStore  # noqa: E402  (re-exported; store_file imports the contract above)
+__all__ = ["AccessDenied", "DirectoryStore", "HfStore", "ObjectExists", "ObjectInfo",
+           "ObjectNotFound", "PreconditionFailed", "RetryPolicy", "RetryingStore", "S3Store",
+           "Store", "StoreError", "StoreUnavailable", "TransientStoreError", "check_key",
+           "open_store", "wait_for"]
 
-__all__ = ["AccessDenied", "FileStore", "ObjectExists", "ObjectInfo", "ObjectNotFound",
-           "PreconditionFailed", "RetryPolicy", "RetryingStore", "Store", "StoreError",
-           "StoreUnavailable", "TransientStoreError", "check_key", "open_store", "wait_for"]
+
+# Renamed in 2.1: ``FileStore`` was also the name of a data class (now TextFileStore).
+__getattr__ = renamed(__name__, "FileStore", "DirectoryStore", DirectoryStore)

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 from .faults import crash_point
-from .store import (
+from .store_contract import (
     AccessDenied,
     ObjectExists,
     ObjectInfo,
@@ -31,7 +31,7 @@ _TRANSIENT_ERRNOS = {errno.EIO, errno.ETIMEDOUT, errno.ESTALE, errno.EAGAIN, err
                      errno.ENOSPC, errno.EDQUOT, errno.ECONNRESET, errno.EHOSTUNREACH}
 
 
-class FileStore(Store):
+class DirectoryStore(Store):
     """``file:///path``: a local or shared directory (NFS, Lustre, FUSE-mounted buckets).
 
     Atomic put = write ``.tmp-*`` in the target directory, fsync, then ``rename`` (replace) or

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from .store import (
+from .store_contract import (
     AccessDenied,
     ObjectExists,
     ObjectInfo,

@@ -8,10 +8,11 @@ tensor, ``{"loss": ...}`` or ``(loss, ...)``.
 
 from __future__ import annotations
 
-from .registry import ModelFactory, build_model, extract_loss, register_model, registered_models
+from .loss import extract_loss
+from .registry import BUILTIN_MODELS, ModelFactory, build_model, register_model, registered_models
 
-__all__ = ["ModelFactory", "build_model", "extract_loss", "register_model", "registered_models",
-           "ReferenceTransformer"]
+__all__ = ["BUILTIN_MODELS", "ModelFactory", "ReferenceTransformer", "build_model", "extract_loss",
+           "register_model", "registered_models"]
 
 
 def __getattr__(name: str):

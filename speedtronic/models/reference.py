@@ -1,7 +1,6 @@
 """The reference GPT-style decoder: RoPE, grouped-query attention, SwiGLU, RMSNorm, tied head.
 
-Design choices that matter for speed (see ``docs/reference-engine-v2.md`` section 5.2 for what
-the v2 engine got wrong):
+Design choices that matter for speed (each one fixes a slow path of the v2.0 engine):
 
 * attention always goes through ``F.scaled_dot_product_attention(..., is_causal=True)`` with no
   dense mask tensor, so SDPA can pick flash / memory-efficient kernels;
@@ -24,7 +23,6 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ModelConfig
-from .registry import register_model
 
 __all__ = ["ReferenceTransformer", "RMSNorm", "apply_rope", "rope_tables", "swiglu_hidden"]
 
@@ -279,10 +277,7 @@ class ReferenceTransformer(nn.Module):
         return loss_sum / count
 
 
-@register_model("reference_transformer")
 def build_reference_transformer(cfg: ModelConfig) -> ReferenceTransformer:
-    """Factory for the built-in reference GPT (also registered as ``gpt``)."""
+    """Factory of the built-in reference GPT (``model.name``: ``reference_transformer`` or ``gpt``;
+    the registry names it by import string, so this module imports nothing from the registry)."""
     return ReferenceTransformer(cfg)
-
-
-register_model("gpt", build_reference_transformer)

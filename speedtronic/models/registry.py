@@ -1,6 +1,9 @@
 """Model registry: names -> factories ``factory(cfg: ModelConfig) -> nn.Module``.
 
-Besides registered names, ``model.name`` may be an import string ``"package.module:factory"``,
+Built-in models are listed below by import string and imported on first use, so a model module
+never imports the registry (no cycle) and ``speedtronic validate`` stays free of torch models.
+A name registered with :func:`register_model` wins over a built-in of the same name. Besides
+registered names, ``model.name`` may be an import string ``"package.module:factory"``,
 so a YAML-only CLI run can use a user model without any Python glue (the v2 engine could not:
 its registry was process-local only).
 """
@@ -12,13 +15,14 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
 from torch import nn
 
-from ..config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig, SpeedtronicConfig
 from ..errors import SpeedtronicError
+from .loss import extract_loss
 
-__all__ = ["register_model", "build_model", "registered_models", "extract_loss", "ModelFactory"]
+__all__ = ["register_model", "build_model", "registered_models", "extract_loss", "ModelFactory",
+           "BUILTIN_MODELS"]
 
 logger = logging.getLogger("speedtronic.models")
 
@@ -26,6 +30,12 @@ ModelFactory = Callable[[ModelConfig], nn.Module]
 F = TypeVar("F", bound=ModelFactory)
 
 _REGISTRY: dict[str, ModelFactory] = {}
+
+#: The models that ship with the package: ``model.name`` -> ``"module:factory"``.
+BUILTIN_MODELS: dict[str, str] = {
+    "reference_transformer": "speedtronic.models.reference:build_reference_transformer",
+    "gpt": "speedtronic.models.reference:build_reference_transformer",
+}
 
 
 def register_model(name: str, factory: F | None = None) -> Any:
@@ -47,14 +57,9 @@ def register_model(name: str, factory: F | None = None) -> Any:
     return decorator(factory) if factory is not None else decorator
 
 
-def _ensure_builtins() -> None:
-    from . import reference  # noqa: F401  (registers reference_transformer / gpt)
-
-
 def registered_models() -> list[str]:
     """Sorted names of all registered models (built-ins included)."""
-    _ensure_builtins()
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | set(BUILTIN_MODELS))
 
 
 def _import_factory(spec: str) -> ModelFactory:
@@ -71,7 +76,7 @@ def _import_factory(spec: str) -> ModelFactory:
     return factory
 
 
-def build_model(cfg: Any) -> nn.Module:
+def build_model(cfg: SpeedtronicConfig | ModelConfig) -> nn.Module:
     """Build the model named by ``cfg.model.name`` (or ``cfg.name`` for a bare ModelConfig).
 
     Applies ``model.gradient_checkpointing`` through ``set_gradient_checkpointing`` and raises
@@ -79,9 +84,10 @@ def build_model(cfg: Any) -> nn.Module:
     """
     model_cfg: ModelConfig = cfg.model if hasattr(cfg, "model") else cfg
     name = model_cfg.name
-    _ensure_builtins()
     if name in _REGISTRY:
         factory = _REGISTRY[name]
+    elif name in BUILTIN_MODELS:
+        factory = _import_factory(BUILTIN_MODELS[name])
     elif ":" in name:
         factory = _import_factory(name)
     else:
@@ -105,28 +111,3 @@ def build_model(cfg: Any) -> nn.Module:
                 "on" if wants_ckpt else "off")
     return model
 
-
-def extract_loss(output: Any) -> torch.Tensor:
-    """The scalar loss from a model's output: a tensor, ``{"loss": t}`` or ``(t, ...)``.
-
-    Raises :class:`SpeedtronicError` naming what was returned otherwise.
-    """
-    loss = output
-    if isinstance(output, dict):
-        if "loss" not in output:
-            raise SpeedtronicError(f"model returned a dict without 'loss' (keys: "
-                                   f"{sorted(output)}); was it called without labels?")
-        loss = output["loss"]
-    elif isinstance(output, (tuple, list)):
-        if not output:
-            raise SpeedtronicError("model returned an empty tuple; expected (loss, ...)")
-        loss = output[0]
-    elif hasattr(output, "loss") and not isinstance(output, torch.Tensor):
-        loss = output.loss  # dataclass-style outputs (e.g. Hugging Face ModelOutput)
-    if not isinstance(loss, torch.Tensor):
-        raise SpeedtronicError(f"model must return a loss tensor, {{'loss': tensor}} or "
-                               f"(loss, ...); got {type(loss).__name__}")
-    if loss.numel() != 1:
-        raise SpeedtronicError(f"model returned a loss of shape {tuple(loss.shape)}; expected a "
-                               "scalar (reduce it, e.g. with .mean())")
-    return loss.reshape(())

@@ -1,7 +1,7 @@
-"""The configuration tree: one dataclass per section, loading, overrides, validation, redaction.
+"""The configuration schema: one dataclass per section, with a docstring under every field.
 
 A run is described by one :class:`SpeedtronicConfig`. It is built from YAML, JSON or a dict by
-:func:`load_config`, which
+:func:`speedtronic.config.load_config` (in :mod:`speedtronic.config.loading`), which
 
 * expands the accepted shorthands (``optimizer: muon``, ``precision: bf16``, root ``name`` /
   ``seed`` / ``device`` / ``max_steps`` / ``output_dir`` / ``log_every`` / ``muon_plus`` /
@@ -24,7 +24,8 @@ from typing import Any, Literal
 
 import yaml
 
-from .errors import ConfigError
+from ..errors import ConfigError
+from . import redaction
 
 __all__ = [
     "ConfigError",
@@ -39,7 +40,6 @@ __all__ = [
     "ShapeValidationConfig",
     "DistributedConfig",
     "SpeedtronicConfig",
-    "load_config",
 ]
 
 
@@ -548,8 +548,8 @@ class SpeedtronicConfig:
 
     def to_dict(self, redact: bool = True) -> dict[str, Any]:
         """A JSON/YAML-safe nested dict; with ``redact``, secrets are replaced by ``<redacted>``."""
-        out = _to_plain(self)
-        return _redact(out) if redact else out
+        out = redaction.to_plain(self)
+        return redaction.redact(out) if redact else out
 
     def save(self, path: str | Path) -> None:
         """Write the resolved config (always redacted) as YAML (.yaml/.yml) or JSON."""
@@ -564,7 +564,3 @@ class SpeedtronicConfig:
 
 
 Config = SpeedtronicConfig
-
-# Loading lives in its own module (parsing, shorthands, overrides, type checks); it needs the
-# classes above, hence the import at the bottom.
-from ._config_loading import _redact, _to_plain, load_config  # noqa: E402

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "diloco"))
+sys.path.insert(0, str(Path(__file__).parent))
 from fakes import FakeHfApi, MotoServer, set_aws_env  # noqa: E402
 from harness import (  # noqa: E402
     FakeTrainer,

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent / "diloco"))
+sys.path.insert(0, str(Path(__file__).parent))
 from fakes import MotoServer, TcpProxy, set_aws_env  # noqa: E402
 from harness import (  # noqa: E402
     applied_keys,

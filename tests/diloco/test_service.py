@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-sys.path.insert(0, str(Path(__file__).parent / "diloco"))
+sys.path.insert(0, str(Path(__file__).parent))
 from harness import applied_keys, child_env  # noqa: E402
 
 from speedtronic.diloco import codec  # noqa: E402

@@ -20,7 +20,7 @@ MAX_MATS = 48  # st::kMaxMats: matrices per Muon launch
 
 def _load_emu():
     spec = importlib.util.spec_from_file_location(
-        "emu_build", Path(__file__).parent / "cuda_emulation" / "emu_build.py")
+        "emu_build", Path(__file__).parent / "emu_build.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.load()
@@ -333,7 +333,7 @@ def test_emulator_reports_kernel_bugs(emu):
 
 
 def test_emulated_schemas_match_the_op_registry(emu):
-    from speedtronic.kernels import OP_NAMES
+    from speedtronic.ops import OP_NAMES
 
     for name in OP_NAMES:
         ours = getattr(torch.ops.speedtronic, name).default._schema

@@ -1,6 +1,6 @@
 """Turning YAML / JSON / dicts into a validated :class:`~speedtronic.config.SpeedtronicConfig`.
 
-Kept apart from the dataclasses so ``config.py`` reads as the reference of every key. Order of
+Kept apart from the dataclasses so ``schema.py`` reads as the reference of every key. Order of
 work in :func:`load_config`: read the source -> expand shorthands (refusing conflicts) -> apply
 ``--set`` overrides -> build dataclasses with strict type checks and unknown-key suggestions ->
 fill cross-section defaults and validate ranges (``SpeedtronicConfig.finalize``).
@@ -19,8 +19,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from . import config as _c
-from .errors import ConfigError
+from ..errors import ConfigError
+from . import schema as _c
 
 # PyYAML follows YAML 1.1, where "3e-4" (no dot) is a *string*. Learning rates are written that
 # way all the time, so our loader also resolves such scientific notation to float.
@@ -38,8 +38,6 @@ _Loader.add_implicit_resolver(
 
 _ROOT_TO_RUN = ("name", "seed", "device", "max_steps", "output_dir")
 _ROOT_TO_OPTIMIZER = ("muon_plus", "cautious")
-# Key names that hold credentials ("num_tokens" is not one: match whole words only).
-_SECRET_KEY = re.compile(r"(^|_)(token|secret|password|api_key|access_key|secret_key)$")
 
 
 def _parse_yaml(text: str, origin: str) -> Any:
@@ -250,33 +248,3 @@ def load_config(source: str | Path | Mapping[str, Any] | _c.SpeedtronicConfig,
     raw = _expand_shorthands(raw)
     return _build(_c.SpeedtronicConfig, raw, "").finalize()
 
-
-def _to_plain(value: Any) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
-    if isinstance(value, (list, tuple)):
-        return [_to_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _to_plain(v) for k, v in value.items()}
-    if isinstance(value, Path):
-        return str(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return f"<{type(value).__name__} object>"  # a live dataset passed from Python
-
-
-def _redact(value: Any) -> Any:
-    """Replace secret-looking values and credentials embedded in URLs."""
-    if isinstance(value, dict):
-        out = {}
-        for key, item in value.items():
-            if item and isinstance(item, str) and _SECRET_KEY.search(key.lower()):
-                out[key] = "<redacted>"
-            else:
-                out[key] = _redact(item)
-        return out
-    if isinstance(value, list):
-        return [_redact(v) for v in value]
-    if isinstance(value, str):
-        return re.sub(r"(://)[^/@\s]+@", r"\1<redacted>@", value)
-    return value

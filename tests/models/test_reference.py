@@ -1,34 +1,19 @@
-"""Reference transformer and model registry (CPU, tiny shapes)."""
+"""The reference transformer (models/reference.py): shapes, loss, causality, GQA, SDPA, init,
+checkpointing, compile (CPU, tiny shapes).
+"""
 
 from __future__ import annotations
 
 import math
-import sys
-import types
 
 import pytest
 import torch
 import torch.nn.functional as F
+from _model_fixtures import batch, tiny
 
-from speedtronic.config import ConfigError, ModelConfig, load_config
-from speedtronic.errors import SpeedtronicError
-from speedtronic.models import build_model, extract_loss, register_model, registered_models
+from speedtronic.config import load_config
+from speedtronic.models import build_model
 from speedtronic.models import reference as ref
-
-
-def tiny(**kw) -> ModelConfig:
-    base = dict(vocab_size=61, max_seq_len=16, n_layer=2, n_head=4, n_kv_head=2, d_model=32)
-    base.update(kw)
-    cfg = ModelConfig(**base)
-    cfg.validate()
-    return cfg
-
-
-def batch(cfg: ModelConfig, B: int = 3, T: int = 12, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
-    y = torch.randint(0, cfg.vocab_size, (B, T), generator=g)
-    return x, y
 
 
 def test_forward_shapes_and_backward_reaches_every_parameter():
@@ -198,51 +183,3 @@ def test_compiles_without_graph_breaks():
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(model)(x, y)
     assert explanation.graph_break_count == 0, explanation.break_reasons
-
-
-def test_registry_unknown_name_lists_registered():
-    with pytest.raises(ConfigError, match="registered models: .*reference_transformer"):
-        build_model(ModelConfig(name="nope"))
-    assert {"gpt", "reference_transformer"} <= set(registered_models())
-
-
-def test_register_user_model_and_import_string(monkeypatch):
-    class Linear(torch.nn.Module):
-        def __init__(self, cfg):
-            super().__init__()
-            self.emb = torch.nn.Embedding(cfg.vocab_size, 4)
-
-        def forward(self, input_ids, labels=None):
-            return {"loss": self.emb(input_ids).pow(2).mean()}
-
-    @register_model("test-user-model")
-    def factory(cfg):
-        return Linear(cfg)
-
-    model = build_model(ModelConfig(name="test-user-model", vocab_size=10))
-    assert isinstance(model, Linear)
-    module = types.ModuleType("speedtronic_test_user_models")
-    module.make = factory
-    monkeypatch.setitem(sys.modules, "speedtronic_test_user_models", module)
-    assert isinstance(build_model(ModelConfig(name="speedtronic_test_user_models:make")), Linear)
-    with pytest.raises(ConfigError, match="no callable 'missing'"):
-        build_model(ModelConfig(name="speedtronic_test_user_models:missing"))
-    with pytest.raises(ConfigError, match="set_gradient_checkpointing"):
-        build_model(ModelConfig(name="test-user-model", gradient_checkpointing=True))
-    register_model("test-not-a-module", lambda cfg: "oops")
-    with pytest.raises(SpeedtronicError, match="expected a torch.nn.Module"):
-        build_model(ModelConfig(name="test-not-a-module"))
-
-
-def test_extract_loss_forms_and_errors():
-    t = torch.tensor(2.5)
-    assert extract_loss(t) is not None and extract_loss(t).item() == 2.5
-    assert extract_loss({"loss": t, "logits": None}).item() == 2.5
-    assert extract_loss((t, "extra")).item() == 2.5
-    assert extract_loss(torch.tensor([2.5])).shape == ()
-    with pytest.raises(SpeedtronicError, match="without 'loss'"):
-        extract_loss({"logits": t})
-    with pytest.raises(SpeedtronicError, match="shape"):
-        extract_loss(torch.ones(3))
-    with pytest.raises(SpeedtronicError, match="got float"):
-        extract_loss(2.5)

@@ -1,0 +1,46 @@
+"""The run configuration: the schema (:mod:`.schema`), loading and overrides (:mod:`.loading`),
+and redaction of secrets (:mod:`.redaction`).
+
+Everything public is re-exported here, so ``from speedtronic.config import load_config,
+SpeedtronicConfig`` is the one import users need. Field docstrings in :mod:`.schema` are the
+reference documentation of every key (rendered in ``docs/configuration.md``).
+"""
+
+from __future__ import annotations
+
+from ..errors import ConfigError
+from .loading import load_config
+from .redaction import redact, to_plain
+from .schema import (
+    CheckpointConfig,
+    Config,
+    DataConfig,
+    DistributedConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimizerConfig,
+    PrecisionConfig,
+    RunConfig,
+    SchedulerConfig,
+    ShapeValidationConfig,
+    SpeedtronicConfig,
+)
+
+__all__ = [
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "DistributedConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "PrecisionConfig",
+    "RunConfig",
+    "SchedulerConfig",
+    "ShapeValidationConfig",
+    "SpeedtronicConfig",
+    "load_config",
+    "redact",
+    "to_plain",
+]

@@ -1,0 +1,56 @@
+"""Config values as plain data, and secrets taken out of them before anything is written.
+
+Used by :meth:`SpeedtronicConfig.to_dict`, hence by ``config.yaml`` in the run directory,
+checkpoints, W&B and the resume check. This module imports nothing from the rest of the package,
+so the schema and the loader can both depend on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+__all__ = ["REDACTED", "redact", "to_plain"]
+
+REDACTED = "<redacted>"
+
+# Key names that hold credentials ("num_tokens" is not one: match whole words only).
+_SECRET_KEY = re.compile(r"(^|_)(token|secret|password|api_key|access_key|secret_key)$")
+# Credentials in a URL's userinfo (``s3://key:secret@host``). The userinfo ends at the *last*
+# ``@`` before the host, and secrets may hold ``/`` (AWS secret keys often do), so the match runs
+# from ``://`` up to the last ``@`` that is not followed by whitespace.
+_URL_USERINFO = re.compile(r"(://)[^\s]*@(?=[^\s@]*$|[^\s@]*\s)")
+
+
+def to_plain(value: Any) -> Any:
+    """Dataclasses, paths, tuples -> dicts, strings, lists (JSON/YAML-safe)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: to_plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [to_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): to_plain(v) for k, v in value.items()}
+    if isinstance(value, Path):
+        return str(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return f"<{type(value).__name__} object>"  # a live dataset passed from Python
+
+
+def redact(value: Any) -> Any:
+    """Replace values under secret-looking keys and credentials embedded in URLs."""
+    if isinstance(value, dict):
+        out = {}
+        for key, item in value.items():
+            if item and isinstance(item, str) and _SECRET_KEY.search(str(key).lower()):
+                out[key] = REDACTED
+            else:
+                out[key] = redact(item)
+        return out
+    if isinstance(value, list):
+        return [redact(v) for v in value]
+    if isinstance(value, str):
+        return _URL_USERINFO.sub(rf"\1{REDACTED}@", value)
+    return value

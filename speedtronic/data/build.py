@@ -1,0 +1,217 @@
+"""``build_data(cfg, rank=, world=) -> DataBundle``: the configured source behind a resumable
+train iterator and fixed eval batches.
+
+Sources, in order of precedence (the config allows at most one to be set):
+
+* ``data.dataset``: a user ``Dataset``/``IterableDataset`` (see ``user.py``);
+* ``data.text_path``: a UTF-8 file as bytes, streamed in ~1 MiB chunks; the last
+  ``eval_fraction`` of the file is held out;
+* ``data.synthetic``: seeded uniform ids in ``[0, model.vocab_size)``, different per rank;
+* default: the Python standard library's ``.py`` sources as bytes, split by file.
+
+Every batch is ``(input_ids, labels)``, each ``(B, T)`` int64 on the CPU, with
+``labels[:, t] == input_ids[:, t + 1]`` for raw token sources: the one and only shift.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from ..config import ConfigError, SpeedtronicConfig
+from .sampler import WindowIterator, eval_windows, split_batch
+from .sources import (
+    ArrayStore,
+    TextFileStore,
+    TokenStore,
+    python_tag,
+    stdlib_corpus,
+    synthetic_tokens,
+)
+from .user import (
+    UserIterator,
+    collate_tokens,
+    holdout_split,
+    resolve_user_dataset,
+    user_eval_batches,
+)
+
+__all__ = ["DataBundle", "TrainIterator", "build_data", "collate_tokens", "TEXT_CHUNK_BYTES",
+           "BYTE_VOCAB"]
+
+logger = logging.getLogger("speedtronic.data")
+
+BYTE_VOCAB = 256
+TEXT_CHUNK_BYTES = 1 << 20
+"""Bytes of a text file held in memory at once (one chunk of training windows)."""
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+class TrainIterator(Protocol):
+    """What ``DataBundle.train`` provides: infinite micro-batches and an exact position."""
+
+    def __iter__(self) -> Iterator[Batch]: ...
+    def __next__(self) -> Batch: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class DataBundle:
+    """Training stream plus deterministic held-out batches.
+
+    Attributes:
+        train: infinite iterator of ``(input_ids, labels)`` micro-batches, with
+            ``state_dict()``/``load_state_dict()`` (save it in checkpoints).
+        description: one line saying what the data is (for logs).
+        vocab_size: exclusive upper bound of the token ids, when known (256 for bytes).
+        block_size: tokens per sample ``T``.
+        micro_batch_size: samples per micro-batch ``B``.
+        train_tokens: size of the training split, when known.
+    """
+
+    train: TrainIterator
+    description: str
+    vocab_size: int | None
+    block_size: int
+    micro_batch_size: int
+    train_tokens: int | None
+    _make_eval: Callable[[int], list[Batch]] = field(repr=False)
+    _eval_cache: dict[int, list[Batch]] = field(default_factory=dict, repr=False)
+
+    def eval_batches(self, n: int) -> list[Batch]:
+        """``n`` held-out micro-batches; the same tensors on every call (computed once)."""
+        if n <= 0:
+            raise ValueError(f"eval_batches: n must be > 0, got {n}")
+        if n not in self._eval_cache:
+            self._eval_cache[n] = self._make_eval(n)
+        return list(self._eval_cache[n])
+
+
+def _windows_bundle(train: TokenStore, held: TokenStore, description: str, vocab: int,
+                    cfg: SpeedtronicConfig, T: int, B: int, seed: int, rank: int, world: int,
+                    pin: bool,
+                    chunk_samples: int | None = None) -> DataBundle:
+    it = WindowIterator(train, T, B, seed, rank, world, chunk_samples=chunk_samples,
+                        shuffle=cfg.data.shuffle, pin_memory=pin)
+    eval_windows(held, T, 1)  # fail now, not at the first eval, if the split is too small
+
+    def make_eval(n: int) -> list[Batch]:
+        windows = eval_windows(held, T, n * B)  # (n*B, T+1)
+        return [split_batch(windows[i * B:(i + 1) * B]) for i in range(n)]
+
+    return DataBundle(train=it, description=description, vocab_size=vocab, block_size=T,
+                      micro_batch_size=B, train_tokens=train.n, _make_eval=make_eval)
+
+
+def _node_seed(cfg: SpeedtronicConfig, seed: int, world: int) -> int:
+    """DiLoCo nodes launched with one config and no rank/world would all read identical data
+    (as in the v2.0 engine): mix the node id into the data seed so their orders differ."""
+    dist = getattr(cfg, "distributed", None)
+    if dist is None or not dist.enabled or world > 1:
+        return seed
+    if dist.node_id is None:
+        logger.warning("data: distributed.node_id is unset, so every DiLoCo node reads the same "
+                       "data order; set node_id (or pass rank/world to build_data)")
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{dist.node_id}".encode(), digest_size=8).digest()
+    logger.info("data: DiLoCo node %r: data order seeded by node id", dist.node_id)
+    return int.from_bytes(digest, "big")
+
+
+def _check_byte_vocab(cfg: SpeedtronicConfig, what: str) -> None:
+    if cfg.model.vocab_size < BYTE_VOCAB:
+        raise ConfigError(f"model.vocab_size: {what} is byte-level (ids 0..255) and needs "
+                          f"model.vocab_size >= {BYTE_VOCAB}, got {cfg.model.vocab_size}")
+
+
+def build_data(cfg: SpeedtronicConfig, *, rank: int = 0, world: int = 1,
+               device: str | torch.device | None = None) -> DataBundle:
+    """Build the data of ``cfg`` (a :class:`~speedtronic.config.SpeedtronicConfig`).
+
+    ``rank``/``world`` shard the training samples (DiLoCo nodes pass theirs, so nodes see
+    disjoint data); eval batches are the same on every rank. ``device`` only decides pinned
+    memory when ``data.pin_memory`` is None (pinned when it is a CUDA device).
+    """
+    if not (0 <= rank < world):
+        raise ValueError(f"build_data: need 0 <= rank < world, got rank={rank}, world={world}")
+    d = cfg.data
+    T = d.block_size or cfg.model.max_seq_len
+    B = d.micro_batch_size
+    seed = d.seed if d.seed is not None else cfg.run.seed
+    seed = _node_seed(cfg, seed, world)
+    pin = d.pin_memory
+    if pin is None:
+        pin = device is not None and torch.device(device).type == "cuda"
+    pin = bool(pin) and torch.cuda.is_available()
+    shard = f", rank {rank}/{world}" if world > 1 else ""
+
+    if d.dataset is not None:
+        bundle = _user_bundle(cfg, T, B, seed, rank, world, pin)
+    elif d.text_path is not None:
+        _check_byte_vocab(cfg, f"data.text_path {d.text_path!r}")
+        path = Path(d.text_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"data.text_path: file not found: {str(path)!r}")
+        size = path.stat().st_size
+        split = int(size * (1.0 - d.eval_fraction))
+        bundle = _windows_bundle(
+            TextFileStore(path, 0, split), TextFileStore(path, split, size),
+            f"text file {path} ({split / 1e6:.2f} MB train / {(size - split) / 1e6:.2f} MB "
+            f"eval = the last {d.eval_fraction:.0%}, bytes{shard})",
+            BYTE_VOCAB, cfg, T, B, seed, rank, world, pin,
+            chunk_samples=max(1, TEXT_CHUNK_BYTES // T))
+    elif d.synthetic:
+        vocab = cfg.model.vocab_size
+        n_eval = max(int(d.num_tokens * d.eval_fraction), (T + 1) * B)
+        bundle = _windows_bundle(
+            ArrayStore(synthetic_tokens(d.num_tokens, vocab, seed, stream=1 + rank)),
+            ArrayStore(synthetic_tokens(n_eval, vocab, seed, stream=0)),
+            f"synthetic uniform tokens ({d.num_tokens:,} per rank, vocab {vocab}, "
+            f"seed {seed}{shard})", vocab, cfg, T, B, seed, rank, world, pin)
+    else:
+        _check_byte_vocab(cfg, "the default stdlib corpus")
+        corpus = stdlib_corpus(d.stdlib_max_bytes, d.eval_fraction)
+        bundle = _windows_bundle(
+            ArrayStore(corpus.train), ArrayStore(corpus.eval),
+            f"python {python_tag()} stdlib source bytes ({len(corpus.train_paths)} files "
+            f"{corpus.train.size / 1e6:.2f} MB train / {len(corpus.eval_paths)} files "
+            f"{corpus.eval.size / 1e6:.2f} MB eval, held out by file; built in "
+            f"{corpus.seconds:.2f} s{shard})", BYTE_VOCAB, cfg, T, B, seed, rank, world, pin)
+    logger.info("data: %s; block %d, micro-batch %d", bundle.description, T, B)
+    return bundle
+
+
+def _user_bundle(cfg: SpeedtronicConfig, T: int, B: int, seed: int, rank: int, world: int,
+                 pin: bool) -> DataBundle:
+    d = cfg.data
+    train_ds, eval_ds = resolve_user_dataset(d.dataset, cfg)
+    iterable = isinstance(train_ds, torch.utils.data.IterableDataset)
+    train_idx = eval_idx = None
+    if eval_ds is not None:
+        held_note = f"eval = a separate {type(eval_ds).__name__}"
+    elif not iterable:
+        train_idx, eval_idx = holdout_split(len(train_ds), d.eval_fraction, B)
+        eval_ds = train_ds
+        held_note = f"eval = the last {len(eval_idx)} items"
+    else:
+        eval_ds = train_ds
+        held_note = "eval = the head of the stream (NOT held out: return (train, eval))"
+        logger.warning("data: the IterableDataset has no eval set, so eval batches come from "
+                       "the head of the training stream; return (train, eval) from the "
+                       "factory to hold data out")
+    it = UserIterator(train_ds, B, seed, rank, world, d.shuffle and not iterable,
+                      d.num_workers, pin, indices=train_idx)
+    desc = (f"user {type(train_ds).__name__} ({'iterable' if iterable else 'map-style'}, "
+            f"{held_note}{f', rank {rank}/{world}' if world > 1 else ''})")
+    return DataBundle(train=it, description=desc, vocab_size=None, block_size=T,
+                      micro_batch_size=B,
+                      train_tokens=None if iterable else len(it.indices) * T,
+                      _make_eval=lambda n: user_eval_batches(eval_ds, n, B, eval_idx))

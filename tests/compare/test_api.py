@@ -1,0 +1,122 @@
+"""``speedtronic compare`` end to end (compare/api.py): identical init and data, refusal of a
+mismatched start, resume, lr sweep.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _compare_fixtures import FAST_ADAMW, TINY
+
+from speedtronic.cli import main
+from speedtronic.compare import run_compare
+from speedtronic.compare.api import _check_same_start
+from speedtronic.compare.recorder import state_hash
+from speedtronic.compare.runner import DONE_FILE, data_fingerprint
+from speedtronic.config import load_config
+from speedtronic.errors import SpeedtronicError
+
+
+# ------------------------------------------------------------------------------ end to end
+def test_cli_compare_two_variants_two_seeds_same_init_and_data(tiny_yaml, tmp_path, capsys):
+    out = tmp_path / "cmp"
+    rc = main(["compare", "--config", str(tiny_yaml), "--variant", "adamw", "--variant", "muon",
+               "--steps", "3", "--seeds", "2", "--output-dir", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "| adamw |" in printed and "| muon |" in printed and " ± " in printed
+    report = json.loads((out / "compare.json").read_text())
+    assert list(report["variants"]) == ["adamw", "muon"]
+    runs = {name: v["runs"] for name, v in report["variants"].items()}
+    a, m = runs["adamw"], runs["muon"]
+    assert m[0]["lr_key"] == "optimizer.muon_lr" and a[0]["lr_key"] == "optimizer.lr"
+    for run in a + m:
+        assert run["steps"] == 3 and [e[0] for e in run["evals"]] == [0, 1, 2, 3]
+        assert run["optimizer_steps_timed"] == 3 and run["optimizer_step_ms"] > 0
+        assert run["tokens_per_s"] > 0 and run["peak_memory_mib"] > 0
+        assert run["spectrum"] and run["mean_stable_rank"] > 0
+        assert (out / "runs" / f"{run['variant']}-seed{run['seed_index']}" / DONE_FILE).is_file()
+    for seed in (0, 1):
+        # Same init and data for every variant at a seed; training moved the weights apart.
+        assert a[seed]["init_hash"] == m[seed]["init_hash"]
+        assert a[seed]["data_hash"] == m[seed]["data_hash"]
+        assert a[seed]["seed"] == m[seed]["seed"] == 3 + seed
+        assert a[seed]["evals"][0][1] == m[seed]["evals"][0][1]  # same start, same eval batches
+        assert a[seed]["final_hash"] != m[seed]["final_hash"]
+    assert a[0]["init_hash"] != a[1]["init_hash"] and a[0]["data_hash"] != a[1]["data_hash"]
+    assert report["variants"]["muon"]["summary"]["final_eval_loss"]["n"] == 2
+    # The hashes are of the model the runtime builds for that seed and of the batches the data
+    # builder yields for it (first micro-batches + eval batches), not of some stand-in.
+    from speedtronic.models import build_model
+    from speedtronic.runtime import seed_everything
+
+    seed_everything(4)
+    assert state_hash(build_model(load_config(TINY))) == a[1]["init_hash"]
+    assert data_fingerprint(load_config(TINY, ["data.seed=4"])) == a[1]["data_hash"]
+    assert "| adamw |" in (out / "compare.md").read_text()
+    for png in ("compare_loss.png", "compare_spectrum.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mismatched_start_is_refused():
+    records = {"adamw": [{"init_hash": "a" * 64, "data_hash": "d" * 64}]}
+    with pytest.raises(SpeedtronicError, match="different initial weights"):
+        _check_same_start(records, "adamw", "muon", 0, {"init_hash": "b" * 64,
+                                                        "data_hash": "d" * 64})
+
+
+class _Interrupt:
+    """Raises after optimizer step ``at`` of the run named ``run_name`` (a killed process)."""
+
+    name = "interrupt"
+
+    def __init__(self, run_name: str, at: int) -> None:
+        self.run_name, self.at = run_name, at
+
+    def after_optimizer_step(self, trainer, step: int) -> None:
+        if trainer.run_dir.name == self.run_name and step == self.at:
+            raise KeyboardInterrupt("simulated interruption")
+
+
+def test_interrupted_compare_resumes_and_skips_finished_variants(tiny_yaml, tmp_path):
+    out = tmp_path / "cmp"
+    kwargs = dict(steps=8, output_dir=out, overrides=["checkpoint.every_steps=2"])
+    with pytest.raises(KeyboardInterrupt):
+        run_compare(tiny_yaml, ["adamw", FAST_ADAMW], callbacks=[_Interrupt("fast-seed0", 5)],
+                    **kwargs)
+    done_a = out / "runs" / "adamw-seed0" / DONE_FILE
+    assert done_a.is_file() and not (out / "runs" / "fast-seed0" / DONE_FILE).exists()
+    stamp = done_a.stat().st_mtime_ns
+
+    result = run_compare(tiny_yaml, ["adamw", FAST_ADAMW], **kwargs)
+    a, b = result.records["adamw"][0], result.records["fast"][0]
+    assert a.get("reused") and done_a.stat().st_mtime_ns == stamp  # not re-run
+    assert b["resumed_from"] == [4] and b["steps"] == 8  # newest checkpoint before step 5
+    assert [e[0] for e in b["evals"]] == sorted({e[0] for e in b["evals"]})  # no duplicates
+
+    # The resumed run matches an uninterrupted one exactly.
+    fresh = run_compare(tiny_yaml, [FAST_ADAMW], steps=8, output_dir=tmp_path / "fresh",
+                        overrides=["checkpoint.every_steps=2"]).records["fast"][0]
+    assert fresh["final_hash"] == b["final_hash"]
+    assert [e[:2] for e in fresh["evals"]] == [e[:2] for e in b["evals"]]
+
+    # Changing the config for the same output dir is refused, not silently mixed.
+    with pytest.raises(SpeedtronicError, match="different config .*weight_decay"):
+        run_compare(tiny_yaml, ["adamw"], **{**kwargs, "overrides": [
+            "checkpoint.every_steps=2", "optimizer.weight_decay=0.0"]})
+
+
+def test_lr_sweep_picks_best_and_reports_it(tiny_yaml, tmp_path):
+    out = tmp_path / "cmp"
+    result = run_compare(tiny_yaml, ["adamw"], steps=4, lr_sweep=True, sweep_fraction=0.5,
+                         lr_factors=(1.0, 10.0), output_dir=out)
+    sweep = json.loads((out / "compare.json").read_text())["sweep"]["adamw"]
+    assert sweep["key"] == "optimizer.lr" and [p["lr"] for p in sweep["points"]] == \
+        pytest.approx([3e-4, 3e-3])
+    best = min(sweep["points"], key=lambda p: p["final_eval_loss"])
+    assert sweep["chosen"] == best["lr"] == pytest.approx(3e-3)  # 10x is far better at 2 steps
+    run = result.records["adamw"][0]
+    assert run["lr"] == pytest.approx(3e-3)
+    assert load_config(run["config"]).optimizer.lr == pytest.approx(3e-3)
+    assert "Learning-rate sweep" in (out / "compare.md").read_text()

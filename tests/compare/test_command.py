@@ -1,0 +1,25 @@
+"""``speedtronic compare`` CLI errors (compare/command.py): exit code 2 naming the key or preset."""
+
+from __future__ import annotations
+
+from speedtronic.cli import main
+
+
+# ------------------------------------------------------------------------------ CLI errors
+def test_unknown_variant_key_exits_2_naming_the_key(tiny_yaml, tmp_path, capsys):
+    rc = main(["compare", "--config", str(tiny_yaml), "--variant", "adamw", "--variant",
+               "mine:optimizer.muon_lrr=0.05", "--output-dir", str(tmp_path / "c")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1
+    assert err.startswith("speedtronic: error: --variant mine: unknown config key "
+                          "'optimizer.muon_lrr'") and "optimizer.muon_lr" in err
+    assert not (tmp_path / "c" / "runs").exists()  # validated before any training
+
+
+def test_unknown_preset_exits_2_listing_presets(tiny_yaml, tmp_path, capsys):
+    rc = main(["compare", "--config", str(tiny_yaml), "--variant", "lion",
+               "--output-dir", str(tmp_path / "c")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "'lion': unknown preset; presets: adamw, muon, muon_plus, cautious_adamw, " \
+           "cautious_muon" in err

@@ -1,0 +1,195 @@
+"""The DiLoCo master (diloco/master.py) in one process: quarantine, rejection receipts, data-
+parallel equivalence, restart, lease.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import (  # noqa: E402
+    FakeTrainer,
+    TinyModel,
+    applied_keys,
+    batch,
+    initial_weights,
+    make_cfg,
+    read_pointer,
+)
+
+from speedtronic.diloco import codec  # noqa: E402
+from speedtronic.diloco.master import LeaseLost, Master  # noqa: E402
+from speedtronic.diloco.node import Worker  # noqa: E402
+from speedtronic.diloco.store import (  # noqa: E402
+    open_store,
+)
+
+
+# ----------------------------------------------------------------------------- master
+def _master(tmp_path, **kw):
+    store = open_store(f"file://{tmp_path}/store")
+    m = Master(store, make_cfg(f"file://{tmp_path}/store", **kw), "m0", lambda: initial_weights())
+    assert m.acquire_lease(threading.Event(), timeout=5)
+    m.load_or_bootstrap()
+    return store, m
+
+
+def _put_delta(store, delta, seq, base=0, node="w1", session="s1", **hkw):
+    h = codec.DeltaHeader(node=node, session=session, seq=seq, base_version=base,
+                          inner_steps=5, tokens=0, **hkw)
+    data, _ = codec.encode_delta(delta, h)
+    store.put(h.key, data, if_absent=True)
+    return h.key, data
+
+
+def test_master_quarantines_bad_deltas_and_never_refetches_them(tmp_path):
+    store, m = _master(tmp_path, max_staleness=2, max_delta_norm=1e3)
+    w = initial_weights()
+    good = {k: 0.01 * torch.ones_like(v) for k, v in w.items()}
+    nan = {**good, "fc1.weight": torch.full_like(w["fc1.weight"], float("nan"))}
+    shape = {**good, "fc1.bias": torch.zeros(3)}
+    huge = {k: 1e6 * torch.ones_like(v) for k, v in w.items()}
+    k_nan, _ = _put_delta(store, nan, 0)
+    k_shape, _ = _put_delta(store, shape, 1)
+    k_keys, _ = _put_delta(store, {"fc1.weight": good["fc1.weight"]}, 2)
+    k_huge, _ = _put_delta(store, huge, 3)
+    _, data = _put_delta(store, good, 4)
+    store.put("nodes/w1/s1/d00000005-b00000000.safetensors", data[: len(data) // 2])  # truncated
+    flipped = bytearray(data)
+    flipped[-3] ^= 1
+    store.put("nodes/w1/s1/d00000006-b00000000.safetensors", bytes(flipped))  # corrupt
+    store.put("nodes/w1/s1/d00000007-b00000000.safetensors", data)  # duplicate under a new name
+    stats = m.run_once()
+    assert stats.found == 8 and stats.applied == 1 and stats.rejected == 7
+    reasons = dict(m.quarantined)
+    assert "non-finite" in reasons[k_nan] and "shape" in reasons[k_shape]
+    assert "keys differ" in reasons[k_keys] and "norm" in reasons[k_huge]
+    assert "truncated" in reasons["nodes/w1/s1/d00000005-b00000000.safetensors"]
+    assert "sha256" in reasons["nodes/w1/s1/d00000006-b00000000.safetensors"]
+    assert "does not match its name" in reasons["nodes/w1/s1/d00000007-b00000000.safetensors"]
+    again = m.run_once()
+    assert again.found == 0 and again.bytes_down == 0  # nothing is downloaded twice
+    # stale: base 0 while the global moved on
+    for seq in range(2):
+        _put_delta(store, good, seq, base=m.pointer.version, node="w2")
+        m.run_once()
+    k_stale, _ = _put_delta(store, good, 0, base=0, node="w3")
+    assert m.pointer.version == 3
+    stats = m.run_once()
+    assert stats.stale_dropped == 1 and "stale" in dict(m.quarantined)[k_stale]
+    assert len(applied_keys(store)) == len(set(applied_keys(store))) == 3
+
+
+def _inner_round(worker, trainer, poison: bool = False) -> None:
+    """One round of H inner steps; ``poison`` makes the delta non-finite."""
+    for _ in range(worker.cfg.inner_steps):
+        x, y = batch(trainer.step, 0)
+        loss = torch.nn.functional.mse_loss(trainer.model(x), y)
+        trainer.optimizer.zero_grad()
+        loss.backward()
+        trainer.optimizer.step()
+        trainer.step += 1
+        if poison and trainer.step % worker.cfg.inner_steps == 0:
+            with torch.no_grad():
+                trainer.model.fc1.bias.fill_(float("nan"))
+        worker.after_optimizer_step(trainer, trainer.step)
+
+
+@pytest.mark.parametrize("case", ["stale", "non_finite"])
+def test_worker_whose_last_delta_is_rejected_ends_on_the_published_global(tmp_path, case):
+    # No version is published for a batch that is entirely rejected, so the worker cannot wait
+    # for a global "including" its last delta: the master's rejection receipt ends the wait.
+    store, m = _master(tmp_path, max_staleness=1, final_sync_timeout=20, poll_interval=0.5)
+    w = Worker(m.cfg, store=store, node_id="w0")
+    t = FakeTrainer(TinyModel(0))
+    w.on_train_start(t)
+    assert w.version == 0
+    if case == "stale":  # the global moves on twice while w0 trains on v0
+        good = {k: 0.01 * torch.ones_like(v) for k, v in initial_weights().items()}
+        for seq in range(2):
+            _put_delta(store, good, seq, base=m.pointer.version, node="w9")
+            m.run_once()
+    _inner_round(w, t, poison=case == "non_finite")
+    assert w.flush(10)
+    stats = m.run_once()
+    assert stats.rejected == 1 and stats.applied == 0 and not stats.published
+    w.on_train_end(t)
+    pointer = read_pointer(store)
+    assert w.final_synced and w.version == pointer.version == (2 if case == "stale" else 0)
+    assert codec.tensor_digest(dict(t.model.named_parameters())) == pointer.weights_digest
+
+
+def test_m_workers_averaging_every_step_equals_data_parallel_with_m_times_the_batch(tmp_path):
+    # With inner SGD, H=1 and outer SGD lr 1 (plain averaging), the mean of M workers' one-step
+    # deltas is one SGD step on the mean gradient of all M batches: DP with an M x batch. This
+    # pins the whole path (snapshot, delta sign, upload, master mean, publish, install) at M > 1.
+    M, steps, lr = 3, 6, 0.1
+    store, m = _master(tmp_path, inner_steps=1, outer_optimizer="sgd", outer_lr=1.0,
+                       outer_momentum=0.0, expected_workers=M, poll_interval=600.0,
+                       lease_ttl=3600.0, reset_inner_optimizer=False)
+    workers = [Worker(m.cfg, store=store, node_id=f"w{i}") for i in range(M)]
+    trainers = [FakeTrainer(TinyModel(0)) for _ in range(M)]
+    for w, t in zip(workers, trainers, strict=True):
+        t.optimizer = torch.optim.SGD(t.model.parameters(), lr=lr)
+        w.on_train_start(t)
+    dp = TinyModel(0)
+    dp_opt = torch.optim.SGD(dp.parameters(), lr=lr)
+    for step in range(steps):
+        for i, (w, t) in enumerate(zip(workers, trainers, strict=True)):
+            x, y = batch(step, i)
+            t.optimizer.zero_grad()
+            torch.nn.functional.mse_loss(t.model(x), y).backward()
+            t.optimizer.step()
+            w.after_optimizer_step(t, step + 1)
+            assert w.flush(10)
+        assert m.run_once().applied == M
+        for w, t in zip(workers, trainers, strict=True):
+            w.poll_now()
+            w.install_now(t)
+        xs, ys = zip(*(batch(step, i) for i in range(M)), strict=True)
+        dp_opt.zero_grad()
+        torch.nn.functional.mse_loss(dp(torch.cat(xs)), torch.cat(ys)).backward()
+        dp_opt.step()
+    for w in workers:
+        w.close()
+    assert m.pointer.version == steps
+    for k, p in dp.named_parameters():
+        torch.testing.assert_close(m.weights[k], p.detach(), rtol=1e-5, atol=1e-6)
+        for t in trainers:
+            assert torch.equal(dict(t.model.named_parameters())[k].detach(), m.weights[k])
+
+
+def test_master_restart_resumes_bit_exactly_from_the_store(tmp_path):
+    store, m = _master(tmp_path, outer_optimizer="nesterov")
+    w = initial_weights()
+    for seq in range(3):
+        _put_delta(store, {k: 0.1 * torch.randn_like(v) for k, v in w.items()}, seq,
+                   base=m.pointer.version)
+        m.run_once()
+    m2 = Master(store, m.cfg, "m0", None)  # same node id: takes the lease at once
+    assert m2.acquire_lease(threading.Event(), timeout=5)
+    m2.load_or_bootstrap()
+    assert m2.hwm == m.hwm and m2.pointer.version == 3
+    assert all(torch.equal(m2.outer.buf[k], m.outer.buf[k]) for k in m.outer.buf)
+    assert codec.tensor_digest(m2.weights) == read_pointer(store).weights_digest
+    with pytest.raises(LeaseLost):
+        m.run_once()  # the old process, if it were alive, can no longer publish
+
+
+def test_second_master_waits_for_the_lease(tmp_path):
+    store, m = _master(tmp_path)
+    other = Master(store, m.cfg, "m1", lambda: initial_weights())
+    assert not other.acquire_lease(threading.Event(), timeout=0.5)  # held and being renewed
+    m.run_once()
+    assert read_pointer(store).master_epoch == m.epoch
+    # m stops renewing; after lease_ttl of silence the standby takes over with a higher epoch
+    assert other.acquire_lease(threading.Event(), timeout=m.cfg.lease_ttl * 3)
+    assert other.epoch > m.epoch
+    other.load_or_bootstrap()
+    with pytest.raises(LeaseLost):
+        m.run_once()

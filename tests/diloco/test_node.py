@@ -1,0 +1,88 @@
+"""DiLoCo workers (diloco/node.py) and a master as threads over file://, and the distributed config
+rules.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import (  # noqa: E402
+    FakeTrainer,
+    TinyModel,
+    applied_keys,
+    assert_consistent,
+    eval_loss,
+    initial_weights,
+    make_cfg,
+    train,
+)
+
+from speedtronic.config import ConfigError, load_config  # noqa: E402
+from speedtronic.diloco import codec  # noqa: E402
+from speedtronic.diloco.node import Worker  # noqa: E402
+from speedtronic.diloco.store import (  # noqa: E402
+    open_store,
+)
+
+
+# ----------------------------------------------------------------------- workers + master
+@pytest.mark.parametrize("codec_name", ["none", "int8"])
+def test_workers_and_master_threads_over_file_store(tmp_path, codec_name):
+    url = f"file://{tmp_path}/store"
+    cfg = make_cfg(url, inner_steps=5, compression=codec_name, final_sync_timeout=30,
+                   poll_interval=0.01)
+    store = open_store(url)
+    from speedtronic.diloco.service import MasterThread
+    mt = MasterThread(cfg, "master", lambda: initial_weights())
+    mt.until = lambda m: m.all_done({"w0", "w1"})
+    mt.start()
+    workers, trainers, errors = [], [], []
+
+    def run(i):
+        try:
+            w = Worker(cfg, node_id=f"w{i}")
+            t = FakeTrainer(TinyModel(0))
+            workers.append(w)
+            trainers.append(t)
+            # ~2 ms of "compute" per step so rounds overlap with polling as in real runs
+            train(w, t, 40, shard=i, on_step=lambda _: time.sleep(0.002))
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert mt.join(60) and not errors and mt.error is None
+    keys = applied_keys(store)
+    assert len(keys) == len(set(keys)) == sum(w.m["deltas_sent"] for w in workers)
+    reports = [{"version": w.version, "digest": w.digest, "final_synced": True,
+                "weights_digest": codec.tensor_digest(dict(t.model.named_parameters()))}
+               for w, t in zip(workers, trainers, strict=True)]
+    assert_consistent(store, reports)
+    assert eval_loss(trainers[0].model) < 0.6 * eval_loss(TinyModel(0))
+    for w, t in zip(workers, trainers, strict=True):
+        assert w.m["resets"] >= 1 and w.m["bytes_up"] > 0
+        assert any("diloco/train_thread_s" in m for m in t.metrics)
+        if codec_name == "int8":
+            assert 0 < w.m["codec_rel_err"] < 0.02
+
+
+def test_distributed_config_validation():
+    with pytest.raises(ConfigError, match="distributed.store"):
+        load_config({"distributed": {"enabled": True}})
+    with pytest.raises(ConfigError, match="node_id"):
+        load_config({"distributed": {"node_id": "../evil"}})
+    with pytest.raises(ConfigError, match="lease_ttl"):
+        load_config({"distributed": {"poll_interval": 10, "lease_ttl": 15}})
+    with pytest.raises(ConfigError, match="shard"):
+        load_config({"distributed": {"shard": 2, "num_shards": 2}})
+    with pytest.raises(ConfigError, match="outer_optimizer"):
+        load_config({"distributed": {"outer_optimizer": "adam"}})

@@ -1,0 +1,120 @@
+"""The store contract on the file:// back end (diloco/store_file.py), the retry layer and URL
+parsing (diloco/store.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from speedtronic.diloco.store import (  # noqa: E402
+    AccessDenied,
+    DirectoryStore,
+    ObjectExists,
+    ObjectNotFound,
+    PreconditionFailed,
+    RetryingStore,
+    RetryPolicy,
+    Store,
+    StoreUnavailable,
+    TransientStoreError,
+    open_store,
+)
+
+
+# ----------------------------------------------------------------------------- store contract
+def test_file_store_contract(tmp_path):
+    s = DirectoryStore(tmp_path / "root")
+    s.put("a/b.bin", b"one")
+    assert s.get("a/b.bin") == b"one"
+    s.put("a/b.bin", b"two")  # plain put replaces atomically
+    assert s.get("a/b.bin") == b"two"
+    with pytest.raises(ObjectExists):
+        s.put("a/b.bin", b"three", if_absent=True)
+    s.put("a/c.bin", b"x", if_absent=True)
+    (tmp_path / "root" / "a" / ".tmp-left-by-a-crash").write_bytes(b"junk")
+    assert s.list("a/") == ["a/b.bin", "a/c.bin"]  # temp files are never listed
+    assert s.stat("a/b.bin").size == 3 and s.stat("missing") is None
+    with pytest.raises(ObjectNotFound):
+        s.get("missing")
+    s.delete("a/c.bin")
+    s.delete("a/c.bin")  # deleting a missing key is fine
+    assert s.list("a/") == ["a/b.bin"]
+    for bad in ("../x", "/abs", "a//b", "a/./b", "sp ace"):
+        with pytest.raises(ValueError):
+            s.put(bad, b"")
+
+
+def test_file_store_swap_is_compare_and_swap(tmp_path):
+    s = DirectoryStore(tmp_path)
+    e1 = s.swap("p.json", b"v1", None)
+    with pytest.raises(PreconditionFailed):
+        s.swap("p.json", b"v1b", None)  # must not exist any more
+    e2 = s.swap("p.json", b"v2", e1)
+    with pytest.raises(PreconditionFailed):
+        s.swap("p.json", b"v3", e1)  # stale etag
+    assert s.get_with_etag("p.json") == (b"v2", e2)
+
+
+class Flaky(Store):
+    """Fails the first ``n`` calls with ``exc``, then delegates."""
+
+    def __init__(self, inner: Store, n: int, exc: Exception, land_first: bool = False):
+        self.inner, self.n, self.exc, self.calls, self.land = inner, n, exc, 0, land_first
+        self.url = "flaky://"
+
+    def put(self, key, data, *, if_absent=False):
+        self.calls += 1
+        if self.calls <= self.n:
+            if self.land:  # the write lands but the reply is lost
+                self.inner.put(key, data, if_absent=if_absent)
+            raise self.exc
+        self.inner.put(key, data, if_absent=if_absent)
+
+    def get(self, key):
+        self.calls += 1
+        if self.calls <= self.n:
+            raise self.exc
+        return self.inner.get(key)
+
+
+def test_retry_backoff_honours_retry_after_and_skips_permanent_errors(tmp_path):
+    sleeps: list[float] = []
+    policy = RetryPolicy(attempts=4, base_delay=0.1, max_delay=1.0)
+    flaky = Flaky(DirectoryStore(tmp_path), 2, TransientStoreError("429", retry_after=7.0))
+    s = RetryingStore(flaky, policy, sleep=sleeps.append, seed=0)
+    s.put("k", b"v")
+    assert s.get("k") == b"v" and sleeps == [7.0, 7.0]  # Retry-After wins over the backoff
+    sleeps.clear()
+    s = RetryingStore(Flaky(DirectoryStore(tmp_path), 10, TimeoutError("slow")), policy,
+                      sleep=sleeps.append, seed=0)
+    with pytest.raises(StoreUnavailable):
+        s.get("k")
+    assert len(sleeps) == 3 and all(0 <= d <= min(1.0, 0.1 * 2 ** i) for i, d in
+                                    enumerate(sleeps))  # full jitter under the cap
+    for permanent in (ObjectNotFound("404"), AccessDenied("403")):
+        sleeps.clear()
+        flaky = Flaky(DirectoryStore(tmp_path), 10, permanent)
+        with pytest.raises(type(permanent)):
+            RetryingStore(flaky, policy, sleep=sleeps.append).get("k")
+        assert flaky.calls == 1 and sleeps == []
+
+
+def test_retried_create_only_put_that_landed_is_success(tmp_path):
+    inner = DirectoryStore(tmp_path)
+    s = RetryingStore(Flaky(inner, 1, TransientStoreError("reset"), land_first=True),
+                      RetryPolicy(attempts=3), sleep=lambda _: None)
+    s.put("d", b"payload", if_absent=True)
+    assert inner.get("d") == b"payload"
+
+
+def test_store_url_parsing(tmp_path):
+    assert open_store(f"file://{tmp_path}").url == f"file://{tmp_path}"
+    with pytest.raises(ValueError, match="credentials"):
+        open_store("s3://AKIA:secret@bucket/x")
+    with pytest.raises(ValueError, match="unsupported"):
+        open_store("ftp://x/y")
