@@ -62,16 +62,16 @@ import torch
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 import speedtronic._C  # noqa: F401  (imports without a GPU)
 import speedtronic.kernels as kernels
-import speedtronic.ops as ops  # defines the schemas, then hands OP_NAMES to the loader
+import speedtronic.ops as ops  # defines the schemas, then hands CUDA_KERNEL_OPS to the loader
 
 st = kernels.status()
 print("ci[cuda]:", st.line(), kernels.env_info())
-missing = [n for n in ops.OP_NAMES
+missing = [n for n in ops.CUDA_KERNEL_OPS
            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"speedtronic::{n}", "CUDA")]
 assert not missing, f"ops without a CUDA kernel: {missing}"
 assert st.imported and "sm_80" in st.so_arches and "sm_90" in st.so_arches, st
 assert torch.ops.speedtronic_debug.arch_list() != ""
-print(f"ci[cuda]: all {len(ops.OP_NAMES)} ops have CUDA kernels; arches {st.so_arches}")
+print(f"ci[cuda]: all {len(ops.CUDA_KERNEL_OPS)} kernel ops are registered; arches {st.so_arches}")
 EOF
 )
 echo "ci[cuda]: passed"

@@ -49,7 +49,7 @@ if ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)
     record gpu "none visible: tests, sanitizer and benchmarks not run"
     finish 3
 fi
-"$PY" -c "import logging; logging.basicConfig(level=logging.INFO); import speedtronic.kernels as k; st = k.load(); print(k.env_info()); raise SystemExit(0 if st.active else 1)" \
+"$PY" -c "import logging; logging.basicConfig(level=logging.INFO); import speedtronic.ops, speedtronic.kernels as k; st = k.status(); print(k.env_info()); raise SystemExit(0 if st.active else 1)" \
     || { record load "FAILED: kernels not active"; finish 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
 

@@ -12,7 +12,7 @@ import speedtronic.ops as ops
 
 
 def main() -> int:
-    st = kernels.load()
+    st = kernels.status()  # importing speedtronic.ops loaded the kernels
     if not st.active:
         print(f"gpu_sanitize_case: kernels not active: {st.reason}")
         return 3
@@ -29,9 +29,8 @@ def main() -> int:
     sp.cautious_adamw_step_(p, gf, m, v, 1e-3, 0.9, 0.99, 1e-8, 0.1, 1, True, True)
     bufs = [torch.zeros(37, 45, device=dev) for _ in range(3)]
     grads = [torch.randn(37, 45, device=dev) for _ in range(3)]
-    x = sp.muon_pre_orthogonalize_(bufs, grads, 0.95, True, 1e-7, torch.bfloat16)
-    dbg.set_symmetric_min_m(1)
-    orth = sp.newton_schulz(x, 2, list(ops.QUINTIC), 1e-7, torch.bfloat16)
+    x = sp.muon_pre_orthogonalize_(bufs, grads, 0.95, True, 1e-7, torch.float16)
+    orth = sp.newton_schulz(x, 2, list(ops.QUINTIC), 1e-7, torch.float16, "auto", True)
     params = [torch.randn(37, 45, device=dev) for _ in range(3)]
     sp.muon_post_update_(params, orth, grads, 0.02, 0.1, 1.0, True, 1e-8, True, True)
     sp.muon_plus_normalize(torch.randn(2, 130, 7, device=dev).bfloat16(), 1e-8)

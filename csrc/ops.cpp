@@ -17,12 +17,6 @@ namespace {
 using c10::cuda::OptionalCUDAGuard;
 namespace g = st::glue;
 
-at::Tensor newton_schulz(const at::Tensor& G, int64_t steps, at::ArrayRef<double> coefficients, double eps,
-                         std::optional<at::ScalarType> compute_dtype) {
-  OptionalCUDAGuard guard(G.device());
-  return g::newton_schulz(G, steps, coefficients, eps, compute_dtype);
-}
-
 at::Tensor muon_plus_normalize(const at::Tensor& U, double eps) {
   OptionalCUDAGuard guard(U.device());
   return g::muon_plus_normalize(U, eps);
@@ -67,14 +61,11 @@ at::Tensor mma_probe(const at::Tensor& A, const at::Tensor& Bt) {
   return g::mma_probe(A, Bt);
 }
 
-int64_t symmetric_min_m() { return g::symmetric_min_m(); }
-void set_symmetric_min_m(int64_t m) { g::symmetric_min_m() = m; }
 std::string arch_list() { return st::compiled_arch_list(); }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(speedtronic, CUDA, m) {
-  m.impl("newton_schulz", &newton_schulz);
   m.impl("muon_plus_normalize", &muon_plus_normalize);
   m.impl("cautious_mask_", &cautious_mask_);
   m.impl("muon_pre_orthogonalize_", &muon_pre_orthogonalize_);
@@ -82,13 +73,11 @@ TORCH_LIBRARY_IMPL(speedtronic, CUDA, m) {
   m.impl("cautious_adamw_step_", &cautious_adamw_step_);
 }
 
-// Not part of the public op set: benchmarks and GPU tests reach the symmetric kernel, the mma
-// layout probe and the crossover through these.
+// Not part of the public op set: benchmarks and GPU tests reach the symmetric kernel and the
+// mma layout probe through these.
 TORCH_LIBRARY(speedtronic_debug, m) {
   m.def("syrk(Tensor X, float alpha=1.0, float beta=0.0, Tensor? Y=None) -> Tensor");
   m.def("mma_probe(Tensor A, Tensor Bt) -> Tensor");
-  m.def("symmetric_min_m() -> int", &symmetric_min_m);
-  m.def("set_symmetric_min_m(int m) -> ()", &set_symmetric_min_m);
   m.def("arch_list() -> str", &arch_list);
 }
 

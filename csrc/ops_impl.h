@@ -23,21 +23,6 @@ namespace st::glue {
 
 void* current_stream();
 
-// Newton-Schulz uses the symmetric tensor-core kernel for X X^T and A A only when the Gram
-// side m is at least this. NOT MEASURED YET: no GPU was available when this was written, so the
-// default keeps every size on cuBLAS (never slower than the cuBLAS-only path). Published
-// crossovers for comparable kernels are m ~ 1-2k (QuACK 0.78x at 1024, 1.02x at 2048); set it
-// from benchmarks/gpu_check.sh's table. Override at run time: SPEEDTRONIC_SYMMETRIC_MIN_M.
-constexpr int64_t kSymmetricMinM = INT_MAX;
-
-inline int64_t& symmetric_min_m() {
-  static int64_t value = [] {
-    const char* env = std::getenv("SPEEDTRONIC_SYMMETRIC_MIN_M");
-    return env && *env ? std::atoll(env) : kSymmetricMinM;
-  }();
-  return value;
-}
-
 inline DType dtype_of(const at::Tensor& t, const char* op, const char* what) {
   switch (t.scalar_type()) {
     case at::kFloat: return DType::F32;
@@ -384,45 +369,6 @@ inline at::Tensor mma_probe(const at::Tensor& A, const at::Tensor& Bt) {
   launch_mma_probe(dtype_of(A, "mma_probe", "A"), A.contiguous().data_ptr(), Bt.contiguous().data_ptr(),
                    D.data_ptr<float>(), current_stream());
   return D;
-}
-
-// ---------------------------------------------------------------- newton_schulz
-inline at::Tensor newton_schulz(const at::Tensor& G, int64_t steps, at::ArrayRef<double> coefficients, double eps,
-                                std::optional<at::ScalarType> compute_dtype) {
-  TORCH_CHECK_VALUE(G.dim() == 2 || G.dim() == 3, "newton_schulz expects a (m, n) or (b, m, n) tensor, got shape ",
-                    G.sizes());
-  TORCH_CHECK_VALUE(G.is_floating_point(), "newton_schulz expects a floating-point tensor, got ", G.scalar_type());
-  TORCH_CHECK_VALUE(steps >= 1, "newton_schulz steps must be >= 1, got ", steps);
-  const size_t nc = coefficients.size();
-  TORCH_CHECK_VALUE(nc == 3 || nc == static_cast<size_t>(3 * steps), "newton_schulz coefficients must hold 3 or ",
-                    "3*steps=", 3 * steps, " floats, got ", nc);
-  const at::ScalarType dtype = compute_dtype.has_value() ? *compute_dtype
-                               : G.scalar_type() == at::kDouble ? at::kDouble
-                               : G.is_cuda()                    ? at::kBFloat16
-                                                                : at::kFloat;
-  at::Tensor X = G.dim() == 3 ? G : G.unsqueeze(0);  // (b, m, n)
-  const bool tall = X.size(-2) > X.size(-1);
-  if (tall) X = X.mT();
-  const at::ScalarType norm_dtype = dtype == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor norm = at::linalg_vector_norm(X, 2, at::IntArrayRef({-2, -1}), true, norm_dtype);
-  X = (X.to(norm_dtype) / (norm + eps)).to(dtype);
-  const bool sym = (dtype == at::kBFloat16 || dtype == at::kHalf) && X.size(-2) >= symmetric_min_m();
-  for (int64_t s = 0; s < steps; ++s) {
-    const size_t o = nc == 3 ? 0 : static_cast<size_t>(3 * s);
-    const double ca = coefficients[o], cb = coefficients[o + 1], cc = coefficients[o + 2];
-    at::Tensor A, B;
-    if (sym) {
-      A = syrk(X, 1.0, 0.0, std::nullopt);  // (b, m, m)  X X^T, upper tiles only
-      B = syrk(A, cc, cb, A);               // (b, m, m)  b A + c A A  (A symmetric: A A = A A^T)
-    } else {
-      A = at::bmm(X, X.mT());                        // (b, m, m)
-      B = at::baddbmm(A, A, A, /*beta=*/cb, /*alpha=*/cc);
-    }
-    X = at::baddbmm(X, B, X, /*beta=*/ca, /*alpha=*/1.0);  // (b, m, n)  a X + B X
-  }
-  if (tall) X = X.mT();
-  if (G.dim() == 2) X = X.squeeze(0);
-  return X.to(G.scalar_type()).contiguous();
 }
 
 }  // namespace st::glue

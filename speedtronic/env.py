@@ -53,7 +53,20 @@ def collect_env() -> dict[str, Any]:
     for pkg in ("numpy", "yaml", "safetensors", "tqdm", "matplotlib", "tensorboard", "wandb"):
         info[pkg] = _version(pkg)
     info["kernels"] = _kernel_status()
+    info["autotune"] = _autotune_table()
     return info
+
+
+def _autotune_table() -> dict[str, Any]:
+    """The per-shape choices measured on this GPU so far (see speedtronic.autotune)."""
+    from . import autotune
+
+    dispatch = autotune.active_dispatch()
+    out: dict[str, Any] = {"enabled": dispatch.enabled, "table": str(dispatch.path)}
+    for row in dispatch.table():
+        times = ", ".join(f"{k} {v:.3f} ms" for k, v in row.get("ms", {}).items())
+        out[row["key"]] = f"{row['choice']} ({times})"
+    return out
 
 
 def _kernel_status() -> dict[str, Any]:

@@ -24,15 +24,25 @@ resolved with :func:`resolve_coefficients`.
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
 from . import kernels as _kernels
+from . import newton_schulz as _ns
+from .newton_schulz import (
+    COEFFICIENT_SCHEDULES,
+    POLAR_EXPRESS_PUBLISHED,
+    QUINTIC,
+    polar_express_coefficients,
+    resolve_coefficients,
+    resolve_compute_dtype,
+)
 
-#: Every custom op defined below; the CUDA extension must implement each of them.
+#: Every custom op defined below.
 OP_NAMES: tuple[str, ...] = (
     "newton_schulz",
     "muon_plus_normalize",
@@ -42,9 +52,21 @@ OP_NAMES: tuple[str, ...] = (
     "cautious_adamw_step_",
 )
 
+#: The ops with a hand-written CUDA kernel in ``speedtronic._C`` (the extension must register
+#: each). ``newton_schulz`` is not one: its CUDA path is cuBLAS GEMMs driven by the same Python
+#: body as on the CPU.
+CUDA_KERNEL_OPS: tuple[str, ...] = tuple(n for n in OP_NAMES if n != "newton_schulz")
+
+#: Dtypes the CUDA kernels take; other dtypes (float64) run the op's PyTorch implementation.
+CUDA_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 __all__ = [
     "OP_NAMES",
+    "CUDA_KERNEL_OPS",
+    "CUDA_KERNEL_DTYPES",
     "COEFFICIENT_SCHEDULES",
+    "GRAM_MIN_ASPECT",
+    "kernel_or_fallback",
     "QUINTIC",
     "POLAR_EXPRESS_PUBLISHED",
     "polar_express_coefficients",
@@ -53,95 +75,38 @@ __all__ = [
     *OP_NAMES,
 ]
 
-QUINTIC: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
-"""Keller Jordan's quintic (a, b, c), the same every iteration (torch.optim.Muon's default)."""
-
-# Published per-iteration (a, b, c) of Polar Express, degree 5 (Amsel, Persson, Musco, Gower,
-# arXiv 2505.16932, Algorithm 1). Iterations past the 8th repeat the last entry, which is the
-# limit polynomial (15x - 10x^3 + 3x^5)/8 rescaled. The paper divides every entry but the last by
-# the safety factor 1.01 (a/1.01, b/1.01^3, c/1.01^5) and normalizes by 1.01*||X||_F.
-POLAR_EXPRESS_PUBLISHED: tuple[tuple[float, float, float], ...] = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    (1.875, -1.25, 0.375),
-)
-_PE_SAFETY = 1.01
-
-COEFFICIENT_SCHEDULES = ("quintic", "polar_express")
-"""Names accepted wherever Newton-Schulz coefficients are configured."""
+logger = logging.getLogger("speedtronic.ops")
+_fallback_logged: set[tuple[str, tuple[str, ...]]] = set()
 
 
-def polar_express_coefficients(steps: int) -> list[float]:
-    """Flat ``3 * steps`` Polar Express schedule, equivalent to the paper's Algorithm 1.
-
-    The safety factor is applied as published. The paper's extra ``1.01`` in the normalization
-    (X / (1.01 ||X||_F)) is folded into the first polynomial: p(x / s) has coefficients
-    (a/s, b/s^3, c/s^5), so our ops keep the plain Frobenius normalization.
-    """
-    if steps < 1:
-        raise ValueError(f"polar_express needs steps >= 1, got {steps}")
-    s = _PE_SAFETY
-    table = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_PUBLISHED[:-1]]
-    table.append(POLAR_EXPRESS_PUBLISHED[-1])
-    table = table[:steps] + [table[-1]] * max(0, steps - len(table))
-    a, b, c = table[0]
-    table[0] = (a / s, b / s**3, c / s**5)
-    return [float(v) for abc in table for v in abc]
+def kernel_or_fallback(name: str, device: torch.device, dtypes: Sequence[torch.dtype]) -> Callable:
+    """The op ``name``, or its PyTorch implementation when a CUDA kernel would be asked for a
+    dtype it lacks (float64 params or ``ns_dtype="fp64"``): every documented option works on
+    every device, at the fallback's speed, with one log line per op and dtype combination."""
+    op = globals()[name]
+    if torch.device(device).type != "cuda" or all(d in CUDA_KERNEL_DTYPES for d in dtypes):
+        return op
+    tag = (name, tuple(str(d).removeprefix("torch.") for d in dtypes))
+    if tag not in _fallback_logged:
+        _fallback_logged.add(tag)
+        logger.info("%s: PyTorch implementation for %s (the CUDA kernel takes float32, "
+                    "float16 and bfloat16)", name, "/".join(tag[1]))
+    return _PYTORCH_IMPLS[name]
 
 
-def resolve_coefficients(spec: str | Sequence[float], steps: int) -> list[float]:
-    """Turn a schedule name or an explicit list into a flat list of 3 or ``3 * steps`` floats.
-
-    ``"quintic"`` gives :data:`QUINTIC` (3 floats, reused every iteration); ``"polar_express"``
-    gives :func:`polar_express_coefficients`; a list of 3 or ``3 * steps`` floats is returned as
-    floats. Anything else raises ``ValueError`` naming the valid choices.
-    """
-    if isinstance(spec, str):
-        if spec == "quintic":
-            return list(QUINTIC)
-        if spec == "polar_express":
-            return polar_express_coefficients(steps)
-        raise ValueError(f"unknown Newton-Schulz coefficient schedule {spec!r}; valid: "
-                         f"{', '.join(COEFFICIENT_SCHEDULES)} or a list of 3 or 3*steps floats")
-    flat = [float(v) for v in spec]
-    if len(flat) not in (3, 3 * steps):
-        raise ValueError(f"Newton-Schulz coefficients must hold 3 or 3*steps={3 * steps} floats, "
-                         f"got {len(flat)}")
-    return flat
-
-
-def resolve_compute_dtype(device: torch.device, dtype: torch.dtype,
-                          requested: torch.dtype | None = None) -> torch.dtype:
-    """Newton-Schulz matmul dtype: ``requested`` if given; else float64 stays float64, bf16 on
-    CUDA and fp32 elsewhere: AVX2-only CPUs have no bf16 GEMM path and run it tens of times slower
-    than fp32 (each CPU benchmark records the machine's flags and single-thread GEMM rates, e.g.
-    benchmarks/results/optimizer_cpu.md)."""
-    if requested is not None:
-        return requested
-    if dtype == torch.float64:
-        return torch.float64
-    return torch.bfloat16 if device.type == "cuda" else torch.float32
+# The Newton-Schulz math and its schedules live in speedtronic.newton_schulz; re-exported here
+# because they are part of the op's contract (its ``coefficients`` argument).
+GRAM_MIN_ASPECT = _ns.GRAM_MIN_ASPECT
 
 
 # ---------------------------------------------------------------------------------------------
 # newton_schulz
 # ---------------------------------------------------------------------------------------------
 
-# On CPU the Gram form (iterate on the small m x m matrix R = X X^T, apply Q to X at a restart and
-# at the end) does ~1.8x fewer FLOPs at aspect 4 (8m^2n + ~30m^3 vs 5(4m^2n + 2m^3)). Measured
-# here, 1 thread, fp32, 4x256x1024, 5 quintic steps: 53 ms vs 70 ms, error vs float64 2.1e-6 vs
-# 2.4e-6; 2x768x3072: 673 vs 888 ms. Used only for fp32/fp64 math (half precision needs fp16
-# and more restarts, research section 1.6).
-GRAM_MIN_ASPECT = 2
-_GRAM_RESTART = 2  # re-form X and R after this many iterations (bounds drift of R)
+_NS_METHODS = ("auto", "standard", "gram")
 
 
-def _check_ns_args(G: Tensor, steps: int, coefficients: Sequence[float]) -> None:
+def _check_ns_args(G: Tensor, steps: int, coefficients: Sequence[float], method: str) -> None:
     if G.dim() not in (2, 3):
         raise ValueError(f"newton_schulz expects a (m, n) or (b, m, n) tensor, got shape "
                          f"{tuple(G.shape)}")
@@ -149,101 +114,22 @@ def _check_ns_args(G: Tensor, steps: int, coefficients: Sequence[float]) -> None
         raise ValueError(f"newton_schulz expects a floating-point tensor, got {G.dtype}")
     if steps < 1:
         raise ValueError(f"newton_schulz steps must be >= 1, got {steps}")
+    if method not in _NS_METHODS:
+        raise ValueError(f"newton_schulz method must be one of {', '.join(_NS_METHODS)}, got "
+                         f"{method!r}")
     if len(coefficients) not in (3, 3 * steps):
         raise ValueError(f"newton_schulz coefficients must hold 3 or 3*steps={3 * steps} floats, "
                          f"got {len(coefficients)}")
 
 
-def _iter_coefficients(coefficients: Sequence[float], steps: int) -> list[tuple[float, ...]]:
-    flat = [float(v) for v in coefficients]
-    if len(flat) == 3:
-        return [tuple(flat)] * steps
-    return [tuple(flat[3 * k:3 * k + 3]) for k in range(steps)]
-
-
-def _ns_standard(X: Tensor, coeffs: list[tuple[float, ...]], fuse_epilogue: bool,
-                 transpose_out: bool) -> Tensor:
-    # X: (b, m, n), m <= n, already Frobenius-normalized, in the compute dtype.
-    last = len(coeffs) - 1
-    for k, (a, b, c) in enumerate(coeffs):
-        A = torch.bmm(X, X.mT)                                    # (b, m, m)
-        if fuse_epilogue:
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c)           # bA + cA^2
-        else:
-            # CPU: addmm with beta != 0 is 1.3-1.5x slower than mm + add (96 vs 75 ms at
-            # 768x768x3072, research section 6), so keep GEMMs plain and add in place.
-            B = torch.bmm(A, A).mul_(c).add_(A, alpha=b)          # (b, m, m)
-        if k == last and transpose_out:
-            # Tall input: emit X^T B + a X^T (= (BX + aX)^T, B symmetric) directly in the
-            # caller's (b, n, m) layout, saving a transpose copy of the largest tensor.
-            Xt = X.mT
-            if fuse_epilogue:
-                return torch.baddbmm(Xt, Xt, B, beta=a)
-            return torch.bmm(Xt, B).add_(Xt, alpha=a)
-        if fuse_epilogue:
-            X = torch.baddbmm(X, B, X, beta=a)                    # aX + BX
-        else:
-            X = torch.bmm(B, X).add_(X, alpha=a)                  # (b, m, n)
-    return X
-
-
-def _ns_gram(X: Tensor, coeffs: list[tuple[float, ...]], transpose_out: bool) -> Tensor:
-    # Same polynomial, evaluated on R = X X^T (m x m). With P_k = aI + bR_k + cR_k^2:
-    # X_{k+1} = P_k X_k and R_{k+1} = P_k R_k P_k (P_k is a polynomial in R_k, so they commute).
-    # Only the first R and the final Q X touch the long side n.
-    m = X.size(-2)
-    R = torch.bmm(X, X.mT)                                        # (b, m, m)
-    Q: Tensor | None = None
-    last = len(coeffs) - 1
-    for k, (a, b, c) in enumerate(coeffs):
-        P = torch.bmm(R, R).mul_(c).add_(R, alpha=b)              # (b, m, m)
-        P.diagonal(dim1=-2, dim2=-1).add_(a)
-        Q = P if Q is None else torch.bmm(P, Q)
-        if k == last:
-            break
-        if (k + 1) % _GRAM_RESTART == 0:
-            X = torch.bmm(Q, X)                                   # (b, m, n)
-            R = torch.bmm(X, X.mT)
-            Q = None
-        else:
-            R = torch.bmm(P, torch.bmm(R, P))
-    assert Q is not None and m == Q.size(-1)
-    # Q is a polynomial in R, hence symmetric: (QX)^T = X^T Q, already in a tall caller's layout.
-    return torch.bmm(X.mT, Q) if transpose_out else torch.bmm(Q, X)
-
-
-def _newton_schulz_impl(G: Tensor, steps: int, coefficients: Sequence[float], eps: float,
-                        compute_dtype: torch.dtype | None) -> Tensor:
-    _check_ns_args(G, steps, coefficients)
-    dtype = resolve_compute_dtype(G.device, G.dtype, compute_dtype)
-    X = G if G.dim() == 3 else G.unsqueeze(0)                     # (b, m, n)
-    tall = X.size(-2) > X.size(-1)
-    if tall:
-        X = X.mT                                                  # (b, n, m) view, now wide
-    # Normalization in fp32 (or fp64) even when the iteration runs in bf16.
-    norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
-    X = (X.to(norm_dtype) / (norm + eps)).to(dtype)               # fresh tensor; G untouched
-    coeffs = _iter_coefficients(coefficients, steps)
-    m, n = X.size(-2), X.size(-1)
-    if X.device.type == "cpu" and dtype in (torch.float32, torch.float64) \
-            and n >= GRAM_MIN_ASPECT * m:
-        X = _ns_gram(X, coeffs, transpose_out=tall)
-    else:
-        # bf16/fp16: baddbmm rounds once per product+add (fp32 accumulation), as torch does.
-        fuse = X.device.type != "cpu" or dtype in (torch.bfloat16, torch.float16)
-        X = _ns_standard(X, coeffs, fuse_epilogue=fuse, transpose_out=tall)
-    if G.dim() == 2:
-        X = X.squeeze(0)
-    return X.to(G.dtype).contiguous()                             # G's orientation already
-
 
 @torch.library.custom_op(
     "speedtronic::newton_schulz", mutates_args=(), device_types=None,
     schema="(Tensor G, int steps=5, float[] coefficients=[3.4445,-4.775,2.0315], float eps=1e-7, "
-           "ScalarType? compute_dtype=None) -> Tensor")
+           "ScalarType? compute_dtype=None, str method=\"auto\", bool normalized=False) -> Tensor")
 def newton_schulz(G: Tensor, steps: int = 5, coefficients: Sequence[float] = QUINTIC,
-                  eps: float = 1e-7, compute_dtype: torch.dtype | None = None) -> Tensor:
+                  eps: float = 1e-7, compute_dtype: torch.dtype | None = None,
+                  method: str = "auto", normalized: bool = False) -> Tensor:
     """Approximate polar factor of ``G`` by an odd quintic Newton-Schulz iteration.
 
     ``G`` is ``(m, n)`` or a batch ``(b, m, n)`` (each matrix independently). Each matrix is
@@ -254,15 +140,25 @@ def newton_schulz(G: Tensor, steps: int = 5, coefficients: Sequence[float] = QUI
     With the default quintic, singular values above ~0.3% of ``||G||_F`` land in roughly
     [0.68, 1.15] rather than at 1 (smaller ones stay below the band).
 
-    ``compute_dtype`` is the matmul dtype: None = bf16 on CUDA, fp32 elsewhere (fp64 input stays
-    fp64). The result has ``G``'s dtype and shape. ``G`` is not modified.
+    ``compute_dtype`` is the matmul dtype: None = fp16 on CUDA, fp32 elsewhere (fp64 input stays
+    fp64). ``method``: ``"standard"``, ``"gram"`` (iterate on ``X X^T``; for rectangular shapes
+    and tuned schedules, else standard) or ``"auto"`` (Gram from aspect
+    :data:`GRAM_MIN_ASPECT`). ``normalized=True`` says ``G`` is already divided by its
+    Frobenius norm (as :func:`muon_pre_orthogonalize_` returns it) and skips that pass. The
+    result has ``G``'s dtype and shape. ``G`` is not modified.
+
+    Every FLOP is a batched GEMM, so this Python body is the implementation on every device
+    (cuBLAS on CUDA): there is no separate CUDA kernel to drift from it
+    (:mod:`speedtronic.newton_schulz` has the math).
     """
-    return _newton_schulz_impl(G, steps, coefficients, eps, compute_dtype)
+    _check_ns_args(G, steps, coefficients, method)
+    return _ns.orthogonalize(G, steps, coefficients, eps, compute_dtype, method, normalized)
 
 
 @newton_schulz.register_fake
-def _(G, steps=5, coefficients=QUINTIC, eps=1e-7, compute_dtype=None):
-    _check_ns_args(G, steps, coefficients)
+def _(G, steps=5, coefficients=QUINTIC, eps=1e-7, compute_dtype=None, method="auto",
+      normalized=False):
+    _check_ns_args(G, steps, coefficients, method)
     return torch.empty_like(G, memory_format=torch.contiguous_format)
 
 
@@ -548,4 +444,13 @@ def _(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay,
 # CUDA implementations of the ops above (speedtronic._C), registered when available; otherwise
 # one "cuda kernels: fallback: <reason>" line is logged and the defaults above run everywhere.
 # Loaded only now, after every schema above exists, so the CUDA impls attach to defined ops.
-_kernels.load(op_names=OP_NAMES)
+_kernels.load(op_names=CUDA_KERNEL_OPS)
+
+#: The pure-PyTorch body of each op with a CUDA kernel (what :func:`kernel_or_fallback` returns).
+_PYTORCH_IMPLS: dict[str, Callable] = {
+    "muon_plus_normalize": _muon_plus_impl,
+    "cautious_mask_": _cautious_mask_impl,
+    "muon_pre_orthogonalize_": _muon_pre_impl,
+    "muon_post_update_": _muon_post_impl,
+    "cautious_adamw_step_": _adamw_impl,
+}

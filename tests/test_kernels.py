@@ -141,7 +141,8 @@ def test_ops_owns_the_op_list_and_hands_it_to_the_loader():
     defined = {n for n in ops.__all__
                if isinstance(getattr(ops, n), torch._library.custom_ops.CustomOpDef)}
     assert defined == set(ops.OP_NAMES)
-    assert kernels.expected_ops() == ops.OP_NAMES
+    assert kernels.expected_ops() == ops.CUDA_KERNEL_OPS
+    assert "newton_schulz" not in ops.CUDA_KERNEL_OPS  # cuBLAS driven by the Python body
 
 
 # ------------------------------------------------------------------------------ setup.py seam

@@ -228,9 +228,12 @@ class OptimizerConfig:
     muon_adjust_lr: Literal["original", "match_rms_adamw"] = "original"
     """Shape-dependent lr scale: ``original`` = sqrt(max(1, rows/cols)) (torch.optim.Muon's
     default), ``match_rms_adamw`` = 0.2 * sqrt(max(rows, cols))."""
-    muon_ns_dtype: Literal["auto", "bf16", "fp32"] = "auto"
-    """Newton-Schulz matmul dtype: auto = bf16 on CUDA, fp32 on CPU (~1000x closer to a float64
-    evaluation than bf16). On CPUs with native bf16 GEMM (AVX512-BF16, AMX) ``bf16`` is faster."""
+    muon_ns_dtype: Literal["auto", "fp16", "bf16", "fp32", "fp64"] = "auto"
+    """Newton-Schulz matmul dtype: auto = fp16 on CUDA (3-7x more accurate than bf16,
+    benchmarks/results/gram_restarts.md; overflow-free after normalization), fp32 on CPU (~6000x
+    closer to a float64 evaluation than bf16, benchmarks/results/optimizer_cpu.md). On CPUs with
+    native bf16 GEMM (AVX512-BF16, AMX) ``bf16`` is faster. ``fp64`` works everywhere (PyTorch path
+    on CUDA)."""
     muon_plus: bool = False
     """Muon+: normalize rows then columns after orthogonalization (requires name: muon)."""
     muon_norm_eps: float = 1e-8

@@ -108,8 +108,11 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
         # A new tensor, not add_: a loaded state_dict may share its step tensors with the saver.
         steps[i] = state[p]["step"] = steps[i] + 1
         by_step[int(steps[i].item())].append(i)
+    adamw_op = ops.kernel_or_fallback("cautious_adamw_step_", params[0].device,
+                                      sorted({p.dtype for p in params} | {g.dtype for g in grads},
+                                             key=str))
     for step, idx in by_step.items():
-        ops.cautious_adamw_step_([params[i] for i in idx], [grads[i] for i in idx],
+        adamw_op([params[i] for i in idx], [grads[i] for i in idx],
                                  [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx],
                                  lr, float(beta1), float(beta2), float(group["eps"]),
                                  float(group["weight_decay"]), step, bool(group["cautious"]),

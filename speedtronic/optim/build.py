@@ -149,7 +149,7 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig | None = None) -> 
         ns_dtype = cfg.muon_ns_dtype
         if ns_dtype == "auto":
             dev = routes.muon[0][1].device
-            ns_dtype = "bf16 (auto, CUDA)" if dev.type == "cuda" else "fp32 (auto, no CUDA)"
+            ns_dtype = "fp16 (auto, CUDA)" if dev.type == "cuda" else "fp32 (auto, no CUDA)"
         logger.info("muon branch: Newton-Schulz %s, %d steps, coefficients %s%s%s", ns_dtype,
                     cfg.muon_ns_steps, cfg.muon_coefficients, ", muon+" if cfg.muon_plus else "",
                     ", cautious" if cfg.cautious else "")

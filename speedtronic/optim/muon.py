@@ -12,11 +12,14 @@ update of ``torch.optim.Muon`` (torch 2.13, ``_single_tensor_muon``):
 The speed comes from doing this per *shape* instead of per parameter: all same-shape matrices of
 a step go through one ``muon_pre_orthogonalize_`` (foreach momentum + stack), ONE batched
 ``newton_schulz`` call and one ``muon_post_update_`` (see :mod:`speedtronic.ops`). NS runs in fp32
-on CPU (torch forces bf16 there, ~40x slower and ~1e-2 less accurate) and bf16 on CUDA.
+on CPU (torch forces bf16 there, ~40x slower and ~1e-2 less accurate) and fp16 on CUDA
+(3-7x more accurate than bf16, benchmarks/results/gram_restarts.md; overflow-free, see
+:mod:`speedtronic.newton_schulz`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -27,6 +30,8 @@ from torch import Tensor
 
 from .. import ops
 from ._state import Fp32StateMixin, run_closure
+
+logger = logging.getLogger("speedtronic.optim")
 
 __all__ = ["Muon", "muon_step", "adjusted_lr_scale", "MUON_DEFAULTS", "resolve_ns_dtype"]
 
@@ -156,11 +161,20 @@ def _split(items: list, max_numel: int) -> list[list]:
 def _bucket_step(key: tuple, items: list[tuple[dict, Tensor, Tensor, Tensor]]) -> None:
     shape, device, steps, coeffs, eps, ns_dtype, momentum, nesterov = key
     compute = ops.resolve_compute_dtype(device, torch.float32, _NS_DTYPES[ns_dtype])
-    stacked = ops.muon_pre_orthogonalize_([b for _, _, _, b in items],
-                                          [g for _, _, g, _ in items], float(momentum),
-                                          bool(nesterov), float(eps), compute)      # (b, m, n)
-    orth = ops.newton_schulz(stacked, int(steps), ops.resolve_coefficients(coeffs, steps),
-                             float(eps), compute)                                    # (b, m, n)
+    params = [p for _, p, _, _ in items]
+    grads = [g for _, _, g, _ in items]
+    dtypes = sorted({compute, *(p.dtype for p in params), *(g.dtype for g in grads)}, key=str)
+    pre = ops.kernel_or_fallback("muon_pre_orthogonalize_", device, dtypes)
+    post = ops.kernel_or_fallback("muon_post_update_", device, dtypes)
+    stacked = pre([b for _, _, _, b in items], grads, float(momentum), bool(nesterov),
+                  float(eps), compute)                                           # (b, m, n)
+    flat = ops.resolve_coefficients(coeffs, steps)
+    # The pre-pass already divided each matrix by ||.||_F + eps: NS skips its own normalization.
+    orth = ops.newton_schulz(stacked, int(steps), flat, float(eps), compute, "auto", True)
+    # The fp16 guard reads one flag back (a host sync per fp16 bucket); it is skipped while
+    # torch.compile traces or a CUDA graph captures, where a data-dependent branch cannot run.
+    if compute == torch.float16 and _can_sync() and not bool(torch.isfinite(orth).all()):
+        orth = _recompute_fp32(stacked, int(steps), flat, float(eps), shape)
     del stacked
     start = 0
     while start < len(items):  # one post-pass per param group (items are grouped in order)
@@ -168,13 +182,36 @@ def _bucket_step(key: tuple, items: list[tuple[dict, Tensor, Tensor, Tensor]]) -
         end = start
         while end < len(items) and items[end][0] is group:
             end += 1
-        ops.muon_post_update_([p for _, p, _, _ in items[start:end]], orth[start:end],
-                              [g for _, _, g, _ in items[start:end]], float(group["lr"]),
-                              float(group["weight_decay"]),
-                              adjusted_lr_scale(group["adjust_lr_fn"], shape),
-                              bool(group["muon_plus"]), float(group["norm_eps"]),
-                              bool(group["cautious"]), bool(group["cautious_rescale"]))
+        post(params[start:end], orth[start:end], grads[start:end], float(group["lr"]),
+             float(group["weight_decay"]), adjusted_lr_scale(group["adjust_lr_fn"], shape),
+             bool(group["muon_plus"]), float(group["norm_eps"]), bool(group["cautious"]),
+             bool(group["cautious_rescale"]))
         start = end
+
+
+_fp16_guard_logged = False
+
+
+def _can_sync() -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _recompute_fp32(stacked: Tensor, steps: int, flat: list[float], eps: float,
+                    shape: tuple[int, ...]) -> Tensor:
+    """The fp16 guard: fp16 NS cannot overflow on a finite, normalized input (see
+    :mod:`speedtronic.newton_schulz`), so a non-finite result means a non-finite gradient or a
+    broken assumption; either way this bucket is redone in fp32, and it is said once."""
+    global _fp16_guard_logged
+    orth = ops.newton_schulz(stacked.float(), steps, flat, eps, torch.float32, "auto", True)
+    if not _fp16_guard_logged:
+        _fp16_guard_logged = True
+        finite = bool(torch.isfinite(orth).all())
+        logger.warning("muon: fp16 Newton-Schulz gave non-finite values for shape %s; recomputed "
+                       "in fp32 (%s)", tuple(shape), "now finite" if finite else
+                       "still non-finite: the gradient itself is not finite")
+    return orth
 
 
 class Muon(Fp32StateMixin, torch.optim.Optimizer):
@@ -189,7 +226,7 @@ class Muon(Fp32StateMixin, torch.optim.Optimizer):
         cautious: zero update entries whose sign disagrees with the gradient (applied to the
             orthogonalized update, where the mask density rescale matters).
         cautious_rescale: rescale kept entries by ``numel / (kept + 1)`` (Cautious Optimizers).
-        ns_dtype: Newton-Schulz matmul dtype: ``"auto"``/None (bf16 on CUDA, fp32 on CPU),
+        ns_dtype: Newton-Schulz matmul dtype: ``"auto"``/None (fp16 on CUDA, fp32 on CPU),
             ``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp64"`` or a torch dtype.
 
     State per parameter: ``momentum_buffer`` (fp32, the EMA buffer, same key and meaning as

@@ -1,7 +1,7 @@
 // Test-only CPU build of the REAL kernel sources: torch headers first, then the emulation
 // header, then csrc's launchers (*.cu, which include csrc/kernels/*.cuh) and csrc/ops_impl.h.
 // Registers the same op schemas as speedtronic/ops.py under the `speedtronic_emu` namespace,
-// with CPU kernels, plus knobs for the emulator (schedule, statistics, crossover).
+// with CPU kernels, plus knobs for the emulator (schedule, statistics).
 #include <torch/library.h>
 #include <ATen/ATen.h>
 
@@ -31,8 +31,6 @@ std::vector<int64_t> stats() {
   auto& s = stemu::settings();
   return {s.launches, s.blocks, s.collectives};
 }
-
-void set_symmetric_min_m(int64_t m) { st::glue::symmetric_min_m() = m; }
 
 // Deliberately broken kernels: the emulator must report them (tests/test_kernels_emulation.py).
 __global__ void bug_divergent_barrier(float* out) {
@@ -85,8 +83,6 @@ auto guarded(F&& f) -> decltype(f()) {
 }  // namespace
 
 TORCH_LIBRARY(speedtronic_emu, m) {
-  m.def("newton_schulz(Tensor G, int steps=5, float[] coefficients=[3.4445,-4.775,2.0315], float eps=1e-7, "
-        "ScalarType? compute_dtype=None) -> Tensor");
   m.def("muon_plus_normalize(Tensor U, float eps=1e-8) -> Tensor");
   m.def("cautious_mask_(Tensor(a!)[] updates, Tensor[] grads, bool rescale=True) -> ()");
   m.def("muon_pre_orthogonalize_(Tensor(a!)[] momentum_buffers, Tensor[] grads, float momentum, bool nesterov, "
@@ -101,16 +97,11 @@ TORCH_LIBRARY(speedtronic_emu, m) {
   m.def("mma_probe(Tensor A, Tensor Bt) -> Tensor");
   m.def("configure(str schedule, int seed) -> ()", &configure);
   m.def("stats() -> int[]", &stats);
-  m.def("set_symmetric_min_m(int m) -> ()", &set_symmetric_min_m);
   m.def("run_bug(str which) -> Tensor", [](const std::string& w) { return guarded([&] { return run_bug(w); }); });
 }
 
 TORCH_LIBRARY_IMPL(speedtronic_emu, CompositeExplicitAutograd, m) {  // also reached by empty lists
   namespace g = st::glue;
-  m.impl("newton_schulz", [](const at::Tensor& G, int64_t steps, at::ArrayRef<double> c, double eps,
-                             std::optional<at::ScalarType> dt) {
-    return guarded([&] { return g::newton_schulz(G, steps, c, eps, dt); });
-  });
   m.impl("muon_plus_normalize", [](const at::Tensor& U, double eps) {
     return guarded([&] { return g::muon_plus_normalize(U, eps); });
   });

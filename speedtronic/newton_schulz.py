@@ -1,0 +1,286 @@
+"""Newton-Schulz orthogonalization: coefficient schedules, the standard and the Gram iteration.
+
+This is the math behind the ``speedtronic::newton_schulz`` op (registered in :mod:`.ops`) on
+every device: each FLOP is a batched GEMM (cuBLAS on CUDA, oneDNN/MKL on CPU), so one Python
+implementation serves both and the CPU tests cover the exact CUDA code path. The hand-written
+kernels sit around it (the Muon pre- and post-passes) and, later, inside it (a symmetric GEMM
+chosen per shape by :mod:`.autotune`).
+
+Two iterations of the same polynomial ``p(x) = a x + b x^3 + c x^5`` on the wide orientation
+``X (b, m, n)``, ``m <= n``, Frobenius-normalized so every singular value is <= 1:
+
+* **standard**: ``A = X X^T``, ``B = b A + c A^2``, ``X <- a X + B X``: 2 m^2 n + m^3 MACs per
+  iteration.
+* **Gram** (iterate on ``R = X X^T``): with ``P_k = a I + b R_k + c R_k^2``,
+  ``X_{k+1} = P_k X_k`` and ``R_{k+1} = P_k R_k P_k`` (``P_k`` is a polynomial in ``R_k``, so
+  they commute); only the first ``R``, the restarts and the final ``Q X`` touch the long side
+  ``n``: about 4 m^3 per iteration plus 2 m^2 n per restart. It wins from ``n ~ 2 m`` on.
+  Without restarts ``R`` drifts and the iteration diverges in 16-bit (errors of 1.6 to 7.8 on
+  power-law spectra in the H200 run); :data:`GRAM_RESTARTS` places them per schedule, as tuned by
+  ``benchmarks/tune_gram_restarts.py`` (results in ``benchmarks/results/gram_restarts.md``).
+
+Why fp16 cannot overflow here (the ``auto`` dtype on CUDA): after normalization ``||X||_2 <= 1``,
+so ``|X_ij| <= 1`` and ``||A||_2 = ||R||_2 <= 1``. Every shipped polynomial maps [0, 1] into
+[0, 1.2] (quintic) or [0, 2] (Polar Express' first step), so each later ``X`` and ``R`` stays
+below 4 in spectral norm; ``B`` and ``P`` are bounded by ``|a| + |b| + |c| <= 49.2``, and
+``Q``, a product of at most 3 factors ``P`` between restarts, by 49.2^3 < 1.2e5 in the worst
+case and by 8.3 x 4.2 x 4 < 140 for the shipped schedules' leading terms: below fp16's 65504,
+with fp32 accumulation inside every GEMM. This holds in exact arithmetic; rounding makes the Gram
+``R`` drift away from ``X X^T`` (without restarts it overflows to NaN in fp16), which is what the
+restarts bound. fp16 carries 3 more mantissa bits than bf16: 3-7x smaller errors against float64
+(benchmarks/results/gram_restarts.md) for the same GEMM work. The Muon step still checks the result
+and redoes a bucket in fp32 if it is not finite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "COEFFICIENT_SCHEDULES",
+    "GRAM_MIN_ASPECT",
+    "GRAM_RESTARTS",
+    "POLAR_EXPRESS_PUBLISHED",
+    "QUINTIC",
+    "gram_restarts",
+    "ns_gram",
+    "ns_standard",
+    "orthogonalize",
+    "polar_express_coefficients",
+    "resolve_coefficients",
+    "resolve_compute_dtype",
+    "schedule_name",
+]
+
+QUINTIC: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
+"""Keller Jordan's quintic (a, b, c), the same every iteration (torch.optim.Muon's default)."""
+
+# Published per-iteration (a, b, c) of Polar Express, degree 5 (Amsel, Persson, Musco, Gower,
+# arXiv 2505.16932, Algorithm 1). Iterations past the 8th repeat the last entry, which is the
+# limit polynomial (15x - 10x^3 + 3x^5)/8 rescaled. The paper divides every entry but the last by
+# the safety factor 1.01 (a/1.01, b/1.01^3, c/1.01^5) and normalizes by 1.01*||X||_F.
+POLAR_EXPRESS_PUBLISHED: tuple[tuple[float, float, float], ...] = (
+    (8.28721201814563, -23.595886519098837, 17.300387312530933),
+    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+    (1.875, -1.25, 0.375),
+)
+_PE_SAFETY = 1.01
+
+COEFFICIENT_SCHEDULES = ("quintic", "polar_express")
+"""Names accepted wherever Newton-Schulz coefficients are configured."""
+
+GRAM_RESTARTS: dict[str, tuple[int, ...]] = {"quintic": (2,), "polar_express": (1, 2)}
+"""Per schedule, the iterations (1-based) after which the Gram iteration re-forms ``X = Q X``
+and ``R = X X^T``. Chosen by ``benchmarks/tune_gram_restarts.py``: the fewest restarts whose
+error on Gaussian and power-law spectra (aspect 2 to 8, fp16 and fp32, inputs also scaled by
+1.05 as a safety margin) stays within 1.25x standard Newton-Schulz in the same dtype
+(``benchmarks/results/gram_restarts.md``). Coefficients that match no schedule, and bf16, use
+standard NS."""
+
+GRAM_MIN_ASPECT = 2.0
+"""``n / m`` from which the Gram iteration is used when no per-shape measurement decides (CPU,
+or ``SPEEDTRONIC_AUTOTUNE=0``): the MAC counts above break even near n = 1.8 m."""
+
+# Dtypes where ``a`` is folded into B's diagonal (``X <- (B + a I) X``: one plain GEMM, no copy
+# of X into the output first, which baddbmm needs). In fp16 the fold costs 1.6-2.1x against fp16
+# baddbmm yet stays 3.5-5.6x more accurate than torch's bf16 baddbmm (2.7-3.2e-3 vs 1.1-1.5e-2
+# relative to float64, benchmarks/results/gram_restarts.md, "fold" table); in bf16 it would
+# double an already large error, so bf16 keeps baddbmm.
+_FOLD_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+def polar_express_coefficients(steps: int) -> list[float]:
+    """Flat ``3 * steps`` Polar Express schedule, equivalent to the paper's Algorithm 1.
+
+    The safety factor is applied as published. The paper's extra ``1.01`` in the normalization
+    (X / (1.01 ||X||_F)) is folded into the first polynomial: p(x / s) has coefficients
+    (a/s, b/s^3, c/s^5), so our ops keep the plain Frobenius normalization.
+    """
+    if steps < 1:
+        raise ValueError(f"polar_express needs steps >= 1, got {steps}")
+    s = _PE_SAFETY
+    table = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_PUBLISHED[:-1]]
+    table.append(POLAR_EXPRESS_PUBLISHED[-1])
+    table = table[:steps] + [table[-1]] * max(0, steps - len(table))
+    a, b, c = table[0]
+    table[0] = (a / s, b / s**3, c / s**5)
+    return [float(v) for abc in table for v in abc]
+
+
+def resolve_coefficients(spec: str | Sequence[float], steps: int) -> list[float]:
+    """Turn a schedule name or an explicit list into a flat list of 3 or ``3 * steps`` floats.
+
+    ``"quintic"`` gives :data:`QUINTIC` (3 floats, reused every iteration); ``"polar_express"``
+    gives :func:`polar_express_coefficients`; a list of 3 or ``3 * steps`` floats is returned as
+    floats. Anything else raises ``ValueError`` naming the valid choices.
+    """
+    if isinstance(spec, str):
+        if spec == "quintic":
+            return list(QUINTIC)
+        if spec == "polar_express":
+            return polar_express_coefficients(steps)
+        raise ValueError(f"unknown Newton-Schulz coefficient schedule {spec!r}; valid: "
+                         f"{', '.join(COEFFICIENT_SCHEDULES)} or a list of 3 or 3*steps floats")
+    flat = [float(v) for v in spec]
+    if len(flat) not in (3, 3 * steps):
+        raise ValueError(f"Newton-Schulz coefficients must hold 3 or 3*steps={3 * steps} floats, "
+                         f"got {len(flat)}")
+    return flat
+
+
+def schedule_name(coefficients: Sequence[float], steps: int) -> str | None:
+    """The shipped schedule these coefficients are (``"quintic"``, ``"polar_express"``), or None."""
+    flat = [float(v) for v in coefficients]
+    if flat == list(QUINTIC) or flat == list(QUINTIC) * steps:
+        return "quintic"
+    if len(flat) == 3 * steps and flat == polar_express_coefficients(steps):
+        return "polar_express"
+    return None
+
+
+def gram_restarts(coefficients: Sequence[float], steps: int) -> tuple[int, ...] | None:
+    """Restart points for these coefficients, or None when they were not tuned (use standard)."""
+    name = schedule_name(coefficients, steps)
+    return GRAM_RESTARTS.get(name) if name is not None else None
+
+
+def resolve_compute_dtype(device: torch.device, dtype: torch.dtype,
+                          requested: torch.dtype | None = None) -> torch.dtype:
+    """Newton-Schulz matmul dtype: ``requested`` if given; else float64 stays float64, fp16 on CUDA
+    (3-7x more accurate than bf16 for the same GEMM work, and overflow-free here: see the module
+    docstring), fp32 elsewhere: AVX2-only CPUs have no 16-bit GEMM path and run it tens of times
+    slower than fp32 (each CPU benchmark records the machine's flags and GEMM rates, e.g.
+    benchmarks/results/optimizer_cpu.md)."""
+    if requested is not None:
+        return requested
+    if dtype == torch.float64:
+        return torch.float64
+    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def _iter_coefficients(coefficients: Sequence[float], steps: int) -> list[tuple[float, ...]]:
+    flat = [float(v) for v in coefficients]
+    if len(flat) == 3:
+        return [tuple(flat)] * steps
+    return [tuple(flat[3 * k:3 * k + 3]) for k in range(steps)]
+
+
+def _poly(A: Tensor, b: float, c: float) -> Tensor:
+    """``b A + c A^2`` for symmetric ``A`` (b, m, m), as a new tensor."""
+    if A.device.type == "cpu" and A.dtype in (torch.float32, torch.float64):
+        # CPU: a GEMM with beta != 0 is 1.3-1.5x slower than the plain GEMM plus an add.
+        return torch.bmm(A, A).mul_(c).add_(A, alpha=b)
+    return torch.baddbmm(A, A, A, beta=b, alpha=c)  # one rounding of the sum (fp32 accumulate)
+
+
+def ns_standard(X: Tensor, coeffs: Sequence[tuple[float, ...]], transpose_out: bool) -> Tensor:
+    """Standard NS on ``X (b, m, n)``, ``m <= n``, normalized, in the compute dtype.
+
+    With ``transpose_out`` the result is returned as ``(b, n, m)`` (a tall caller's layout)
+    without a transpose copy: ``(B X + a X)^T = X^T B + a X^T`` since ``B`` is symmetric."""
+    fold = X.dtype in _FOLD_DTYPES
+    last = len(coeffs) - 1
+    for k, (a, b, c) in enumerate(coeffs):
+        B = _poly(torch.bmm(X, X.mT), b, c)                       # (b, m, m)
+        out_t = k == last and transpose_out
+        if fold:
+            B.diagonal(dim1=-2, dim2=-1).add_(a)                  # B + a I: X's copy avoided
+            X = torch.bmm(X.mT, B) if out_t else torch.bmm(B, X)
+        elif out_t:
+            X = torch.baddbmm(X.mT, X.mT, B, beta=a)              # (b, n, m)
+        else:
+            X = torch.baddbmm(X, B, X, beta=a)                    # (b, m, n)
+    return X
+
+
+def ns_gram(X: Tensor, coeffs: Sequence[tuple[float, ...]], restarts: Sequence[int],
+            transpose_out: bool) -> Tensor:
+    """Gram NS on ``X (b, m, n)``, ``m <= n``: iterate on ``R = X X^T``, re-forming ``X`` and
+    ``R`` after each iteration listed in ``restarts`` (1-based). Same output as
+    :func:`ns_standard` up to rounding."""
+    R = torch.bmm(X, X.mT)                                        # (b, m, m)
+    Q: Tensor | None = None
+    last = len(coeffs) - 1
+    for k, (a, b, c) in enumerate(coeffs):
+        P = _poly(R, b, c)
+        P.diagonal(dim1=-2, dim2=-1).add_(a)                      # P = a I + b R + c R^2
+        Q = P if Q is None else torch.bmm(P, Q)                   # (b, m, m)
+        if k == last:
+            break
+        if k + 1 in restarts:
+            X = torch.bmm(Q, X)                                   # (b, m, n)
+            R = torch.bmm(X, X.mT)
+            Q = None
+        else:
+            R = torch.bmm(P, torch.bmm(R, P))
+    assert Q is not None
+    # Q is a polynomial in R, hence symmetric: (Q X)^T = X^T Q, already a tall caller's layout.
+    return torch.bmm(X.mT, Q) if transpose_out else torch.bmm(Q, X)
+
+
+def _auto(X: Tensor, coeffs: list[tuple[float, ...]], restarts: Sequence[int], tall: bool,
+          schedule: str | None) -> Tensor:
+    """Standard or Gram for this shape: measured once per shape on CUDA (see
+    :mod:`speedtronic.autotune`), else the aspect rule."""
+    from . import autotune  # leaf helper; imported here so CPU-only imports stay light
+
+    b, m, n = X.shape
+    default = "gram" if n >= GRAM_MIN_ASPECT * m else "standard"
+    dispatch = autotune.active_dispatch()
+    if not dispatch.enabled or X.device.type != dispatch.device_type:
+        choice = default
+    else:
+        key = f"newton_schulz {b}x{m}x{n} {str(X.dtype).removeprefix('torch.')} {schedule} " \
+              f"{len(coeffs)} steps"
+        choice = dispatch.choose(key, {
+            "standard": lambda: ns_standard(X, coeffs, transpose_out=tall),
+            "gram": lambda: ns_gram(X, coeffs, restarts, transpose_out=tall),
+        }, default)
+    if choice == "gram":
+        return ns_gram(X, coeffs, restarts, transpose_out=tall)
+    return ns_standard(X, coeffs, transpose_out=tall)
+
+
+def orthogonalize(G: Tensor, steps: int, coefficients: Sequence[float], eps: float,
+                  compute_dtype: torch.dtype | None, method: str = "auto",
+                  normalized: bool = False) -> Tensor:
+    """The body of ``speedtronic::newton_schulz`` (see its docstring in :mod:`.ops`).
+
+    ``method``: ``"standard"``, ``"gram"`` (standard for untuned coefficients, bf16 or square
+    shapes) or ``"auto"`` (on CUDA the faster of the two for this shape, measured once; else
+    Gram from aspect :data:`GRAM_MIN_ASPECT` on). ``normalized``: ``G`` is already
+    divided by its Frobenius norm (the Muon pre-pass does it), so the three passes of a second
+    normalization are skipped."""
+    dtype = resolve_compute_dtype(G.device, G.dtype, compute_dtype)
+    X = G if G.dim() == 3 else G.unsqueeze(0)                     # (b, m, n)
+    tall = X.size(-2) > X.size(-1)
+    if tall:
+        X = X.mT                                                  # (b, n, m) view, now wide
+    if normalized:
+        X = X.to(dtype)                                           # no copy when it already is
+    else:
+        # Normalization in fp32 (or fp64) even when the iteration runs in 16 bits.
+        norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
+        X = (X.to(norm_dtype) / (norm + eps)).to(dtype)           # fresh tensor; G untouched
+    coeffs = _iter_coefficients(coefficients, steps)
+    m, n = X.size(-2), X.size(-1)
+    # bf16 stays standard: its Gram error is ~2x standard's (gram_restarts.md, bf16 rows).
+    restarts = gram_restarts(coefficients, steps) if dtype in _FOLD_DTYPES else None
+    if restarts is None or m >= n or method == "standard":
+        X = ns_standard(X, coeffs, transpose_out=tall)
+    elif method == "gram":
+        X = ns_gram(X, coeffs, restarts, transpose_out=tall)
+    else:
+        X = _auto(X, coeffs, restarts, tall, schedule_name(coefficients, steps))
+    if G.dim() == 2:
+        X = X.squeeze(0)
+    return X.to(G.dtype).contiguous()                             # G's orientation already

@@ -1,0 +1,181 @@
+"""Per-shape dispatch (speedtronic/autotune.py) with fake timers, its use by Newton-Schulz, and the
+per-op fallback for dtypes the CUDA kernels lack."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from speedtronic import autotune, ops
+from speedtronic import newton_schulz as ns
+
+
+def fake_timer(times: dict[str, float], calls: list[str]):
+    """A timer that runs the candidate once and reports the preset milliseconds for it."""
+
+    def timer(fn):
+        name = fn.__name__
+        calls.append(name)
+        fn()
+        return times[name]
+
+    return timer
+
+
+def named(name: str, log: list[str] | None = None):
+    def fn():
+        if log is not None:
+            log.append(name)
+        return name
+
+    fn.__name__ = name
+    return fn
+
+
+def test_picks_the_faster_candidate_and_remembers_it_on_disk(tmp_path):
+    path = tmp_path / "table.json"
+    calls: list[str] = []
+    d = autotune.ShapeDispatch(path, fake_timer({"a": 2.0, "b": 1.0}, calls), enabled=True,
+                               info={"device": "fake"})
+    cands = {"a": named("a"), "b": named("b")}
+    assert d.choose("k1", cands, default="a") == "b"
+    assert d.choose("k1", cands, default="a") == "b" and calls == ["a", "b"]  # timed once
+    saved = json.loads(path.read_text())
+    assert saved["entries"]["k1"]["choice"] == "b" and saved["fingerprint"] == {"device": "fake"}
+    again = autotune.ShapeDispatch(path, fake_timer({}, calls), enabled=True)
+    assert again.choose("k1", cands, default="a") == "b" and calls == ["a", "b"]
+    assert again.table() == [{"key": "k1", "choice": "b", "ms": {"a": 2.0, "b": 1.0}}]
+
+
+def test_default_is_kept_unless_another_is_at_least_5_percent_faster(tmp_path):
+    calls: list[str] = []
+    d = autotune.ShapeDispatch(None, fake_timer({"a": 1.0, "b": 0.97}, calls), enabled=True)
+    assert d.choose("close", {"a": named("a"), "b": named("b")}, default="a") == "a"
+    d = autotune.ShapeDispatch(None, fake_timer({"a": 1.0, "b": 0.94}, calls), enabled=True)
+    assert d.choose("clear", {"a": named("a"), "b": named("b")}, default="a") == "b"
+
+
+def test_a_failing_candidate_is_dropped_with_a_log_line(caplog):
+    def boom():
+        raise RuntimeError("CUDA error: illegal address")
+
+    boom.__name__ = "b"
+    d = autotune.ShapeDispatch(None, fake_timer({"a": 5.0, "b": 0.1}, []), enabled=True)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.autotune"):
+        assert d.choose("k", {"a": named("a"), "b": boom}, default="a") == "a"
+    assert any("b failed" in r.getMessage() for r in caplog.records)
+
+
+def test_disabled_never_times_and_uses_the_default(monkeypatch, tmp_path):
+    monkeypatch.setenv(autotune.DISABLE_ENV, "0")
+    calls: list[str] = []
+    d = autotune.ShapeDispatch(tmp_path / "t.json", fake_timer({"a": 9.0, "b": 1.0}, calls))
+    assert not d.enabled
+    assert d.choose("k", {"a": named("a"), "b": named("b")}, default="a") == "a" and not calls
+    assert not (tmp_path / "t.json").exists()
+
+
+def test_unreadable_table_is_ignored(tmp_path, caplog):
+    path = tmp_path / "t.json"
+    path.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="speedtronic.autotune"):
+        d = autotune.ShapeDispatch(path, enabled=False)
+    assert d.entries == {} and "unreadable" in caplog.text
+
+
+def test_newton_schulz_auto_follows_the_measured_choice(monkeypatch):
+    """On CPU with a fake-timed dispatch: the shape's measured winner is what runs."""
+    ran: list[str] = []
+    real_std, real_gram = ns.ns_standard, ns.ns_gram
+
+    def spy_std(*a, **k):
+        ran.append("standard")
+        return real_std(*a, **k)
+
+    def spy_gram(*a, **k):
+        ran.append("gram")
+        return real_gram(*a, **k)
+
+    monkeypatch.setattr(ns, "ns_standard", spy_std)
+    monkeypatch.setattr(ns, "ns_gram", spy_gram)
+    G = torch.randn(2, 16, 128)  # aspect 8: the static rule says gram
+
+    def timer_preferring(winner):
+        def timer(fn):
+            ran.clear()
+            fn()
+            return 1.0 if ran == [winner] else 3.0
+        return timer
+
+    for winner in ("standard", "gram"):
+        d = autotune.ShapeDispatch(None, timer_preferring(winner), enabled=True, device_type="cpu")
+        monkeypatch.setattr(autotune, "_active", d)
+        ran.clear()
+        ns.orthogonalize(G, 5, list(ns.QUINTIC), 1e-7, torch.float32, "auto")
+        assert ran[-1] == winner
+        assert [r["choice"] for r in d.table()] == [winner]
+        assert d.table()[0]["key"] == "newton_schulz 2x16x128 float32 quintic 5 steps"
+
+
+def test_cpu_without_measurement_uses_the_aspect_rule(monkeypatch):
+    monkeypatch.setattr(autotune, "_active", autotune.ShapeDispatch(None, enabled=False))
+    ran: list[str] = []
+    monkeypatch.setattr(ns, "ns_gram", lambda *a, **k: ran.append("gram") or a[0])
+    monkeypatch.setattr(ns, "ns_standard", lambda *a, **k: ran.append("standard") or a[0])
+    ns.orthogonalize(torch.randn(8, 32), 5, list(ns.QUINTIC), 1e-7, torch.float32, "auto")
+    ns.orthogonalize(torch.randn(8, 12), 5, list(ns.QUINTIC), 1e-7, torch.float32, "auto")
+    assert ran == ["gram", "standard"]
+
+
+def test_dtypes_the_cuda_kernels_lack_run_the_pytorch_implementation(caplog):
+    cuda = torch.device("cuda")  # a device object only: no GPU is needed to pick the path
+    with caplog.at_level(logging.INFO, logger="speedtronic.ops"):
+        pre = ops.kernel_or_fallback("muon_pre_orthogonalize_", cuda, [torch.float64])
+        again = ops.kernel_or_fallback("muon_pre_orthogonalize_", cuda, [torch.float64])
+    assert pre is ops._muon_pre_impl and again is pre
+    assert sum("PyTorch implementation for float64" in r.getMessage()
+               for r in caplog.records) == 1
+    assert ops.kernel_or_fallback("muon_post_update_", cuda,
+                                  [torch.float32, torch.float16]) is ops.muon_post_update_
+    assert ops.kernel_or_fallback("muon_post_update_", torch.device("cpu"),
+                                  [torch.float64]) is ops.muon_post_update_
+
+
+@pytest.mark.parametrize("ns_dtype", ["fp16", "fp64"])
+def test_muon_runs_every_documented_ns_dtype(ns_dtype):
+    from speedtronic.optim import Muon
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 48))
+    w.grad = torch.randn(16, 48)
+    before = w.detach().clone()
+    Muon([w], lr=0.02, ns_dtype=ns_dtype).step()
+    assert torch.isfinite(w).all() and not torch.equal(w, before)
+
+
+def test_fp16_guard_recomputes_a_non_finite_bucket_in_fp32(monkeypatch, caplog):
+    """A non-finite fp16 NS result (which the bound excludes) is redone in fp32, said once."""
+    from speedtronic.optim import Muon
+    from speedtronic.optim import muon as muon_mod
+
+    real = ops.newton_schulz
+    seen: list[torch.dtype] = []
+
+    def flaky(G, steps, coeffs, eps, compute_dtype, method, normalized):
+        seen.append(compute_dtype)
+        out = real(G, steps, coeffs, eps, compute_dtype, method, normalized)
+        return out.fill_(float("nan")) if compute_dtype == torch.float16 else out
+
+    monkeypatch.setattr(ops, "newton_schulz", flaky)
+    monkeypatch.setattr(muon_mod, "_fp16_guard_logged", False)
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 48))
+    w.grad = torch.randn(16, 48)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.optim"):
+        Muon([w], lr=0.02, ns_dtype="fp16").step()
+    assert seen == [torch.float16, torch.float32]
+    assert torch.isfinite(w).all()
+    assert "recomputed in fp32 (now finite)" in caplog.text

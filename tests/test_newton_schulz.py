@@ -1,0 +1,149 @@
+"""Newton-Schulz math (speedtronic/newton_schulz.py): the standard and the Gram iteration against
+float64, fp16 numerics, restart placement, and the op's normalized / method arguments."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from speedtronic import newton_schulz as ns
+from speedtronic import ops
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULES = [(name, 5) for name in ns.COEFFICIENT_SCHEDULES]
+
+
+def power_law(m: int, n: int, batch: int = 3, power: float = 1.0, seed: int = 0) -> torch.Tensor:
+    """(batch, m, n) float64 with singular values i^-power (like real gradients)."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(m, n)
+    U, _ = torch.linalg.qr(torch.randn(batch, m, k, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(batch, n, k, generator=g, dtype=torch.float64))
+    s = torch.arange(1, k + 1, dtype=torch.float64) ** -power
+    return U @ torch.diag_embed(s.expand(batch, k)) @ V.mT
+
+
+def gaussian(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def rank_deficient(m: int, n: int, rank: int) -> torch.Tensor:
+    return gaussian(m, rank, seed=1) @ gaussian(rank, n, seed=2)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def reference(G: torch.Tensor, schedule: str, steps: int) -> torch.Tensor:
+    """Standard NS in float64 (the accuracy yardstick)."""
+    coeffs = ns.resolve_coefficients(schedule, steps)
+    return ns.orthogonalize(G.double(), steps, coeffs, 1e-7, torch.float64, "standard")
+
+
+CASES = {
+    "gaussian_wide": lambda: gaussian(2, 24, 96),
+    "gaussian_tall": lambda: gaussian(2, 96, 24),
+    "power_law_wide": lambda: power_law(24, 96),
+    "power_law_tall": lambda: power_law(120, 30).contiguous(),
+    "rank_deficient": lambda: rank_deficient(16, 64, 3),
+    "one_row": lambda: gaussian(1, 40),
+    "one_column": lambda: gaussian(40, 1),
+}
+
+
+@pytest.mark.parametrize("schedule,steps", SCHEDULES)
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("method", ["standard", "gram"])
+def test_fp32_matches_float64_on_every_shape_and_schedule(schedule, steps, case, method):
+    G = CASES[case]()
+    ref = reference(G, schedule, steps)
+    out = ns.orthogonalize(G.float(), steps, ns.resolve_coefficients(schedule, steps), 1e-7,
+                           torch.float32, method)
+    assert out.shape == G.shape and out.dtype == torch.float32
+    assert rel(out, ref) < 1e-4, rel(out, ref)
+
+
+def test_zero_matrix_stays_exactly_zero_in_every_dtype_and_method():
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        for method in ("standard", "gram"):
+            out = ns.orthogonalize(torch.zeros(3, 8, 32), 5, list(ns.QUINTIC), 1e-7, dtype, method)
+            assert torch.equal(out, torch.zeros(3, 8, 32))
+
+
+@pytest.mark.parametrize("schedule,steps", SCHEDULES)
+@pytest.mark.parametrize("spectrum", ["gaussian", "power_law"])
+def test_fp16_is_far_more_accurate_than_bf16(schedule, steps, spectrum):
+    G = gaussian(4, 32, 128) if spectrum == "gaussian" else power_law(32, 128, batch=4)
+    ref = reference(G, schedule, steps)
+    coeffs = ns.resolve_coefficients(schedule, steps)
+    errors = {}
+    for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        errors[name] = rel(ns.orthogonalize(G.float(), steps, coeffs, 1e-7, dtype, "auto"), ref)
+    # fp16 (the CUDA default, with the Gram iteration and the folded a I term) against bf16
+    # standard NS, which is what torch.optim.Muon computes.
+    assert errors["fp16"] < 1e-2 and errors["fp16"] * 2.5 < errors["bf16"], errors
+
+
+def test_fp16_never_overflows_whatever_the_gradient_scale():
+    coeffs = ns.polar_express_coefficients(5)  # the largest coefficients shipped
+    for scale in (1e-30, 1e-4, 1.0, 1e4, 1e30):
+        G = (power_law(16, 64, power=2.0) * scale).float()
+        for method in ("standard", "gram"):
+            out = ns.orthogonalize(G, 5, coeffs, 1e-7, torch.float16, method)
+            assert torch.isfinite(out).all(), (scale, method)
+
+
+def test_gram_without_restarts_diverges_and_the_shipped_restarts_do_not():
+    G = power_law(32, 128, batch=2, power=2.0)
+    coeffs = ns._iter_coefficients(ns.polar_express_coefficients(5), 5)
+    ref = reference(G, "polar_express", 5)
+    X = (G / G.norm(dim=(-2, -1), keepdim=True)).to(torch.float16)
+    untamed = rel(ns.ns_gram(X, coeffs, (), transpose_out=False), ref)
+    tamed = rel(ns.ns_gram(X, coeffs, ns.GRAM_RESTARTS["polar_express"], transpose_out=False), ref)
+    standard = rel(ns.ns_standard(X, coeffs, transpose_out=False), ref)
+    assert not untamed < 10 * standard, (untamed, standard)  # diverged (NaN counts)
+    assert tamed < 1.5 * standard, (tamed, standard)
+
+
+def test_shipped_restarts_are_the_committed_tuning_result():
+    result = json.loads((ROOT / "benchmarks" / "results" / "gram_restarts.json").read_text())
+    chosen = {name: tuple(s["chosen"]) for name, s in result["tune"]["schedules"].items()}
+    assert chosen == ns.GRAM_RESTARTS
+
+
+def test_untuned_coefficients_and_bf16_use_standard_ns():
+    G = gaussian(2, 16, 64).float()
+    custom = [3.0, -3.2, 1.2]
+    assert ns.schedule_name(custom, 5) is None and ns.gram_restarts(custom, 5) is None
+    assert ns.schedule_name(list(ns.QUINTIC) * 5, 5) == "quintic"
+    for coeffs, dtype in ((custom, torch.float32), (list(ns.QUINTIC), torch.bfloat16)):
+        a = ns.orthogonalize(G, 5, coeffs, 1e-7, dtype, "gram")
+        b = ns.orthogonalize(G, 5, coeffs, 1e-7, dtype, "standard")
+        assert torch.equal(a, b)
+
+
+def test_normalized_input_skips_the_second_normalization_and_is_not_modified():
+    G = gaussian(3, 16, 48).float()
+    X = G / (torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True) + 1e-7)
+    before = X.clone()
+    a = ops.newton_schulz(X, 5, list(ops.QUINTIC), 1e-7, torch.float32, "auto", True)
+    b = ops.newton_schulz(G, 5, list(ops.QUINTIC), 1e-7, torch.float32, "auto", False)
+    assert torch.equal(X, before)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_dtype_is_fp16_on_cuda_and_fp32_on_cpu():
+    assert ns.resolve_compute_dtype(torch.device("cuda"), torch.float32) == torch.float16
+    assert ns.resolve_compute_dtype(torch.device("cpu"), torch.float32) == torch.float32
+    assert ns.resolve_compute_dtype(torch.device("cuda"), torch.float64) == torch.float64
+    assert ns.resolve_compute_dtype(torch.device("cuda"), torch.float32,
+                                    torch.bfloat16) == torch.bfloat16
+
+
+def test_bad_method_is_a_clear_error():
+    with pytest.raises(ValueError, match="method must be one of auto, standard, gram"):
+        ops.newton_schulz(torch.randn(4, 8), 5, list(ops.QUINTIC), 1e-7, None, "fast")
