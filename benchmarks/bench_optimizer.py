@@ -54,7 +54,7 @@ def reference_shapes() -> list[tuple[int, int]]:
     from speedtronic.models import build_model
     from speedtronic.optim import route_parameters
 
-    model = build_model(ModelConfig())
+    model = build_model(ModelConfig(vocab_size=256))
     return [tuple(p.shape) for _, p in route_parameters(model).muon]
 
 

@@ -99,6 +99,28 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------- prepare
+def _add_prepare(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("prepare", help="tokenize data.text_path / data.hf_dataset into cached "
+                                       "token shards (train also does it on first use)")
+    p.add_argument("--config", required=True, help="YAML or JSON config file")
+    p.add_argument("--workers", type=int, help="tokenizer processes (default: data."
+                                               "prepare_workers, else one per CPU core)")
+    _add_set(p)
+
+
+def _cmd_prepare(args: argparse.Namespace) -> int:
+    from .config import load_config
+    from .data.prepare import prepare
+
+    cfg = load_config(args.config, args.overrides)
+    meta = prepare(cfg, workers=args.workers)
+    print(f"prepared: {meta['tokens']} tokens, vocab {meta['vocab_size']}, "
+          f"{len(meta['shards'])} shard(s) in {meta['directory']} "
+          f"({meta['tokens_per_second']} tokens/s when tokenized)", flush=True)
+    return 0
+
+
 # ----------------------------------------------------------------------------------- validate
 def _add_validate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check a config and print it resolved (secrets redacted)")
@@ -152,6 +174,7 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None],
                              Callable[[argparse.Namespace], int]]] = {
     "train": (_add_train, _cmd_train),
+    "prepare": (_add_prepare, _cmd_prepare),
     "validate": (_add_validate, _cmd_validate),
     "env": (_add_env, _cmd_env),
     "plot": (_add_plot, _cmd_plot),
@@ -160,7 +183,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None],
 }
 
 
-def _compare_command():  # owner: compare (speedtronic/compare/command.py; imports no torch)
+def _compare_command():  # speedtronic/compare/command.py (imports no torch)
     from .compare import command
 
     return command

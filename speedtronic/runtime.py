@@ -24,7 +24,7 @@ from torch import nn
 from . import optim
 from .checkpoint import CheckpointManager
 from .config import SpeedtronicConfig, load_config
-from .data import DataBundle, build_data
+from .data import DataBundle, build_data, check_data
 from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook
 from .models import build_model
 from .precision import resolve_device, resolve_precision
@@ -141,6 +141,11 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
     plan = resolve_precision(cfg.precision.mode, dev)
     logger.info("device: %s | precision: %s (%s) | threads: %d", dev, plan.mode, plan.reason,
                 torch.get_num_threads())
+    if data is None:
+        # Bad data fails here, before the model is built: missing or corrupt token files, ids
+        # beyond model.vocab_size, a tokenizer that does not load (and a text source is
+        # tokenized now, on first use); model.vocab_size follows the tokenizer when unset.
+        check_data(cfg)
     if model is None:
         model = build_model(cfg.model)
     model = model.to(dev)

@@ -246,5 +246,10 @@ def load_config(source: str | Path | Mapping[str, Any] | _c.SpeedtronicConfig,
     raw = _expand_shorthands(_read_source(source))
     _apply_overrides(raw, overrides)
     raw = _expand_shorthands(raw)
-    return _build(_c.SpeedtronicConfig, raw, "").finalize()
+    cfg = _build(_c.SpeedtronicConfig, raw, "")
+    data = raw.get("data") if isinstance(raw.get("data"), Mapping) else {}
+    model = raw.get("model") if isinstance(raw.get("model"), Mapping) else {}
+    if "vocab_size" not in model and (data.get("tokenizer") or data.get("tokens_path")):
+        cfg.model.vocab_size = None  # not written: it follows the data (see ModelConfig)
+    return cfg.finalize()
 

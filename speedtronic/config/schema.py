@@ -91,8 +91,11 @@ class ModelConfig:
 
     name: str = "reference_transformer"
     """Registered model name (see ``speedtronic.models.register_model``)."""
-    vocab_size: int = 256
-    """Vocabulary size; 256 matches the bundled byte-level data (the reference engine used 512)."""
+    vocab_size: int | None = 256
+    """Vocabulary size; 256 matches the bundled byte-level data. In a config file that sets
+    ``data.tokenizer`` or ``data.tokens_path`` and leaves this out, it follows the data: the
+    tokenizer's vocabulary (or a prepared directory's); other token files need it set, above
+    their largest id. None = follow the data in the same way."""
     max_seq_len: int = 128
     """Longest sequence the model accepts (RoPE table size); default ``data.block_size``."""
     n_layer: int = 4
@@ -117,7 +120,8 @@ class ModelConfig:
     def validate(self, p: str = "model") -> None:
         for key in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model"):
             value = getattr(self, key)
-            _check(value > 0, f"{p}.{key}", f"must be > 0, got {value}")
+            if value is not None or key != "vocab_size":
+                _check(value > 0, f"{p}.{key}", f"must be > 0, got {value}")
         if self.n_kv_head is not None:
             _check(self.n_kv_head > 0 and self.n_head % self.n_kv_head == 0, f"{p}.n_kv_head",
                    f"must be > 0 and divide n_head={self.n_head}, got {self.n_kv_head}")
@@ -135,7 +139,35 @@ class DataConfig:
     """Where batches come from. Default: the bundled real-text byte corpus (stdlib source)."""
 
     text_path: str | None = None
-    """A UTF-8 text file, streamed in blocks (never loaded whole), byte-level tokens."""
+    """A UTF-8 text file, streamed in blocks (never loaded whole), byte-level tokens. With
+    ``tokenizer``: a file, a glob or a directory of text files, tokenized once into shards."""
+    tokens_path: str | None = None
+    """Pre-tokenized ids, memory-mapped: a ``.bin`` (raw, or with the modded-nanogpt / llm.c
+    header) or ``.npy`` file of uint16/uint32 ids, a glob, or a directory of such shards."""
+    eval_tokens_path: str | None = None
+    """Held-out ids for eval, same formats. None = the last ``eval_fraction`` of the tokens."""
+    tokens_dtype: Literal["auto", "uint16", "uint32"] = "auto"
+    """Id width of raw ``.bin`` files without a header (auto = uint16, nanoGPT's layout)."""
+    tokenizer: str | None = None
+    """A Hugging Face ``tokenizer.json`` (or its directory), or a Hub name when online: the
+    source (``text_path`` or ``hf_dataset``) is tokenized once by ``speedtronic prepare``
+    (also run on first use) and cached; ``model.vocab_size`` follows it when not set."""
+    hf_dataset: str | None = None
+    """A Hugging Face dataset: a Hub name (online), a local data directory or files, or a
+    ``save_to_disk`` copy (offline). Needs ``tokenizer``."""
+    hf_config: str | None = None
+    """The dataset's configuration name, when it has several."""
+    hf_split: str = "train"
+    """The split to tokenize."""
+    text_field: str = "text"
+    """The column holding the text."""
+    hf_streaming: bool = False
+    """Stream the dataset while tokenizing instead of downloading it whole first."""
+    prepare_dir: str | None = None
+    """Where prepared shards go (a subfolder per tokenizer + source). None =
+    ``$SPEEDTRONIC_CACHE_DIR/tokens`` (default ``~/.cache/speedtronic/tokens``)."""
+    prepare_workers: int | None = None
+    """Tokenizer processes for ``prepare``. None = one per CPU core."""
     synthetic: bool = False
     """Random tokens, for benchmarks (no learning signal)."""
     dataset: Any = None
@@ -164,13 +196,26 @@ class DataConfig:
     """Data-order seed; None = ``run.seed``."""
 
     def validate(self, p: str = "data") -> None:
-        sources = [self.text_path is not None, self.synthetic, self.dataset is not None]
-        _check(sum(sources) <= 1, p, "set at most one of text_path, synthetic, dataset "
-               f"(got text_path={self.text_path!r}, synthetic={self.synthetic}, "
-               f"dataset={self.dataset!r})")
-        if self.text_path is not None:
+        sources = {"text_path": self.text_path, "synthetic": self.synthetic or None,
+                   "dataset": self.dataset, "tokens_path": self.tokens_path,
+                   "hf_dataset": self.hf_dataset}
+        given = {k: v for k, v in sources.items() if v is not None}
+        _check(len(given) <= 1, p, f"set at most one of {', '.join(sources)} (got "
+               + ", ".join(f"{k}={v!r}" for k, v in given.items()) + ")")
+        if self.text_path is not None and self.tokenizer is None:
             path = Path(self.text_path)
             _check(path.is_file(), f"{p}.text_path", f"file not found: {str(path)!r}")
+        if self.tokenizer is not None:
+            _check(self.text_path is not None or self.hf_dataset is not None, f"{p}.tokenizer",
+                   "needs a text source to tokenize: set data.text_path or data.hf_dataset "
+                   "(for already tokenized ids use data.tokens_path alone)")
+        _check(self.hf_dataset is None or self.tokenizer is not None, f"{p}.hf_dataset",
+               "needs data.tokenizer (a tokenizer.json path or a Hub name)")
+        _check(self.eval_tokens_path is None or self.tokens_path is not None,
+               f"{p}.eval_tokens_path", "needs data.tokens_path")
+        if self.prepare_workers is not None:
+            _check(self.prepare_workers > 0, f"{p}.prepare_workers",
+                   f"must be > 0, got {self.prepare_workers}")
         _check(self.stdlib_max_bytes > 0, f"{p}.stdlib_max_bytes", "must be > 0")
         _check(0.0 < self.eval_fraction < 0.5, f"{p}.eval_fraction",
                f"must be in (0, 0.5), got {self.eval_fraction}")
@@ -526,6 +571,9 @@ class SpeedtronicConfig:
             self.data.target_batch_size = self.data.micro_batch_size
         if self.data.seed is None:
             self.data.seed = self.run.seed
+        if self.model.vocab_size is None and self.data.tokenizer is None \
+                and self.data.tokens_path is None:
+            self.model.vocab_size = 256  # byte-level and synthetic data; the rest follows the data
         if self.scheduler.max_steps is None:
             self.scheduler.max_steps = self.run.max_steps
         if self.gradient_checkpointing or self.model.gradient_checkpointing:

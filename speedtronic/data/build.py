@@ -4,6 +4,10 @@ train iterator and fixed eval batches.
 Sources, in order of precedence (the config allows at most one to be set):
 
 * ``data.dataset``: a user ``Dataset``/``IterableDataset`` (see ``user.py``);
+* ``data.tokens_path``: pre-tokenized shards, memory-mapped (:mod:`.token_files`); eval is
+  ``data.eval_tokens_path`` or the last ``eval_fraction`` of the tokens;
+* ``data.tokenizer`` with ``data.text_path`` or ``data.hf_dataset``: tokenized once into shards
+  (:mod:`.prepare`), then read as token files;
 * ``data.text_path``: a UTF-8 file as bytes, streamed in ~1 MiB chunks; the last
   ``eval_fraction`` of the file is held out;
 * ``data.synthetic``: seeded uniform ids in ``[0, model.vocab_size)``, different per rank;
@@ -34,6 +38,13 @@ from .sources import (
     stdlib_corpus,
     synthetic_tokens,
 )
+from .token_files import (
+    TOKEN_CHUNK,
+    TokenFileStore,
+    max_token_id,
+    open_token_file,
+    resolve_token_paths,
+)
 from .user import (
     UserIterator,
     collate_tokens,
@@ -42,8 +53,8 @@ from .user import (
     user_eval_batches,
 )
 
-__all__ = ["DataBundle", "TrainIterator", "build_data", "collate_tokens", "TEXT_CHUNK_BYTES",
-           "BYTE_VOCAB"]
+__all__ = ["DataBundle", "TrainIterator", "build_data", "check_data", "collate_tokens",
+           "TEXT_CHUNK_BYTES", "BYTE_VOCAB"]
 
 logger = logging.getLogger("speedtronic.data")
 
@@ -155,6 +166,11 @@ def build_data(cfg: SpeedtronicConfig, *, rank: int = 0, world: int = 1,
 
     if d.dataset is not None:
         bundle = _user_bundle(cfg, T, B, seed, rank, world, pin)
+    elif d.tokens_path is not None or d.tokenizer is not None:
+        train, held, desc = _token_stores(cfg)
+        bundle = _windows_bundle(train, held, f"{desc}{shard}", cfg.model.vocab_size, cfg, T, B,
+                                 seed, rank, world, pin,
+                                 chunk_samples=max(1, TOKEN_CHUNK // T))
     elif d.text_path is not None:
         _check_byte_vocab(cfg, f"data.text_path {d.text_path!r}")
         path = Path(d.text_path)
@@ -215,3 +231,73 @@ def _user_bundle(cfg: SpeedtronicConfig, T: int, B: int, seed: int, rank: int, w
                       micro_batch_size=B,
                       train_tokens=None if iterable else len(it.indices) * T,
                       _make_eval=lambda n: user_eval_batches(eval_ds, n, B, eval_idx))
+
+
+def _token_paths(cfg: SpeedtronicConfig) -> tuple[str, str | None, str]:
+    """(train spec, eval spec or None, what) for token files, preparing text sources first."""
+    d = cfg.data
+    if d.tokens_path is not None:
+        return d.tokens_path, d.eval_tokens_path, f"token files {d.tokens_path}"
+    from .prepare import prepare
+
+    meta = prepare(cfg)
+    return str(meta.directory), None, (f"{meta['tokens']:,} tokens of {d.hf_dataset or d.text_path}"
+                                       f" (tokenizer {d.tokenizer}, prepared in {meta.directory})")
+
+
+def _token_stores(cfg: SpeedtronicConfig) -> tuple[TokenFileStore, TokenFileStore, str]:
+    d = cfg.data
+    spec, eval_spec, what = _token_paths(cfg)
+    files = [open_token_file(p, d.tokens_dtype, "data.tokens_path")
+             for p in resolve_token_paths(spec, "data.tokens_path")]
+    stream = TokenFileStore(files)
+    if eval_spec is not None:
+        held = TokenFileStore([open_token_file(p, d.tokens_dtype, "data.eval_tokens_path")
+                               for p in resolve_token_paths(eval_spec, "data.eval_tokens_path")])
+        return stream, held, f"{what} ({stream.n:,} train / {held.n:,} eval tokens)"
+    split = int(stream.n * (1.0 - d.eval_fraction))
+    train, held = TokenFileStore(files, 0, split), TokenFileStore(files, split, stream.n)
+    return train, held, (f"{what} ({train.n:,} train / {held.n:,} eval tokens = the last "
+                         f"{d.eval_fraction:.0%})")
+
+
+def check_data(cfg: SpeedtronicConfig) -> None:
+    """Fail early, before the model is built: prepare a text source if needed, open every token
+    file, and settle ``model.vocab_size`` against the data (set from the tokenizer when None;
+    otherwise it must exceed every id). Raises ConfigError naming the key and both numbers."""
+    d = cfg.data
+    if d.tokens_path is None and d.tokenizer is None:
+        return
+    from .prepare import load_tokenizer
+
+    vocab_from_data: int | None = None
+    if d.tokenizer is not None:
+        vocab_from_data = int(load_tokenizer(d.tokenizer).get_vocab_size(with_added_tokens=True))
+    spec, eval_spec, _ = _token_paths(cfg)
+    paths = [("data.tokens_path", p) for p in resolve_token_paths(spec, "data.tokens_path")]
+    if eval_spec is not None:
+        paths += [("data.eval_tokens_path", p)
+                  for p in resolve_token_paths(eval_spec, "data.eval_tokens_path")]
+    meta = Path(spec) / "meta.json"
+    if vocab_from_data is None and meta.is_file():
+        import json
+
+        vocab_from_data = int(json.loads(meta.read_text()).get("vocab_size") or 0) or None
+    top, where = -1, ""
+    for key, path in paths:
+        top_here = max_token_id(open_token_file(path, d.tokens_dtype, key))
+        if top_here > top:
+            top, where = top_here, f"{key} {str(path)!r}"
+    if cfg.model.vocab_size is None:
+        if vocab_from_data is None:
+            raise ConfigError(f"model.vocab_size: required for token files without a tokenizer; "
+                              f"the largest id in the data is {top} ({where}), so it must be at "
+                              f"least {top + 1}")
+        cfg.model.vocab_size = vocab_from_data
+        logger.info("data: model.vocab_size = %d (from the tokenizer)", vocab_from_data)
+    if top >= cfg.model.vocab_size:
+        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is too small for the data: "
+                          f"{where} holds token id {top}; set model.vocab_size >= {top + 1}")
+    if vocab_from_data is not None and cfg.model.vocab_size < vocab_from_data:
+        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the "
+                          f"tokenizer's vocabulary of {vocab_from_data} ({d.tokenizer})")

@@ -135,10 +135,13 @@ def run_master(cfg: SpeedtronicConfig, *, expect_nodes: set[str] | None = None,
                idle_timeout: float | None = None) -> Master:
     """Master-only loop for ``python -m speedtronic.diloco master``; returns when every node it
     has seen (or every expected node) is done, or after ``idle_timeout`` idle seconds."""
+    from ..data import check_data
     from ..models import build_model
 
     d = cfg.distributed
     node_id = d.node_id or default_node_id()
+    if cfg.model.vocab_size is None:
+        check_data(cfg)  # the vocabulary follows the data (tokenizer), as in a training node
 
     def initial() -> dict[str, torch.Tensor]:
         torch.manual_seed(cfg.run.seed)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..config import ModelConfig
+from ..config import ConfigError, ModelConfig
 
 __all__ = ["ReferenceTransformer", "RMSNorm", "apply_rope", "rope_tables", "swiglu_hidden"]
 
@@ -177,6 +177,10 @@ class ReferenceTransformer(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
+        if cfg.vocab_size is None:
+            raise ConfigError("model.vocab_size is not set; None means 'from the data', which "
+                              "speedtronic.runtime resolves before building the model: set it "
+                              "when building the model yourself")
         self.vocab_size = cfg.vocab_size
         self.max_seq_len = cfg.max_seq_len
         self.n_kv_head = cfg.n_kv_head or cfg.n_head

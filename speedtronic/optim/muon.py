@@ -52,10 +52,12 @@ MUON_DEFAULTS: dict[str, Any] = {
 }
 """Per-group defaults; the first eight are torch.optim.Muon's, with the same values."""
 
-NS_MAX_BATCH_NUMEL = 1 << 25
-"""A shape's matrices are split across several Newton-Schulz calls only when their total size
-exceeds this many elements (128 MiB in fp32), which bounds the step's temporaries (~4 copies of
-one batch) for large models. GPT-2 small's largest bank (48 x 768^2 = 28M) fits in one call."""
+NS_MAX_BATCH_NUMEL = 1 << 22
+"""A shape's matrices go through Newton-Schulz in buckets of at most this many elements (4 Mi:
+8 MiB of fp16 stack), so the step's temporaries stay near torch.optim.Muon's, which holds one
+matrix at a time. Measured on GPT-2 small (benchmarks/results/step_memory_cpu.md): the old
+bound of 32 Mi elements (the 48 x 768^2 bank in one call) peaked 12x above torch's temporaries.
+A matrix larger than the bound is a bucket of its own."""
 
 _NS_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16,
               "fp32": torch.float32, "fp64": torch.float64}

@@ -1,0 +1,302 @@
+"""``speedtronic prepare``: text (files or a Hugging Face dataset) -> token shards, once.
+
+A real subword tokenizer (``data.tokenizer``: a local ``tokenizer.json`` or, online, a Hub name
+for :meth:`tokenizers.Tokenizer.from_pretrained`) turns the source into ids, in parallel worker
+processes, with a progress bar. Output: ``shard_000000.bin`` ... (the modded-nanogpt header, see
+:mod:`.token_files`) and a ``meta.json`` with the vocabulary size, the tokenizer and source
+fingerprints and the largest id of every shard, in
+``data.prepare_dir`` (default ``<cache>/tokens/<key>``). The key hashes the tokenizer's
+serialized form and the source (paths, sizes and modification times; or the dataset's name,
+config, split and field), so a second run, or a training run, finds the shards instead of
+tokenizing again. ``speedtronic train`` prepares automatically on first use.
+
+Documents are separated by the tokenizer's end-of-text token when it has one (``<|endoftext|>``,
+``</s>``, ``<eos>``, ``[SEP]``); a text file is one document, a dataset row is one document.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..config import ConfigError, SpeedtronicConfig
+from .token_files import write_shard
+
+__all__ = ["PreparedTokens", "load_tokenizer", "prepare", "prepared_dir", "text_files"]
+
+logger = logging.getLogger("speedtronic.data")
+
+SHARD_TOKENS = 1 << 26
+"""Tokens per output shard (128 MiB of uint16)."""
+_TEXT_BLOCK = 1 << 20
+"""Characters of a text file tokenized per task (split at a line end)."""
+_EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
+
+
+class PreparedTokens(dict):
+    """``meta.json`` of a prepared directory (a dict), plus its path."""
+
+    @property
+    def directory(self) -> Path:
+        return Path(self["directory"])
+
+
+def load_tokenizer(spec: str) -> Any:
+    """A ``tokenizers.Tokenizer`` from a local file/directory or a Hub name; ConfigError if not."""
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ConfigError("data.tokenizer needs the 'tokenizers' package: pip install "
+                          "'speedtronic[data]'") from None
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        path = path / "tokenizer.json"
+    try:
+        if path.is_file():
+            return Tokenizer.from_file(str(path))
+        if path.suffix == ".json" or os.sep in spec:
+            raise ConfigError(f"data.tokenizer: file not found: {spec!r}")
+        return Tokenizer.from_pretrained(spec)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any loader failure is the user's input
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"data.tokenizer: cannot load {spec!r}: {first} (a local "
+                          "tokenizer.json works offline)") from None
+
+
+def eos_id(tokenizer: Any) -> int | None:
+    for name in _EOS_NAMES:
+        tid = tokenizer.token_to_id(name)
+        if tid is not None:
+            return int(tid)
+    return None
+
+
+def text_files(spec: str) -> list[Path]:
+    """The UTF-8 files named by ``data.text_path``: a file, a glob, or a directory (recursive)."""
+    path = Path(spec).expanduser()
+    if any(ch in spec for ch in "*?["):
+        files = [Path(p) for p in glob.glob(str(path), recursive=True)]
+    elif path.is_dir():
+        files = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    elif path.is_file():
+        files = [path]
+    else:
+        raise ConfigError(f"data.text_path: no such file or directory: {spec!r}")
+    files = sorted(p for p in files if p.is_file())
+    if not files:
+        raise ConfigError(f"data.text_path: {spec!r} matches no files")
+    return files
+
+
+def _source_fingerprint(cfg: SpeedtronicConfig) -> dict[str, Any]:
+    d = cfg.data
+    if d.hf_dataset is not None:
+        return {"hf_dataset": d.hf_dataset, "config": d.hf_config, "split": d.hf_split,
+                "text_field": d.text_field}
+    files = []
+    for p in text_files(str(d.text_path)):
+        st = p.stat()
+        files.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
+    return {"text_files": files}
+
+
+def prepared_dir(cfg: SpeedtronicConfig, tokenizer: Any) -> tuple[Path, str]:
+    """Where the shards of this tokenizer + source live, and the cache key."""
+    blob = json.dumps({"tokenizer": hashlib.sha256(tokenizer.to_str().encode()).hexdigest(),
+                       "source": _source_fingerprint(cfg), "format": 1}, sort_keys=True)
+    key = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    if cfg.data.prepare_dir:
+        return Path(cfg.data.prepare_dir).expanduser() / key, key
+    root = Path(os.environ.get("SPEEDTRONIC_CACHE_DIR") or Path.home() / ".cache" / "speedtronic")
+    return root / "tokens" / key, key
+
+
+def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[str]:
+    d = cfg.data
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError("data.hf_dataset needs the 'datasets' package: pip install "
+                          "'speedtronic[data]'") from None
+    path = Path(str(d.hf_dataset)).expanduser()
+    try:
+        if path.is_dir() and ((path / "dataset_info.json").exists()
+                              or (path / "state.json").exists()
+                              or (path / "dataset_dict.json").exists()):
+            ds = datasets.load_from_disk(str(path))  # a save_to_disk() copy
+            if isinstance(ds, datasets.DatasetDict):
+                if d.hf_split not in ds:
+                    raise ConfigError(f"data.hf_split: {d.hf_split!r} is not a split of "
+                                      f"{d.hf_dataset!r}; it has {sorted(ds)}")
+                ds = ds[d.hf_split]
+        else:
+            ds = datasets.load_dataset(str(d.hf_dataset), d.hf_config, split=d.hf_split,
+                                       streaming=d.hf_streaming)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - report what the library said, in one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"data.hf_dataset: cannot load {d.hf_dataset!r} (split "
+                          f"{d.hf_split!r}): {first}") from None
+    columns = getattr(ds, "column_names", None)
+    if columns is not None and d.text_field not in columns:
+        raise ConfigError(f"data.text_field: {d.text_field!r} is not a column of "
+                          f"{d.hf_dataset!r}; columns: {sorted(columns)}")
+    for row in ds:
+        if d.text_field not in row:
+            raise ConfigError(f"data.text_field: {d.text_field!r} is not a field of "
+                              f"{d.hf_dataset!r}; fields: {sorted(row)}")
+        yield str(row[d.text_field])
+
+
+def _file_blocks(files: list[Path]) -> Iterator[str]:
+    """Each file in ~1 MiB blocks cut at line ends; a file's last block ends its document."""
+    for path in files:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            carry, seen = "", False
+            while True:
+                chunk = fh.read(_TEXT_BLOCK)
+                if not chunk:
+                    break
+                text = carry + chunk
+                cut = text.rfind("\n") + 1
+                if cut <= 0:
+                    carry = text
+                    continue
+                seen = True
+                yield text[:cut]
+                carry = text[cut:]
+            if seen or carry:  # an empty file is no document (no end-of-text token either)
+                yield carry + "\x00EOD"  # marker: end of this document
+
+
+_worker_tokenizer: Any = None
+_worker_eos: int | None = None
+
+
+def _init_worker(serialized: str, eos: int | None) -> None:
+    global _worker_tokenizer, _worker_eos
+    from tokenizers import Tokenizer
+
+    _worker_tokenizer = Tokenizer.from_str(serialized)
+    _worker_eos = eos
+
+
+def _encode(text: str) -> np.ndarray:
+    end = text.endswith("\x00EOD")
+    if end:
+        text = text[: -len("\x00EOD")]
+    ids = _worker_tokenizer.encode(text, add_special_tokens=False).ids if text else []
+    if end and _worker_eos is not None:
+        ids.append(_worker_eos)
+    return np.asarray(ids, dtype=np.uint32)
+
+
+def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
+            progress: bool | None = None) -> PreparedTokens:
+    """Tokenize ``cfg``'s text source into shards (or find them); returns their ``meta.json``."""
+    d = cfg.data
+    if d.tokenizer is None:
+        raise ConfigError("data.tokenizer: prepare needs a tokenizer (a tokenizer.json path or a "
+                          "Hub name)")
+    if d.text_path is None and d.hf_dataset is None:
+        raise ConfigError("data: prepare needs data.text_path or data.hf_dataset to tokenize")
+    tokenizer = load_tokenizer(d.tokenizer)
+    out, key = prepared_dir(cfg, tokenizer)
+    meta_path = out / "meta.json"
+    if meta_path.is_file():
+        meta = PreparedTokens(json.loads(meta_path.read_text()))
+        logger.info("prepare: %s tokens already in %s", f"{meta['tokens']:,}", out)
+        return meta
+    vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
+    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
+    eos = eos_id(tokenizer)
+    if d.hf_dataset is not None:
+        texts: Iterator[str] = (t + "\x00EOD" for t in _hf_rows(cfg))
+        what = f"dataset {d.hf_dataset} [{d.hf_split}].{d.text_field}"
+    else:
+        files = text_files(str(d.text_path))
+        texts = _file_blocks(files)
+        what = f"{len(files)} text file(s) under {d.text_path}"
+    workers = workers or d.prepare_workers or max(1, (os.cpu_count() or 1))
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    show = progress if progress is not None else (cfg.logging.progress_bar and
+                                                  os.isatty(2))
+    t0 = time.perf_counter()
+    shards: dict[str, dict[str, int]] = {}
+    buf: list[np.ndarray] = []
+    buffered = total = 0
+
+    def flush(final: bool) -> None:
+        nonlocal buf, buffered
+        if not buf:
+            return
+        stream = np.concatenate(buf)
+        while stream.size >= SHARD_TOKENS or (final and stream.size):
+            part, stream = stream[:SHARD_TOKENS], stream[SHARD_TOKENS:]
+            name = f"shard_{len(shards):06d}.bin"
+            write_shard(tmp / name, part.astype(dtype))
+            shards[name] = {"tokens": int(part.size), "max_id": int(part.max())}
+        buf, buffered = ([stream], int(stream.size)) if stream.size else ([], 0)
+
+    ctx = multiprocessing.get_context("spawn" if workers > 1 else None)
+    pool = ctx.Pool(workers, _init_worker, (tokenizer.to_str(), eos)) if workers > 1 else None
+    if pool is None:
+        _init_worker(tokenizer.to_str(), eos)
+    results = pool.imap(_encode, texts, chunksize=4) if pool else map(_encode, texts)
+    bar = None
+    if show:
+        from tqdm import tqdm
+
+        bar = tqdm(unit="tok", unit_scale=True, desc="prepare", file=None)
+    try:
+        for ids in results:
+            if ids.size:
+                buf.append(ids)
+                buffered += int(ids.size)
+                total += int(ids.size)
+                if bar is not None:
+                    bar.update(int(ids.size))
+            if buffered >= SHARD_TOKENS:
+                flush(False)
+        flush(True)
+    finally:
+        if pool is not None:
+            pool.close()
+            pool.join()
+        if bar is not None:
+            bar.close()
+    if total == 0:
+        raise ConfigError(f"data: the tokenizer produced no tokens from {what}; is the source "
+                          "empty?")
+    seconds = time.perf_counter() - t0
+    meta = PreparedTokens(
+        format=1, key=key, directory=str(out), tokenizer=str(d.tokenizer), vocab_size=vocab,
+        eos_id=eos, dtype=np.dtype(dtype).name, source=_source_fingerprint(cfg), tokens=total,
+        shards=shards, seconds=round(seconds, 2), workers=workers,
+        tokens_per_second=round(total / max(seconds, 1e-9)))
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    try:
+        os.replace(tmp, out)  # the directory appears whole or not at all
+    except OSError:  # another process finished first: keep theirs
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+        return PreparedTokens(json.loads(meta_path.read_text()))
+    logger.info("prepare: %s -> %s tokens in %d shard(s) at %s (%.1f s, %s tok/s, %d worker(s))",
+                what, f"{total:,}", len(shards), out, seconds,
+                f"{meta['tokens_per_second']:,}", workers)
+    return meta

@@ -1,0 +1,192 @@
+"""Pre-tokenized token files: flat token ids on disk, memory-mapped, never loaded whole.
+
+Accepted per file (``data.tokens_path`` is one file, a glob, or a directory of them):
+
+* ``.bin`` with the 1024-byte header of modded-nanogpt / llm.c shards: 256 int32, ``[0]`` the
+  magic 20240520, ``[1]`` the version (1: uint16 ids, 2: uint32 ids), ``[2]`` the token count;
+* ``.bin`` without that header: raw ids (nanoGPT's ``train.bin``), ``data.tokens_dtype``
+  (``uint16`` unless set);
+* ``.npy``: a 1-D uint16 or uint32 array (``np.save``).
+
+Shards are read in sorted name order as one stream (:class:`TokenFileStore`); a window may span
+two shards, as in nanoGPT's single file. A chunk of ``TOKEN_CHUNK`` tokens is copied out of the
+memory map at a time, so the resident set stays small and the OS page cache does the rest.
+
+Checking ids against the model's vocabulary needs the largest id of every file. It is read from
+the ``meta.json`` that ``speedtronic prepare`` writes beside its shards; for other files it is
+computed once (a streaming pass at ~1 GB/s) and cached in ``<cache>/token-stats.json`` keyed by
+path, size and modification time.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError
+from .sources import TokenStore
+
+__all__ = ["HEADER_MAGIC", "TOKEN_CHUNK", "TokenFile", "TokenFileStore", "open_token_file",
+           "resolve_token_paths", "write_shard"]
+
+logger = logging.getLogger("speedtronic.data")
+
+HEADER_MAGIC = 20240520
+HEADER_INTS = 256
+_HEADER_DTYPES = {1: np.uint16, 2: np.uint32}
+_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+TOKEN_CHUNK = 1 << 20
+"""Tokens copied out of the memory map per training chunk (2-4 MiB)."""
+
+
+@dataclass(frozen=True)
+class TokenFile:
+    """One shard: its ids as a read-only memory map, and where they came from."""
+
+    path: Path
+    tokens: np.ndarray  # (n,) uint16 or uint32, np.memmap
+    layout: str  # "header", "raw" or "npy"
+
+    @property
+    def n(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def resolve_token_paths(spec: str, key: str) -> list[Path]:
+    """The shards named by ``spec`` (a file, a glob or a directory), sorted; errors name ``key``."""
+    path = Path(spec).expanduser()
+    if any(ch in spec for ch in "*?["):
+        found = [Path(p) for p in glob.glob(str(path), recursive=True)]
+    elif path.is_dir():
+        found = [p for p in path.iterdir() if p.suffix in (".bin", ".npy")]
+    elif path.is_file():
+        found = [path]
+    else:
+        raise ConfigError(f"{key}: no such file or directory: {spec!r}")
+    files = sorted(p for p in found if p.is_file() and p.suffix in (".bin", ".npy"))
+    if not files:
+        raise ConfigError(f"{key}: {spec!r} matches no .bin or .npy token files")
+    return files
+
+
+def open_token_file(path: Path, dtype: str, key: str) -> TokenFile:
+    """Memory-map one shard, checking its layout; every problem is a ConfigError naming ``key``."""
+    size = path.stat().st_size
+    if size == 0:
+        raise ConfigError(f"{key}: {str(path)!r} is empty")
+    if path.suffix == ".npy":
+        try:
+            arr = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as exc:
+            raise ConfigError(f"{key}: {str(path)!r} is not a readable .npy file ({exc})") from None
+        if arr.ndim != 1 or arr.dtype not in (np.uint16, np.uint32):
+            raise ConfigError(f"{key}: {str(path)!r} holds a {arr.dtype} array of shape "
+                              f"{arr.shape}; expected 1-D uint16 or uint32 token ids")
+        if arr.shape[0] == 0:
+            raise ConfigError(f"{key}: {str(path)!r} holds no tokens")
+        return TokenFile(path, arr, "npy")
+    header = np.fromfile(path, dtype=np.int32, count=3) if size >= 12 else np.zeros(0, np.int32)
+    if header.size == 3 and int(header[0]) == HEADER_MAGIC:
+        version, count = int(header[1]), int(header[2])
+        if version not in _HEADER_DTYPES:
+            raise ConfigError(f"{key}: {str(path)!r} has a shard header of version {version}; "
+                              "known: 1 (uint16 ids), 2 (uint32 ids)")
+        np_dtype = _HEADER_DTYPES[version]
+        body = size - HEADER_INTS * 4
+        if count <= 0 or body != count * np.dtype(np_dtype).itemsize:
+            raise ConfigError(f"{key}: {str(path)!r} header says {count} tokens but the file "
+                              f"holds {max(body, 0)} bytes after it (truncated or corrupt)")
+        tokens = np.memmap(path, dtype=np_dtype, mode="r", offset=HEADER_INTS * 4,
+                           shape=(count,))
+        return TokenFile(path, tokens, "header")
+    np_dtype = _DTYPES["uint16" if dtype == "auto" else dtype]
+    itemsize = np.dtype(np_dtype).itemsize
+    if size % itemsize:
+        raise ConfigError(f"{key}: {str(path)!r} has {size} bytes, not a whole number of "
+                          f"{np.dtype(np_dtype).name} ids; is data.tokens_dtype right?")
+    return TokenFile(path, np.memmap(path, dtype=np_dtype, mode="r"), "raw")
+
+
+def _stats_path() -> Path:
+    root = Path(os.environ.get("SPEEDTRONIC_CACHE_DIR") or Path.home() / ".cache" / "speedtronic")
+    return root / "token-stats.json"
+
+
+def max_token_id(f: TokenFile) -> int:
+    """Largest id in a shard: from ``meta.json`` beside it, the stats cache, or one pass."""
+    meta = f.path.parent / "meta.json"
+    if meta.is_file():
+        try:
+            shards = json.loads(meta.read_text()).get("shards", {})
+            if f.path.name in shards:
+                return int(shards[f.path.name]["max_id"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    st = f.path.stat()
+    key = hashlib.sha256(f"{f.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    cache_file = _stats_path()
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        return int(cache[key])
+    top = 0
+    for a in range(0, f.n, 1 << 24):
+        top = max(top, int(f.tokens[a:a + (1 << 24)].max()))
+    cache[key] = top
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass  # a read-only cache only costs the pass again next time
+    return top
+
+
+class TokenFileStore(TokenStore):
+    """Shards ``files`` read as one stream of ``n`` ids, or the range ``[start, stop)`` of it."""
+
+    def __init__(self, files: list[TokenFile], start: int = 0, stop: int | None = None) -> None:
+        self.files = files
+        self.offsets = np.cumsum([0] + [f.n for f in files])  # (len(files) + 1,)
+        total = int(self.offsets[-1])
+        self.start = start
+        self.stop = total if stop is None else stop
+        self.n = self.stop - self.start
+
+    def read(self, a: int, b: int) -> np.ndarray:
+        a, b = a + self.start, b + self.start
+        first = int(np.searchsorted(self.offsets, a, side="right")) - 1
+        parts = []
+        i = first
+        while a < b:
+            lo = a - int(self.offsets[i])
+            hi = min(b, int(self.offsets[i + 1])) - int(self.offsets[i])
+            parts.append(np.asarray(self.files[i].tokens[lo:hi]))
+            a += hi - lo
+            i += 1
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def gather(self, starts: np.ndarray, length: int) -> np.ndarray:
+        return np.stack([self.read(int(s), int(s) + length) for s in starts])  # (k, length)
+
+
+def write_shard(path: Path, tokens: np.ndarray) -> None:
+    """Write ids with the modded-nanogpt / llm.c header (version 1 for uint16, 2 for uint32)."""
+    version = 1 if tokens.dtype == np.uint16 else 2
+    header = np.zeros(HEADER_INTS, dtype=np.int32)
+    header[:3] = (HEADER_MAGIC, version, tokens.shape[0])
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(header.tobytes())
+        fh.write(np.ascontiguousarray(tokens).tobytes())
+    os.replace(tmp, path)

@@ -1,0 +1,184 @@
+"""Tokenizers and ``speedtronic prepare`` (data/prepare.py), offline: a BPE trained here on the
+stdlib corpus, text files and local Hugging Face datasets into cached shards, training from
+each source, and the bad-input cases as one-line errors."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("tokenizers")
+datasets = pytest.importorskip("datasets")
+
+from speedtronic.cli import main  # noqa: E402
+from speedtronic.config import ConfigError, load_config  # noqa: E402
+from speedtronic.data import build_data, check_data  # noqa: E402
+from speedtronic.data.prepare import prepare  # noqa: E402
+from speedtronic.data.sources import stdlib_corpus  # noqa: E402
+from speedtronic.runtime import train_from_config  # noqa: E402
+
+MODEL = {"max_seq_len": 32, "n_layer": 1, "n_head": 2, "d_model": 16}
+
+
+@pytest.fixture(scope="module")
+def corpus_text() -> str:
+    return bytes(stdlib_corpus(400_000, 0.1).train).decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json(tmp_path_factory, corpus_text) -> Path:
+    """A byte-level BPE with 400 ids and an end-of-text token, trained offline right here."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([corpus_text[i:i + 2000] for i in range(0, 200_000, 2000)], trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.fixture
+def text_dir(tmp_path, corpus_text) -> Path:
+    d = tmp_path / "texts"
+    d.mkdir()
+    for i in range(3):
+        (d / f"part{i}.txt").write_text(corpus_text[i * 30_000:(i + 1) * 30_000])
+    return d
+
+
+def cfg(tmp_path, data: dict, **model):
+    return load_config({
+        "model": {**MODEL, **model}, "data": {"micro_batch_size": 4, "prepare_workers": 1,
+                                              "prepare_dir": str(tmp_path / "prepared"), **data},
+        "run": {"output_dir": str(tmp_path / "runs"), "name": "t", "max_steps": 3,
+                "eval_every": 3, "eval_batches": 1, "device": "cpu"},
+        "checkpoint": {"enabled": False}, "logging": {"progress_bar": False},
+        "optimizer": {"name": "adamw", "lr": 1e-3}})
+
+
+def test_text_files_are_tokenized_once_and_cached(tmp_path, tokenizer_json, text_dir, caplog):
+    c = cfg(tmp_path, {"tokenizer": str(tokenizer_json), "text_path": str(text_dir)})
+    meta = prepare(c, workers=2)  # the parallel path
+    assert meta["vocab_size"] == 400 and meta["tokens"] > 10_000 and meta["eos_id"] is not None
+    shards = sorted(meta.directory.glob("shard_*.bin"))
+    assert [p.name for p in shards] == sorted(meta["shards"])
+    with caplog.at_level(logging.INFO, logger="speedtronic.data"):
+        again = prepare(c)
+    assert again["key"] == meta["key"] and "already in" in caplog.text
+    # A changed source is a new key (size and modification time are part of it).
+    (text_dir / "part0.txt").write_text("something else entirely\n")
+    assert prepare(c)["key"] != meta["key"]
+
+
+def test_parallel_and_serial_tokenization_agree(tmp_path, tokenizer_json, text_dir):
+    a = prepare(cfg(tmp_path / "a", {"tokenizer": str(tokenizer_json),
+                                     "text_path": str(text_dir)}), workers=1)
+    b = prepare(cfg(tmp_path / "b", {"tokenizer": str(tokenizer_json),
+                                     "text_path": str(text_dir)}), workers=2)
+    assert a["tokens"] == b["tokens"] and a["shards"] == b["shards"]
+    for name in a["shards"]:
+        assert (a.directory / name).read_bytes() == (b.directory / name).read_bytes()
+
+
+def test_vocab_follows_the_tokenizer_and_a_run_trains(tmp_path, tokenizer_json, text_dir):
+    c = cfg(tmp_path, {"tokenizer": str(tokenizer_json), "text_path": str(text_dir / "*.txt")})
+    assert c.model.vocab_size is None
+    result = train_from_config(c, plot=False)  # prepares on first use
+    assert c.model.vocab_size == 400
+    assert result.steps == 3 and result.final_eval_loss is not None
+
+
+def test_a_vocab_smaller_than_the_tokenizer_is_refused(tmp_path, tokenizer_json, text_dir):
+    c = cfg(tmp_path, {"tokenizer": str(tokenizer_json), "text_path": str(text_dir)},
+            vocab_size=300)
+    with pytest.raises(ConfigError, match="model.vocab_size: 300"):
+        check_data(c)
+
+
+def test_local_hf_dataset_offline_from_disk_and_from_data_files(tmp_path, tokenizer_json,
+                                                                 corpus_text, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rows = [{"text": corpus_text[i:i + 3000], "id": i} for i in range(0, 60_000, 3000)]
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(rows).save_to_disk(str(saved))
+    files = tmp_path / "jsonl"
+    files.mkdir()
+    (files / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    counts = []
+    for source in (saved, files):
+        c = cfg(tmp_path / source.name, {"tokenizer": str(tokenizer_json),
+                                         "hf_dataset": str(source)})
+        check_data(c)
+        bundle = build_data(c)
+        x, y = next(bundle.train)
+        assert x.shape == (4, 32) and int(x.max()) < 400
+        counts.append(prepare(c)["tokens"])
+    assert counts[0] == counts[1]  # the same rows, whichever way they are stored
+
+
+def test_resume_is_exact_on_prepared_shards(tmp_path, tokenizer_json, text_dir):
+    c = cfg(tmp_path, {"tokenizer": str(tokenizer_json), "text_path": str(text_dir)})
+    check_data(c)
+    first = build_data(c)
+    for _ in range(5):
+        next(first.train)
+    state = first.train.state_dict()
+    expected = [next(first.train) for _ in range(4)]
+    again = build_data(c)
+    again.train.load_state_dict(state)
+    for (xa, ya), (xb, yb) in zip(expected, [next(again.train) for _ in range(4)], strict=True):
+        assert (xa == xb).all() and (ya == yb).all()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing_tokenizer", "data.tokenizer: file not found"),
+    ("broken_tokenizer", "data.tokenizer: cannot load"),
+    ("missing_field", "data.text_field: 'body' is not a column"),
+    ("missing_text", "data.text_path: no such file or directory"),
+    ("empty_text", "produced no tokens"),
+    ("no_source", "data.tokenizer: needs a text source"),
+])
+def test_bad_inputs_exit_2_with_one_line(tmp_path, tokenizer_json, case, message, capsys):
+    data: dict = {"tokenizer": str(tokenizer_json), "text_path": str(tmp_path)}
+    if case == "missing_tokenizer":
+        data["tokenizer"] = str(tmp_path / "nope" / "tokenizer.json")
+    elif case == "broken_tokenizer":
+        bad = tmp_path / "bad.json"
+        bad.write_text("{not a tokenizer")
+        data["tokenizer"] = str(bad)
+    elif case == "missing_field":
+        saved = tmp_path / "ds"
+        datasets.Dataset.from_list([{"text": "a b c"}]).save_to_disk(str(saved))
+        data = {"tokenizer": str(tokenizer_json), "hf_dataset": str(saved), "text_field": "body"}
+    elif case == "missing_text":
+        data["text_path"] = str(tmp_path / "absent")
+    elif case == "empty_text":
+        (tmp_path / "empty.txt").write_text("")
+        data["text_path"] = str(tmp_path / "empty.txt")
+    elif case == "no_source":
+        data = {"tokenizer": str(tokenizer_json)}
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({"model": MODEL, "data": {"prepare_workers": 1,
+                                                           "prepare_dir": str(tmp_path / "p"),
+                                                           **data}}))
+    capsys.readouterr()  # drop what the setup printed (the datasets progress bar)
+    assert main(["prepare", "--config", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+
+
+def test_prepare_command_reports_what_it_wrote(tmp_path, tokenizer_json, text_dir, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({"data": {"tokenizer": str(tokenizer_json),
+                                           "text_path": str(text_dir), "prepare_workers": 1,
+                                           "prepare_dir": str(tmp_path / "p")}}))
+    assert main(["prepare", "--config", str(config)]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("prepared: ") and "vocab 400" in last

@@ -1,0 +1,169 @@
+"""Pre-tokenized token files (data/token_files.py): formats, memory maps, sharded streams, exact
+resume mid-shard, and every bad-input case as a ConfigError before the model is built."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from _data_fixtures import assert_same, take
+
+from speedtronic.cli import main
+from speedtronic.config import ConfigError, load_config
+from speedtronic.data import build_data, check_data
+from speedtronic.data.token_files import (
+    HEADER_MAGIC,
+    TokenFileStore,
+    open_token_file,
+    resolve_token_paths,
+    write_shard,
+)
+
+MODEL = {"max_seq_len": 16, "n_layer": 1, "n_head": 2, "d_model": 16}
+
+
+def cfg(tmp_path, data: dict, **model):
+    return load_config({"model": {**MODEL, **model}, "data": {"micro_batch_size": 4, **data},
+                        "run": {"output_dir": str(tmp_path / "runs"), "name": "t",
+                                "max_steps": 2, "eval_every": 0, "device": "cpu"},
+                        "checkpoint": {"enabled": False}, "logging": {"progress_bar": False}})
+
+
+def ids(n: int, start: int = 0, vocab: int = 1000) -> np.ndarray:
+    return ((np.arange(start, start + n) * 7) % vocab).astype(np.uint16)
+
+
+@pytest.mark.parametrize("layout", ["raw", "header", "npy", "header_uint32"])
+def test_every_layout_reads_back_the_same_ids_as_a_memory_map(tmp_path, layout):
+    tokens = ids(5000)
+    if layout == "raw":
+        path = tmp_path / "train.bin"
+        tokens.tofile(path)
+    elif layout == "npy":
+        path = tmp_path / "train.npy"
+        np.save(path, tokens)
+    else:
+        path = tmp_path / "shard.bin"
+        write_shard(path, tokens.astype(np.uint32) if layout == "header_uint32" else tokens)
+        assert np.fromfile(path, np.int32, 1)[0] == HEADER_MAGIC
+    f = open_token_file(path, "auto", "data.tokens_path")
+    assert isinstance(f.tokens, np.memmap) and f.n == 5000
+    np.testing.assert_array_equal(np.asarray(f.tokens), tokens)
+
+
+def test_shards_form_one_stream_and_windows_cross_shard_boundaries(tmp_path):
+    parts = [ids(1000, 0), ids(700, 1000), ids(1300, 1700)]
+    for i, p in enumerate(parts):
+        write_shard(tmp_path / f"s_{i:03d}.bin", p)
+    files = [open_token_file(p, "auto", "k") for p in resolve_token_paths(str(tmp_path), "k")]
+    whole = np.concatenate(parts)
+    store = TokenFileStore(files)
+    assert store.n == 3000
+    np.testing.assert_array_equal(store.read(950, 1750), whole[950:1750])
+    tail = TokenFileStore(files, 2500, 3000)
+    np.testing.assert_array_equal(tail.read(0, 500), whole[2500:])
+    np.testing.assert_array_equal(store.gather(np.array([990, 1690]), 20),
+                                  np.stack([whole[990:1010], whole[1690:1710]]))
+
+
+def test_training_batches_shift_once_and_resume_exactly_mid_shard(tmp_path, monkeypatch):
+    import speedtronic.data.build as build_mod
+
+    monkeypatch.setattr(build_mod, "TOKEN_CHUNK", 256)  # several chunks per shard
+    for i in range(3):
+        write_shard(tmp_path / f"train_{i:03d}.bin", ids(2000, 2000 * i))
+    c = cfg(tmp_path, {"tokens_path": str(tmp_path / "train_*.bin")}, vocab_size=1000)
+    bundle = build_data(c)
+    first = take(bundle.train, 7)
+    for x, y in first:
+        assert x.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    state = bundle.train.state_dict()
+    after = take(bundle.train, 9)
+    again = build_data(c)
+    again.train.load_state_dict(state)
+    assert_same(take(again.train, 9), after)
+    eval_a, eval_b = bundle.eval_batches(2), build_data(c).eval_batches(2)
+    assert_same(eval_a, eval_b)
+
+
+def test_separate_eval_file(tmp_path):
+    np.save(tmp_path / "train.npy", ids(4000))
+    np.save(tmp_path / "val.npy", ids(600, 123))
+    c = cfg(tmp_path, {"tokens_path": str(tmp_path / "train.npy"),
+                       "eval_tokens_path": str(tmp_path / "val.npy")}, vocab_size=1000)
+    bundle = build_data(c)
+    assert bundle.train.store.n == 4000 and "600 eval" in bundle.description
+
+
+def test_ids_beyond_the_vocabulary_fail_before_the_model_is_built(tmp_path, capsys):
+    tokens = ids(3000)
+    tokens[1234] = 999
+    np.save(tmp_path / "train.npy", tokens)
+    c = cfg(tmp_path, {"tokens_path": str(tmp_path / "train.npy")}, vocab_size=500)
+    with pytest.raises(ConfigError, match=r"model.vocab_size: 500 .* token id 999; set "
+                                          r"model.vocab_size >= 1000"):
+        check_data(c)
+    unset = cfg(tmp_path, {"tokens_path": str(tmp_path / "train.npy")})
+    with pytest.raises(ConfigError, match="required for token files without a tokenizer; the "
+                                          "largest id in the data is 999"):
+        check_data(unset)
+    config = tmp_path / "run.yaml"
+    config.write_text(f"model: {{vocab_size: 500, max_seq_len: 16, n_layer: 1, n_head: 2, "
+                      f"d_model: 16}}\ndata: {{tokens_path: {tmp_path / 'train.npy'}}}\n"
+                      f"run: {{output_dir: {tmp_path / 'cli'}, max_steps: 1}}\n")
+    assert main(["train", "--config", str(config)]) == 2
+    err = capsys.readouterr()
+    assert "token id 999" in err.err and "Traceback" not in err.err
+    assert "model: reference_transformer" not in err.out  # refused before the model was built
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "no such file or directory"),
+    ("empty", "is empty"),
+    ("float_npy", "expected 1-D uint16 or uint32"),
+    ("truncated_header", "truncated or corrupt"),
+    ("odd_bytes", "not a whole number of uint32 ids"),
+    ("no_match", "matches no .bin or .npy"),
+    ("bad_version", "header of version 9"),
+])
+def test_bad_token_files_are_one_clear_error(tmp_path, case, message):
+    path = tmp_path / "t.bin"
+    dtype = "auto"
+    if case == "empty":
+        path.write_bytes(b"")
+    elif case == "float_npy":
+        path = tmp_path / "t.npy"
+        np.save(path, np.zeros(10, np.float32))
+    elif case == "truncated_header":
+        write_shard(path, ids(100))
+        path.write_bytes(path.read_bytes()[:-10])
+    elif case == "odd_bytes":
+        path.write_bytes(b"\x00" * 10)
+        dtype = "uint32"
+    elif case == "no_match":
+        path = tmp_path / "nothing_*.bin"
+    elif case == "bad_version":
+        header = np.zeros(256, np.int32)
+        header[:3] = (HEADER_MAGIC, 9, 4)
+        path.write_bytes(header.tobytes() + b"\x00" * 8)
+    c = cfg(tmp_path, {"tokens_path": str(path), "tokens_dtype": dtype}, vocab_size=1000)
+    with pytest.raises(ConfigError, match=message) as info:
+        check_data(c)
+    assert "data.tokens_path" in str(info.value)
+
+
+def test_sources_are_exclusive_and_eval_tokens_needs_tokens():
+    with pytest.raises(ConfigError, match="set at most one of"):
+        load_config({"data": {"tokens_path": "a.bin", "synthetic": True}})
+    with pytest.raises(ConfigError, match="data.eval_tokens_path: needs data.tokens_path"):
+        load_config({"data": {"eval_tokens_path": "v.bin"}})
+
+
+def test_every_shipped_data_config_is_valid():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "configs"
+    for name in ("data_tokens.yaml", "data_text_tokenizer.yaml", "data_hf_dataset.yaml"):
+        c = load_config(root / name)
+        assert sum(v is not None for v in (c.data.tokens_path, c.data.text_path,
+                                           c.data.hf_dataset)) == 1, name
