@@ -120,6 +120,7 @@ def test_local_hf_dataset_offline_from_disk_and_from_data_files(tmp_path, tokeni
         x, y = next(bundle.train)
         assert x.shape == (4, 32) and int(x.max()) < 400
         counts.append(prepare(c)["tokens"])
+        assert train_from_config(c, plot=False).steps == 3
     assert counts[0] == counts[1]  # the same rows, whichever way they are stored
 
 
