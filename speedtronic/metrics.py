@@ -41,6 +41,10 @@ def format_step_line(m: dict[str, Any], max_steps: int) -> str:
     parts.append(f"{_fmt_count(m['tokens_per_sec'])} tok/s")
     parts.append(f"{m['samples_per_sec']:.1f} samples/s")
     parts.append(f"{m['step_ms']:.0f} ms/step")
+    if m.get("model_tflops") is not None:
+        parts.append(f"{m['model_tflops']:.3g} TFLOP/s")
+    if m.get("mfu") is not None:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
     if m.get("memory_bytes") is not None:
         parts.append(f"mem {m['memory_bytes'] / 2**30:.2f} GiB")
     return " | ".join(parts)

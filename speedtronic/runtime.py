@@ -66,11 +66,28 @@ def build_scheduler(optimizer: torch.optim.Optimizer,
     """
     s = cfg.scheduler
     horizon = s.max_steps or cfg.run.max_steps
+    _warn_about_schedule(cfg, horizon)
 
     def factor(step: int) -> float:
         return lr_factor(step, s.warmup_steps, horizon, s.name, s.min_lr_ratio)
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _warn_about_schedule(cfg: SpeedtronicConfig, horizon: int) -> None:
+    """A schedule that cannot do what it says gets one warning naming both numbers."""
+    s, steps = cfg.scheduler, cfg.run.max_steps
+    if s.warmup_steps >= steps:
+        logger.warning("scheduler: warmup_steps=%d >= run.max_steps=%d, so the run never reaches "
+                       "its peak learning rate (it ends at %.0f%% of it); set "
+                       "scheduler.warmup_steps below %d, e.g. %d (10%% of the run)",
+                       s.warmup_steps, steps, 100.0 * steps / max(1, s.warmup_steps), steps,
+                       max(1, steps // 10))
+    elif s.name == "cosine" and horizon < steps:
+        logger.warning("scheduler: the cosine ends at scheduler.max_steps=%d but the run lasts "
+                       "run.max_steps=%d, so the last %d steps stay at min_lr_ratio=%g; set "
+                       "scheduler.max_steps to %d or null (= run.max_steps)", horizon, steps,
+                       steps - horizon, s.min_lr_ratio, steps)
 
 
 def build_optimizer(model: nn.Module, cfg: SpeedtronicConfig) -> torch.optim.Optimizer:

@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from . import ooo, shapes
+from . import mfu, ooo, shapes
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from .config import SpeedtronicConfig
 from .errors import SpeedtronicError
@@ -140,6 +140,10 @@ class Trainer:
         self._compile_pending = False
         self._ooo = None
         self._shape_report = None
+        self._flops_per_token: float | None = None
+        self._peak_tflops: float | None = None
+        self._mfu_history: list[float] = []
+        self._tflops_history: list[float] = []
         self._last_saved_step = -1
         self._configure_features()
 
@@ -174,6 +178,25 @@ class Trainer:
             if table:  # "" when the check is off (alignment: none, CPU): print nothing
                 self.metrics.line(table)
         self._ooo = ooo.build_ooo_scheduler(self.model, self.config, self.device)
+        self._configure_mfu()
+
+    def _configure_mfu(self) -> None:
+        """Model FLOPs per token and the device peak, decided once (see speedtronic.mfu)."""
+        cfg = self.config
+        seq_len = getattr(self.data, "block_size", None) or cfg.data.block_size \
+            or cfg.model.max_seq_len
+        self._flops_per_token = mfu.model_flops_per_token(self.model, int(seq_len))
+        self._peak_tflops, source = mfu.device_peak_tflops(self.device, self.precision.mode,
+                                                           cfg.run.peak_tflops)
+        if self._flops_per_token is None:
+            logger.info("mfu: off (%s declares no flops_per_token(seq_len))",
+                        type(self.model).__name__)
+        elif self._peak_tflops is None:
+            logger.info("mfu: model TFLOP/s only (%.3g GFLOP per token); %s",
+                        self._flops_per_token / 1e9, source)
+        else:
+            logger.info("mfu: %.3g GFLOP per token against a peak of %.0f TFLOP/s (%s)",
+                        self._flops_per_token / 1e9, self._peak_tflops, source)
 
     # ----------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -233,6 +256,17 @@ class Trainer:
         self._last_saved_step = self.step
         self.metrics.emit("checkpoint", {"step": self.step, "path": str(path)})
         return path
+
+    def _add_mfu(self, record: dict[str, Any]) -> None:
+        """Achieved model TFLOP/s and MFU of the interval just logged."""
+        if self._flops_per_token is None:
+            return
+        tflops = record["tokens_per_sec"] * self._flops_per_token / 1e12
+        record["model_tflops"] = tflops
+        self._tflops_history.append(tflops)
+        if self._peak_tflops is not None:
+            record["mfu"] = tflops / self._peak_tflops
+            self._mfu_history.append(record["mfu"])
 
     # ----------------------------------------------------------------------------- loop
     def _call(self, method: str, *args: Any) -> None:
@@ -370,19 +404,25 @@ class Trainer:
                     now = time.perf_counter()
                     dt = max(now - t_log, 1e-9)
                     n_steps = max(1, self.step - steps_at_log)
-                    # The only host syncs of the loop: one per log step.
-                    self.last_loss = float(loss_sum.item()) / max(1, micro_since_log)
+                    # The loop's only host sync: one read of (loss, grad norm) per log step.
+                    if grad_norm is None:
+                        loss_value, norm_value = float(loss_sum.item()), None
+                    else:
+                        loss_value, norm_value = torch.stack(
+                            [loss_sum, grad_norm.detach().float()]).tolist()
+                    self.last_loss = loss_value / max(1, micro_since_log)
                     record = {
                         "step": self.step,
                         "loss": self.last_loss,
                         "lr": float(self.optimizer.param_groups[0]["lr"]),
-                        "grad_norm": float(grad_norm.item()) if grad_norm is not None else None,
+                        "grad_norm": norm_value,
                         "tokens_per_sec": (self.tokens - tokens_at_log) / dt,
                         "samples_per_sec": (self.samples - samples_at_log) / dt,
                         "step_ms": 1000.0 * dt / n_steps,
                         "tokens": self.tokens,
                         "memory_bytes": max_memory_bytes(self.device),
                     }
+                    self._add_mfu(record)
                     self.metrics.emit("train_step", record)
                     self.metrics.line(format_step_line(record, target))
                     self.metrics.advance(self.step - steps_at_log,
@@ -399,8 +439,16 @@ class Trainer:
             if self._ooo is not None:
                 self._ooo.close()
             self._call("on_train_end")
+        summary = {"median_model_tflops": mfu.median(self._tflops_history),
+                   "median_mfu": mfu.median(self._mfu_history)}
         self.metrics.emit("train_end", {"step": self.step, "tokens": self.tokens,
-                                        "loss": self.last_loss, "eval_loss": self.last_eval_loss})
+                                        "loss": self.last_loss, "eval_loss": self.last_eval_loss,
+                                        **summary})
+        if summary["median_model_tflops"] is not None:
+            mfu_text = (f", MFU {100 * summary['median_mfu']:.1f}%"
+                        if summary["median_mfu"] is not None else "")
+            self.metrics.line(f"summary: median {summary['median_model_tflops']:.3g} model "
+                              f"TFLOP/s{mfu_text} over {len(self._tflops_history)} log steps")
         return TrainResult(steps=self.step, tokens=self.tokens, final_loss=self.last_loss,
                            final_eval_loss=self.last_eval_loss, run_dir=self.run_dir,
                            metrics_path=self.metrics.path)

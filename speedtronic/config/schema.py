@@ -62,6 +62,9 @@ class RunConfig:
     """Number of optimizer steps (absolute: a resumed run stops at the same step)."""
     output_dir: str = "runs"
     """Base folder for run directories."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device, the denominator of MFU. None = NVIDIA's datasheet figure
+    for the GPU (16-bit or TF32 by precision; see speedtronic/mfu.py), or no MFU when unknown."""
     num_threads: int | None = None
     """CPU threads for torch (``torch.set_num_threads``); None keeps torch's default (one per
     core). On a 2-core machine with the other core busy, 2 threads ran the quickstart ~9x slower
@@ -79,6 +82,9 @@ class RunConfig:
         if self.num_threads is not None:
             _check(self.num_threads > 0, f"{p}.num_threads",
                    f"must be > 0 or null, got {self.num_threads}")
+        if self.peak_tflops is not None:
+            _check(self.peak_tflops > 0, f"{p}.peak_tflops",
+                   f"must be > 0 or null, got {self.peak_tflops}")
         _check(self.eval_every >= 0, f"{p}.eval_every", f"must be >= 0, got {self.eval_every}")
         _check(self.eval_batches > 0, f"{p}.eval_batches", f"must be > 0, got {self.eval_batches}")
         _check(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device) is not None, f"{p}.device",

@@ -223,6 +223,12 @@ class ReferenceTransformer(nn.Module):
             "seq_len": cfg.max_seq_len,
         }
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (PaLM's ``6 N + 12 L d T``, see :mod:`speedtronic.mfu`):
+        ``N`` counts every linear weight, the output head included even when tied."""
+        n = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return 6.0 * n + 12.0 * len(self.blocks) * self.embed.embedding_dim * seq_len
+
     def set_gradient_checkpointing(self, enabled: bool = True) -> None:
         """Recompute each block's activations during backward (saves memory, costs ~1 forward)."""
         self.gradient_checkpointing = bool(enabled)

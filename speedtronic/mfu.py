@@ -1,0 +1,82 @@
+"""Model FLOPs utilization: how close a run is to the hardware.
+
+``MFU = achieved model FLOP/s / peak dense FLOP/s of the device``, where the achieved rate is
+``tokens/s x model FLOPs per token``. Model FLOPs count the work the model needs, not what the
+run does: a training token costs 3x its forward FLOPs (forward, and backward for activations
+and for weights), so recomputation under gradient checkpointing is not counted (that would be
+hardware FLOPs utilization), and neither is the optimizer step. For a decoder-only transformer
+this is the PaLM formula (Chowdhery et al. 2022, appendix B):
+
+    FLOPs per token = 6 N + 12 L d T
+
+* ``N``: parameters that multiply activations: every linear layer and the output head (tied or
+  not, the head's matmul happens); not the embedding lookup or the norms;
+* ``12 L d T``: attention scores and the weighted sum of values, 2 x 2 x d x T per layer
+  forward, x 3 for training; causal masking is not discounted (the PaLM convention).
+
+A model declares its FLOPs with a ``flops_per_token(seq_len) -> float`` method (the reference
+transformer does); without one, step lines show tokens/s only. Peak rates are NVIDIA's dense
+(no sparsity) tensor-core figures from the product datasheets, for 16-bit precision and TF32
+(fp32 runs on CUDA are measured against TF32, which matmuls use when enabled); ``run.peak_tflops``
+overrides them, e.g. for other GPUs or for a CPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["PEAK_TFLOPS", "device_peak_tflops", "median", "model_flops_per_token",
+           "transformer_flops_per_token"]
+
+#: Dense peak TFLOP/s per GPU: (16-bit, TF32). Matched by substring of the device name, first hit.
+PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
+    ("H200", 989.0, 494.0),
+    ("H100 PCIe", 756.0, 378.0),
+    ("H100", 989.0, 494.0),       # SXM
+    ("A100", 312.0, 156.0),
+    ("L40S", 362.0, 183.0),
+    ("L4", 121.0, 60.0),
+    ("A10", 125.0, 62.5),
+    ("RTX 4090", 165.2, 82.6),    # fp16/bf16 with fp32 accumulation
+    ("RTX 3090", 71.0, 35.6),
+    ("V100", 125.0, 15.7),        # fp16 tensor cores; no TF32 (fp32 CUDA-core rate)
+    ("T4", 65.0, 8.1),
+)
+
+
+def transformer_flops_per_token(matmul_params: int, n_layer: int, d_model: int,
+                                seq_len: int) -> float:
+    """``6 N + 12 L d T`` training FLOPs per token (see the module docstring)."""
+    return 6.0 * matmul_params + 12.0 * n_layer * d_model * seq_len
+
+
+def model_flops_per_token(model: nn.Module, seq_len: int) -> float | None:
+    """The model's declared training FLOPs per token at ``seq_len``, or None."""
+    fn = getattr(model, "flops_per_token", None)
+    if not callable(fn):
+        return None
+    value = float(fn(seq_len))
+    return value if value > 0 else None
+
+
+def device_peak_tflops(device: torch.device, precision_mode: str,
+                       override: float | None = None) -> tuple[float | None, str]:
+    """``(peak TFLOP/s, where it came from)``; None when unknown (CPU, unlisted GPU)."""
+    if override is not None:
+        return float(override), "run.peak_tflops"
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None, f"no peak for {device.type} (set run.peak_tflops)"
+    name = torch.cuda.get_device_name(device)
+    for key, half, tf32 in PEAK_TFLOPS:
+        if key in name:
+            sixteen = precision_mode in ("bf16", "fp16")
+            return (half if sixteen else tf32), f"{name}, {'16-bit' if sixteen else 'TF32'} dense"
+    return None, f"{name} is not in the peak table (set run.peak_tflops)"
+
+
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None

@@ -1,0 +1,44 @@
+"""runtime.py: the schedule warnings a user needs before a run wastes its steps."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from speedtronic.config import load_config
+from speedtronic.runtime import build_scheduler
+
+
+def _sched(**kw):
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    return build_scheduler(opt, load_config(kw))
+
+
+def test_warmup_longer_than_the_run_names_both_numbers(caplog):
+    with caplog.at_level(logging.WARNING, logger="speedtronic.runtime"):
+        _sched(run={"max_steps": 60}, scheduler={"warmup_steps": 100})
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "warmup_steps=100 >= run.max_steps=60" in msg and "ends at 60%" in msg
+    assert "below 60, e.g. 6" in msg
+
+
+def test_cosine_horizon_shorter_than_the_run_is_said(caplog):
+    with caplog.at_level(logging.WARNING, logger="speedtronic.runtime"):
+        _sched(run={"max_steps": 500}, scheduler={"name": "cosine", "warmup_steps": 10,
+                                                   "max_steps": 300})
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "scheduler.max_steps=300" in msg and "run.max_steps=500" in msg
+    assert "last 200 steps" in msg
+
+
+@pytest.mark.parametrize("kw", [
+    {"run": {"max_steps": 500}, "scheduler": {"warmup_steps": 50}},
+    {"run": {"max_steps": 500}, "scheduler": {"name": "constant", "warmup_steps": 5,
+                                              "max_steps": 100}},
+])
+def test_sound_schedules_say_nothing(caplog, kw):
+    with caplog.at_level(logging.WARNING, logger="speedtronic.runtime"):
+        _sched(**kw)
+    assert not caplog.records
