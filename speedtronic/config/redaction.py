@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REDACTED", "redact", "to_plain"]
+__all__ = ["REDACTED", "redact", "to_plain", "url_has_credentials"]
 
 REDACTED = "<redacted>"
 
@@ -22,6 +22,16 @@ _SECRET_KEY = re.compile(r"(^|_)(token|secret|password|api_key|access_key|secret
 # ``@`` before the host, and secrets may hold ``/`` (AWS secret keys often do), so the match runs
 # from ``://`` up to the last ``@`` that is not followed by whitespace.
 _URL_USERINFO = re.compile(r"(://)[^\s]*@(?=[^\s@]*$|[^\s@]*\s)")
+
+
+_URL_CREDENTIALS = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^@\s/]*(:[^@\s]*)?@|"
+                              r"^[A-Za-z][A-Za-z0-9+.-]*://[^@\s]*:[^@\s]*@")
+
+
+def url_has_credentials(url: str) -> bool:
+    """``scheme://user:secret@host...`` (the secret may hold '/', which ends a URL's authority
+    for ``urllib``), or ``scheme://user@host``."""
+    return bool(_URL_CREDENTIALS.match(url))
 
 
 def to_plain(value: Any) -> Any:

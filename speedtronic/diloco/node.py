@@ -352,6 +352,13 @@ class Worker:
         missing = set(self._params) - set(tensors) if self._params else set()
         if missing:
             raise FormatError(f"global v{pointer.version} lacks {sorted(missing)[:3]}")
+        for k, param in self._params.items():
+            # copy_ would broadcast a (1, n) tensor into an (m, n) parameter without a word.
+            got = tensors[k]
+            if tuple(got.shape) != tuple(param.shape) or not got.is_floating_point():
+                raise FormatError(f"global v{pointer.version}: {k!r} is {got.dtype} "
+                                  f"{tuple(got.shape)}, the model has {param.dtype} "
+                                  f"{tuple(param.shape)}; not installed")
         keep = self._params or tensors
         tensors = {k: v.float() for k, v in tensors.items() if k in keep}
         with self._lock:

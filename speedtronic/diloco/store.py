@@ -25,6 +25,7 @@ from typing import TypeVar
 from urllib.parse import urlparse
 
 from .._renamed import renamed
+from ..config.redaction import url_has_credentials
 from .store_contract import (
     AccessDenied,
     ObjectExists,
@@ -214,7 +215,9 @@ def open_store(url: str, *, retry: RetryPolicy | None = None,
     Credentials are read by the back ends from the environment only (AWS_* / HF_TOKEN).
     """
     parsed = urlparse(url)
-    if parsed.username or parsed.password:
+    # urlparse ends the authority at the first '/', so "s3://KEY:SE/CRET@bucket" (AWS secrets
+    # may hold '/') has no username for it: look for "user:secret@" anywhere before the path.
+    if parsed.username or parsed.password or url_has_credentials(url):
         raise ValueError("distributed.store: the URL must not carry credentials; set them in "
                          "the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, HF_TOKEN)")
     if parsed.scheme == "file":

@@ -46,7 +46,15 @@ class DirectoryStore(Store):
         self.url = f"file://{self.root}"
 
     def _path(self, key: str) -> Path:
-        return self.root / check_key(key)
+        """The file of ``key``, refusing symbolic links anywhere below the root: a link planted
+        in a shared directory would otherwise read or overwrite a file outside the store."""
+        cur = self.root
+        for part in check_key(key).split("/"):
+            cur = cur / part
+            if cur.is_symlink():
+                raise AccessDenied(f"{key!r}: {cur} is a symbolic link; the file store refuses "
+                                   f"links below its root {self.root}")
+        return cur
 
     @staticmethod
     def _translate(exc: OSError, key: str) -> Exception:
@@ -127,11 +135,13 @@ class DirectoryStore(Store):
     def list(self, prefix: str = "") -> list[str]:
         out: list[str] = []
         try:
-            for dirpath, _dirs, files in os.walk(self.root):
+            for dirpath, _dirs, files in os.walk(self.root):  # never descends into dir links
                 rel = Path(dirpath).relative_to(self.root).as_posix()
                 for name in files:
                     if name.startswith(".tmp-") or name.startswith(".lock"):
                         continue
+                    if os.path.islink(os.path.join(dirpath, name)):
+                        continue  # not an object of this store (see _path)
                     key = name if rel == "." else f"{rel}/{name}"
                     if key.startswith(prefix):
                         out.append(key)

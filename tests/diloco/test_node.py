@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from harness import (  # noqa: E402
@@ -86,3 +87,30 @@ def test_distributed_config_validation():
         load_config({"distributed": {"shard": 2, "num_shards": 2}})
     with pytest.raises(ConfigError, match="outer_optimizer"):
         load_config({"distributed": {"outer_optimizer": "adam"}})
+
+
+@pytest.mark.parametrize("corrupt", ["broadcastable_shape", "integer_dtype"])
+def test_worker_refuses_a_global_whose_tensors_do_not_fit_the_model(tmp_path, corrupt):
+    """copy_ would broadcast a (1, n) tensor into an (m, n) parameter; the worker checks every
+    tensor's shape and dtype before it stages a global, and installs nothing."""
+    from speedtronic.diloco.node import sync_parameters
+
+    url = f"file://{tmp_path}/store"
+    store = open_store(url)
+    worker = Worker(make_cfg(url), node_id="w0")
+    worker._params = sync_parameters(TinyModel(0))
+    weights = initial_weights()
+    name = next(k for k, v in weights.items() if v.dim() == 2 and v.shape[0] > 1)
+    if corrupt == "broadcastable_shape":
+        weights[name] = weights[name][:1].clone()
+    else:
+        weights[name] = weights[name].to(torch.int32)
+    data = codec.encode_global(weights, 1)
+    path = codec.global_key(1, 0, "abc")
+    store.put(path, data)
+    pointer = codec.Pointer(version=1, path=path, sha256=codec.sha256(data),
+                            weights_digest=codec.tensor_digest(weights), outer_step=1,
+                            master_epoch=0, state_path="", state_sha256="")
+    with pytest.raises(codec.FormatError, match=f"{name!r} is .* not installed"):
+        worker._stage(pointer)
+    assert worker._candidate is None

@@ -118,3 +118,32 @@ def test_store_url_parsing(tmp_path):
         open_store("s3://AKIA:secret@bucket/x")
     with pytest.raises(ValueError, match="unsupported"):
         open_store("ftp://x/y")
+
+
+def test_file_store_refuses_symbolic_links_below_its_root(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_bytes(b"not yours")
+    root = tmp_path / "root"
+    s = DirectoryStore(root)
+    (root / "global").mkdir()
+    (root / "global" / "v1.safetensors").symlink_to(outside / "secret.txt")
+    (root / "deltas").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(AccessDenied, match="symbolic link"):
+        s.get("global/v1.safetensors")
+    with pytest.raises(AccessDenied, match="symbolic link"):
+        s.put("deltas/secret.txt", b"overwritten")
+    with pytest.raises(AccessDenied, match="symbolic link"):
+        s.delete("deltas/secret.txt")
+    assert (outside / "secret.txt").read_bytes() == b"not yours"
+    assert s.list() == []  # links are not objects of the store
+
+
+@pytest.mark.parametrize("url", ["s3://AKIAEXAMPLE:abc/def+ghi@bucket/prefix",
+                                 "s3://AKIAEXAMPLE:plain@bucket/prefix",
+                                 "hf://user:hf_token@user/repo"])
+def test_credentials_inside_a_store_url_are_refused_without_echoing_them(url):
+    with pytest.raises(ValueError, match="must not carry credentials") as info:
+        open_store(url)
+    assert "abc" not in str(info.value) and "plain" not in str(info.value)
+    assert "hf_token@" not in str(info.value)
