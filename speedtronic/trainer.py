@@ -145,6 +145,7 @@ class Trainer:
         self._mfu_history: list[float] = []
         self._tflops_history: list[float] = []
         self._last_saved_step = -1
+        self._replaced: str | None = None
         self._configure_features()
 
     # ----------------------------------------------------------------------------- setup
@@ -248,9 +249,18 @@ class Trainer:
     def _cb_name(cb: Any) -> str:
         return str(getattr(cb, "name", type(cb).__name__))
 
-    def save_checkpoint(self) -> Path | None:
-        """Write a checkpoint of the current step (no-op if checkpointing is off)."""
-        if self.checkpoints is None or self._last_saved_step == self.step:
+    def weights_replaced(self, reason: str) -> None:
+        """Tell the trainer a callback replaced the model's weights (DiLoCo installs a global).
+
+        When that happens inside ``on_train_end`` (DiLoCo's final sync), ``fit`` evaluates the
+        new weights and checkpoints them, so the run's last eval and checkpoint are of what it
+        ends with."""
+        self._replaced = reason
+
+    def save_checkpoint(self, force: bool = False) -> Path | None:
+        """Write a checkpoint of the current step (no-op if checkpointing is off, or if this
+        step is already saved unless ``force``)."""
+        if self.checkpoints is None or (self._last_saved_step == self.step and not force):
             return None
         path = self.checkpoints.save(self.step, self.state_dict())
         self._last_saved_step = self.step
@@ -438,7 +448,13 @@ class Trainer:
         finally:
             if self._ooo is not None:
                 self._ooo.close()
+            self._replaced = None
             self._call("on_train_end")
+        if self._replaced is not None:  # e.g. DiLoCo's final sync installed the last global
+            logger.info("final weights replaced by %s: evaluating and checkpointing them",
+                        self._replaced)
+            self.evaluate()
+            self.save_checkpoint(force=True)
         summary = {"median_model_tflops": mfu.median(self._tflops_history),
                    "median_mfu": mfu.median(self._mfu_history)}
         self.metrics.emit("train_end", {"step": self.step, "tokens": self.tokens,

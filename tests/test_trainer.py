@@ -3,6 +3,7 @@ fallback, no per-micro-batch host sync, callbacks, hooks, eval."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import sys
@@ -254,3 +255,37 @@ def test_eval_uses_the_same_held_out_batches(tmp_path):
     trainer = build_trainer(cfg)
     assert trainer.evaluate() == trainer.evaluate()
     trainer.metrics.close()
+
+
+def test_weights_replaced_at_train_end_are_evaluated_and_checkpointed(tmp_path):
+    """DiLoCo's final sync installs the last global in on_train_end, after the loop's last eval
+    and checkpoint: the trainer evaluates and checkpoints those weights too."""
+    from speedtronic.checkpoint import CheckpointManager
+    from speedtronic.runtime import build_trainer
+
+    class InstallAtEnd:
+        name = "install"
+
+        def on_train_end(self, trainer):
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    p.mul_(0.5)
+            trainer.weights_replaced("a test global")
+
+    cfg = tiny_config(tmp_path, name="replaced", run={"max_steps": 3, "eval_every": 0},
+                      checkpoint={"enabled": True, "every_steps": 100})
+    trainer = build_trainer(cfg, model=TinyLM(), data=FixedData(), callbacks=[InstallAtEnd()])
+    result = trainer.fit()
+    trainer.metrics.close()
+    final = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with torch.no_grad():
+        batches = FixedData().eval_batches(cfg.run.eval_batches)
+        expected = sum(float(loss_from_output(trainer.model(x, y))) for x, y in batches)
+    assert result.final_eval_loss == pytest.approx(expected / len(batches))
+    manager = CheckpointManager(cfg.run_dir / cfg.checkpoint.directory, keep_last=None)
+    state, _ = manager.load_latest()
+    for k, v in final.items():
+        assert torch.equal(state["model"][k], v), k
+    events = [json.loads(line)["event"] for line in
+              (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert events[-3:] == ["eval", "checkpoint", "train_end"]

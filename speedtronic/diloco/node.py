@@ -243,6 +243,9 @@ class Worker:
             self._drop_unused_refs()
         self.m["installs"] += 1
         logger.info("diloco worker %s: installed global v%d", self.node_id, pointer.version)
+        replaced = getattr(trainer, "weights_replaced", None)
+        if callable(replaced):
+            replaced(f"DiLoCo global v{pointer.version}")
 
     def _drop_unused_refs(self) -> None:
         live = {self.gen, *self._pending}

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..config import DistributedConfig, SpeedtronicConfig
+from ..errors import SpeedtronicError
 from .master import LeaseLost, Master
 from .node import Worker, default_node_id, sync_parameters
 from .store import open_store
@@ -80,6 +81,7 @@ class MasterNode:
         self.node_id = self.worker.node_id
         self.thread: MasterThread | None = None
         self._train_done = False
+        self._reported = False
 
     def on_train_start(self, trainer: Any) -> None:
         params = sync_parameters(trainer.model)
@@ -101,7 +103,18 @@ class MasterNode:
         # start after everyone seen so far finished would otherwise find the master gone.
         return m.all_done(min_nodes=self.cfg.expected_workers or 0)
 
+    def _raise_if_master_died(self) -> None:
+        """A dead master thread fails the run: nothing would aggregate this node's work (or
+        anyone else's) again, so training on would only burn compute."""
+        err = self.thread.error if self.thread is not None else None
+        if err is not None and not self._reported:
+            self._reported = True
+            raise SpeedtronicError(f"diloco master thread died: {type(err).__name__}: "
+                                   f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+                                   " (the run stops; see the log above for the traceback)")
+
     def after_optimizer_step(self, trainer: Any, step: int) -> None:
+        self._raise_if_master_died()
         self.worker.after_optimizer_step(trainer, step)
 
     def on_train_end(self, trainer: Any) -> None:
@@ -112,6 +125,8 @@ class MasterNode:
             self.thread.join()
             if self.thread.error is None:
                 self.worker.final_sync(trainer, timeout=max(5.0, self.cfg.poll_interval * 4))
+            else:
+                self._raise_if_master_died()
 
     def state_dict(self) -> dict:
         return self.worker.state_dict()

@@ -114,3 +114,25 @@ def test_worker_refuses_a_global_whose_tensors_do_not_fit_the_model(tmp_path, co
     with pytest.raises(codec.FormatError, match=f"{name!r} is .* not installed"):
         worker._stage(pointer)
     assert worker._candidate is None
+
+
+def test_a_dead_master_thread_fails_the_run_with_one_line(tmp_path, monkeypatch):
+    """role: master trains as a worker and aggregates in a thread; when that thread dies the
+    run must stop with the cause, not train on and exit 0."""
+    from speedtronic.diloco.master import Master
+    from speedtronic.diloco.service import MasterNode
+    from speedtronic.errors import SpeedtronicError
+
+    def broken_run(self, stop, until=None, idle_timeout=0.0):
+        raise RuntimeError("disk quota exceeded while publishing")
+
+    monkeypatch.setattr(Master, "run", broken_run)
+    cfg = make_cfg(f"file://{tmp_path}/store", inner_steps=2, final_sync_timeout=1)
+    node = MasterNode(cfg)
+    trainer = FakeTrainer(TinyModel(0))
+    node.on_train_start(trainer)  # returns once the thread bootstrapped v0, then it dies
+    assert node.thread.join(10)
+    with pytest.raises(SpeedtronicError, match="diloco master thread died: RuntimeError: disk "
+                                               "quota exceeded while publishing"):
+        node.after_optimizer_step(trainer, 1)
+    node.on_train_end(trainer)  # reported once: the end of the run does not raise again
