@@ -24,7 +24,7 @@ from ..config import DistributedConfig, SpeedtronicConfig
 from ..errors import SpeedtronicError
 from .master import LeaseLost, Master
 from .node import Worker, default_node_id, sync_parameters
-from .store import open_store
+from .store import open_store, probe_conditional_writes
 
 logger = logging.getLogger("speedtronic.diloco.service")
 
@@ -50,6 +50,8 @@ class MasterThread:
 
     def _main(self) -> None:
         try:
+            if self.store.supports_cas:
+                probe_conditional_writes(self.store, self.master.node_id)
             if not self.master.acquire_lease(self.stop):
                 return
             self.master.load_or_bootstrap()

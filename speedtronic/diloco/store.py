@@ -238,6 +238,40 @@ def open_store(url: str, *, retry: RetryPolicy | None = None,
     return RetryingStore(inner, retry, stop=stop)
 
 
+def probe_conditional_writes(store: Store, node_id: str) -> None:
+    """Check that the store really refuses a second create-only put and a swap with a stale
+    etag. Old client libraries drop those conditions silently (create-only and compare-and-swap
+    become plain overwrites), which would let two masters overwrite each other's work; a master
+    must not run on such a store. Raises StoreError saying which check failed."""
+    key = check_key(f"probe/{node_id}-{os.getpid()}-{random.getrandbits(32):08x}")
+    try:
+        store.put(key, b"first", if_absent=True)
+        try:
+            store.put(key, b"second", if_absent=True)
+        except ObjectExists:
+            pass
+        else:
+            raise StoreError(f"{store.url}: a second create-only put of {key!r} succeeded: the "
+                             "store (or its client library) ignores If-None-Match; upgrade "
+                             "s3fs/botocore (pip install 'speedtronic[s3]') before running a "
+                             "master on it")
+        data, etag = store.get_with_etag(key)
+        store.swap(key, b"third", etag)
+        try:
+            store.swap(key, b"fourth", etag)  # the etag is stale now
+        except PreconditionFailed:
+            pass
+        else:
+            raise StoreError(f"{store.url}: a swap with a stale etag succeeded: the store (or "
+                             "its client library) ignores If-Match; upgrade it before running a "
+                             "master on it")
+    finally:
+        try:
+            store.delete(key)
+        except StoreError:
+            pass
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
     """Poll ``predicate`` until true or ``timeout`` seconds pass (monotonic clock)."""
     deadline = time.monotonic() + timeout
@@ -252,7 +286,7 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
 __all__ = ["AccessDenied", "DirectoryStore", "HfStore", "ObjectExists", "ObjectInfo",
            "ObjectNotFound", "PreconditionFailed", "RetryPolicy", "RetryingStore", "S3Store",
            "Store", "StoreError", "StoreUnavailable", "TransientStoreError", "check_key",
-           "open_store", "wait_for"]
+           "open_store", "probe_conditional_writes", "wait_for"]
 
 
 # Renamed in 2.1: ``FileStore`` was also the name of a data class (now TextFileStore).

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from harness import initial_weights, make_cfg  # noqa: E402
 
 from speedtronic.diloco.store import (  # noqa: E402
     AccessDenied,
@@ -147,3 +148,45 @@ def test_credentials_inside_a_store_url_are_refused_without_echoing_them(url):
         open_store(url)
     assert "abc" not in str(info.value) and "plain" not in str(info.value)
     assert "hf_token@" not in str(info.value)
+
+
+class _IgnoresConditions(DirectoryStore):
+    """A store whose client drops If-None-Match / If-Match, as old s3fs/botocore do."""
+
+    def __init__(self, root, ignore: str) -> None:
+        super().__init__(root)
+        self.ignore = ignore
+
+    def put(self, key, data, *, if_absent=False):
+        super().put(key, data, if_absent=if_absent and self.ignore != "create")
+
+    def swap(self, key, data, expected_etag):
+        if self.ignore == "match":
+            self.put(key, data)
+            return "etag"
+        return super().swap(key, data, expected_etag)
+
+
+def test_conditional_write_probe_passes_on_a_real_store_and_leaves_nothing(tmp_path):
+    from speedtronic.diloco.store import probe_conditional_writes
+
+    s = DirectoryStore(tmp_path)
+    probe_conditional_writes(s, "m0")
+    assert s.list() == []
+
+
+@pytest.mark.parametrize("ignore, what", [("create", "If-None-Match"), ("match", "If-Match")])
+def test_a_master_refuses_a_store_that_ignores_conditional_writes(tmp_path, ignore, what):
+    from speedtronic.diloco.service import MasterThread
+    from speedtronic.diloco.store import StoreError, probe_conditional_writes
+
+    lying = _IgnoresConditions(tmp_path / "s", ignore)
+    with pytest.raises(StoreError, match=what):
+        probe_conditional_writes(lying, "m0")
+    assert lying.list() == []
+    thread = MasterThread(make_cfg(f"file://{tmp_path}/s"), "m0", lambda: initial_weights())
+    thread.store = lying  # what open_store would have returned for such a client
+    thread.start()
+    assert thread.join(10)
+    assert isinstance(thread.error, StoreError) and what in str(thread.error)
+    assert lying.stat("global/latest.json") is None  # it never published anything
