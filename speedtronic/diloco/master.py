@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -120,6 +120,7 @@ class Master:
                     self.lease_etag = self.store.swap(LEASE_KEY, self._lease_bytes(epoch, 0), etag)
                     self.epoch, self._renewals = epoch, 0
                     logger.info("diloco master %s holds the lease (epoch %d)", self.node_id, epoch)
+                    self._fence()
                     return True
                 except PreconditionFailed:
                     continue
@@ -132,6 +133,40 @@ class Master:
                 return False
             stop.wait(min(self.cfg.poll_interval, self.cfg.lease_ttl / 4))
         return False
+
+    def _fence(self) -> None:
+        """Stamp the pointer with this master's epoch at once (same version, new bytes).
+
+        The lease alone is checked when a round starts, so a master that lost it mid-round could
+        still swap the pointer. Rewriting the pointer here changes its etag: every later swap by
+        an older master fails (and it stops), and its destructive writes check the pointer's
+        epoch first (:meth:`_check_fence`). A publish that lands between our read and our swap
+        is adopted: the loop re-reads and stamps the newer pointer."""
+        while True:
+            try:
+                data, etag = self.store.get_with_etag(POINTER_KEY)
+            except ObjectNotFound:
+                return  # nothing published yet: bootstrap writes our epoch
+            pointer = Pointer.from_bytes(data)
+            if pointer.master_epoch >= self.epoch:
+                return
+            stamped = Pointer(**{**asdict(pointer), "master_epoch": self.epoch,
+                                 "master": self.node_id})
+            try:
+                self.store.swap(POINTER_KEY, stamped.to_bytes(), etag)
+                logger.info("diloco master %s fenced v%d at epoch %d", self.node_id,
+                            pointer.version, self.epoch)
+                return
+            except PreconditionFailed:
+                continue
+
+    def _check_fence(self) -> None:
+        """Raise LeaseLost when a newer master has stamped the pointer (see :meth:`_fence`);
+        called before every write that cannot be undone (rejections, deletions)."""
+        current = self._peek_pointer_epoch()
+        if current > self.epoch:
+            raise LeaseLost(f"master {self.node_id} (epoch {self.epoch}) is fenced: epoch "
+                            f"{current} holds the store")
 
     def _peek_pointer_epoch(self) -> int:
         try:
@@ -257,6 +292,7 @@ class Master:
         self.skip.add(key)  # never downloaded again by this master (the hwm covers restarts)
         stats.rejected += 1
         stats.reasons.append(reason)
+        self._check_fence()  # a deposed master must not reject or delete anybody's work
         parsed = codec.parse_delta_key(key)
         if parsed is not None:  # tell the sender, so its final sync need not wait for a global
             node, session, seq, _base = parsed
@@ -313,6 +349,9 @@ class Master:
                 continue
             stale = version - header.base_version
             if stale < 0:
+                # Ahead of us: either a newer master published (we are deposed; the fence
+                # says so) or the sender lies about its base.
+                self._check_fence()
                 self._quarantine(key, f"base_version {header.base_version} is ahead of the "
                                  f"current version {version}", stats)
                 continue
@@ -373,6 +412,7 @@ class Master:
         self._collect_garbage(applied_keys)
 
     def _collect_garbage(self, applied_keys: list[str]) -> None:
+        self._check_fence()
         try:
             doomed = list(applied_keys) if self.cfg.delete_processed else []
             keep_from = self.pointer.version - self.cfg.keep_versions + 1

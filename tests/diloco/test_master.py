@@ -193,3 +193,44 @@ def test_second_master_waits_for_the_lease(tmp_path):
     other.load_or_bootstrap()
     with pytest.raises(LeaseLost):
         m.run_once()
+
+
+def _take_over(store, m):
+    other = Master(store, m.cfg, "m1", lambda: initial_weights())
+    assert other.acquire_lease(threading.Event(), timeout=m.cfg.lease_ttl * 3)
+    other.load_or_bootstrap()
+    return other
+
+
+def test_a_takeover_fences_a_master_that_lost_its_lease_mid_round(tmp_path, monkeypatch):
+    """The lease is checked when a round starts; a master deposed after that must still be
+    unable to publish, reject or delete: the new master stamps the pointer with its epoch."""
+    store, m = _master(tmp_path, delete_processed=True)
+    other = _take_over(store, m)
+    assert read_pointer(store).master_epoch == other.epoch > m.epoch
+    monkeypatch.setattr(m, "renew_lease", lambda: None)  # m started its round before losing it
+    w = initial_weights()
+    good, _ = _put_delta(store, {k: 0.01 * torch.randn_like(v) for k, v in w.items()}, 0,
+                         base=m.pointer.version)
+    with pytest.raises(LeaseLost):
+        m.run_once()
+    assert read_pointer(store).master_epoch == other.epoch  # m published nothing
+    assert store.stat(good) is not None  # and deleted nothing: the new master applies it
+    other.run_once()
+    assert read_pointer(store).version == 1 and good in applied_keys(store)
+
+
+def test_a_fenced_master_never_quarantines_deltas_from_the_new_masters_version(tmp_path,
+                                                                               monkeypatch):
+    store, m = _master(tmp_path, delete_processed=True)
+    other = _take_over(store, m)
+    w = initial_weights()
+    _put_delta(store, {k: 0.01 * torch.randn_like(v) for k, v in w.items()}, 0, node="w1",
+               session="s1", base=other.pointer.version)
+    other.run_once()  # v1 by the new master
+    ahead, _ = _put_delta(store, {k: 0.01 * torch.randn_like(v) for k, v in w.items()}, 1,
+                          node="w1", session="s1", base=1)
+    monkeypatch.setattr(m, "renew_lease", lambda: None)
+    with pytest.raises(LeaseLost, match="fenced"):
+        m.run_once()  # m still thinks the version is 0: the delta is "ahead" of it
+    assert store.stat(ahead) is not None and not store.list("rejected/")
