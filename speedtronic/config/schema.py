@@ -468,6 +468,13 @@ class DistributedConfig:
     """Master rejects deltas whose L2 norm exceeds this (None = no bound)."""
     min_deltas: int = 1
     """Master publishes only when at least this many valid deltas are waiting."""
+    max_deltas_per_round: int = 16
+    """Master applies at most this many deltas per published version (the rest wait for the
+    next round): a backlog after an outage is worked off in bounded memory, one delta at a time
+    in memory beside the running sum."""
+    max_object_mb: float | None = None
+    """Largest delta or global a node downloads; larger objects are quarantined unread. None =
+    1.25x the model's fp32 size plus 1 MiB (what a legitimate object can be)."""
     compression: Literal["none", "bf16", "int8"] = "none"
     """Delta wire format: fp32, bf16 (2x smaller) or int8 with per-chunk scales (4x smaller);
     the quantization error is kept and sent with the next delta."""
@@ -514,6 +521,11 @@ class DistributedConfig:
         _check(self.max_staleness >= 0, f"{p}.max_staleness", "must be >= 0")
         if self.max_delta_norm is not None:
             _check(self.max_delta_norm > 0, f"{p}.max_delta_norm", "must be > 0 or null")
+        _check(self.max_deltas_per_round >= 1, f"{p}.max_deltas_per_round",
+               f"must be >= 1, got {self.max_deltas_per_round}")
+        if self.max_object_mb is not None:
+            _check(self.max_object_mb > 0, f"{p}.max_object_mb",
+                   f"must be > 0, got {self.max_object_mb}")
         _check(self.min_deltas >= 1, f"{p}.min_deltas", "must be >= 1")
         for key in ("start_timeout", "shutdown_timeout", "lease_ttl"):
             _check(getattr(self, key) > 0, f"{p}.{key}", "must be > 0")

@@ -208,6 +208,24 @@ def encode_delta(delta: dict[str, torch.Tensor], header: DeltaHeader
     return encode(wire, meta), decompress(wire, header.codec)
 
 
+_HEADER_TYPES = {"node": str, "session": str, "seq": int, "base_version": int,
+                 "inner_steps": int, "tokens": int, "codec": str, "created_at": (int, float),
+                 "format": str, "content_sha256": str}
+
+
+def _check_header_types(header: DeltaHeader) -> None:
+    """A checksum proves the bytes are what the sender wrote, not that the sender is sane:
+    every field must have its type (bools are not ints) and counters must be >= 0."""
+    for name, kind in _HEADER_TYPES.items():
+        value = getattr(header, name)
+        if isinstance(value, bool) or not isinstance(value, kind):
+            raise FormatError(f"delta header field {name!r} is {type(value).__name__} "
+                              f"{str(value)[:40]!r}")
+    for name in ("seq", "base_version", "inner_steps", "tokens"):
+        if getattr(header, name) < 0:
+            raise FormatError(f"delta header field {name!r} is negative")
+
+
 def decode_delta(data: bytes) -> tuple[dict[str, torch.Tensor], DeltaHeader]:
     """Parse and verify a delta object; raises FormatError naming what is wrong."""
     wire, meta = decode(data)
@@ -217,6 +235,7 @@ def decode_delta(data: bytes) -> tuple[dict[str, torch.Tensor], DeltaHeader]:
         header = DeltaHeader(**meta)
     except TypeError as exc:
         raise FormatError(f"bad delta header: {exc}") from exc
+    _check_header_types(header)
     if _content_sha(meta, tensor_digest(wire)) != header.content_sha256:
         raise FormatError("sha256 mismatch: payload or header was modified")
     allowed = _WIRE_DTYPES.get(header.codec)

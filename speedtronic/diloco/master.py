@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import threading
 import time
 import uuid
@@ -61,6 +62,39 @@ class MasterStats:
     bytes_up: int = 0
     published: bool = False
     reasons: list[str] = field(default_factory=list)
+
+
+class _WeightedSum:
+    """``sum(w_i * delta_i)``, the total weight and the count, built one delta at a time."""
+
+    def __init__(self) -> None:
+        self.total: dict[str, torch.Tensor] = {}
+        self.weight = 0.0
+        self.count = 0
+
+    def add(self, delta: dict[str, torch.Tensor], w: float) -> None:
+        for key, t in delta.items():
+            if key in self.total:
+                self.total[key].add_(t.float(), alpha=w)
+            else:
+                self.total[key] = t.float() * w
+        self.weight += w
+        self.count += 1
+
+
+def _read_lease(data: bytes) -> dict[str, Any]:
+    """The lease as a dict; a damaged one reads as held by nobody known, so the usual
+    ``lease_ttl`` wait applies (a live holder's renewals replace it) and then it is taken over,
+    instead of stopping every master on every restart."""
+    try:
+        lease = json.loads(data)
+        if isinstance(lease, dict) and isinstance(lease.get("epoch", 0), int):
+            return lease
+        raise ValueError("not a lease object")
+    except ValueError as exc:
+        logger.warning("diloco master: %s is unreadable (%s); treating it as an unknown holder",
+                       LEASE_KEY, exc)
+        return {"holder": "<unreadable lease>", "epoch": 0}
 
 
 class Master:
@@ -106,7 +140,7 @@ class Master:
         while not stop.is_set():
             try:
                 data, etag = self.store.get_with_etag(LEASE_KEY)
-                lease = json.loads(data)
+                lease = _read_lease(data)
             except ObjectNotFound:
                 data, etag, lease = None, None, {}
             pointer_epoch = self._peek_pointer_epoch()
@@ -183,7 +217,7 @@ class Master:
             # A retried swap whose first try landed sees its own write: still ours.
             try:
                 data, etag = self.store.get_with_etag(LEASE_KEY)
-                lease = json.loads(data)
+                lease = _read_lease(data)
             except ObjectNotFound:
                 lease, etag = {}, None
             if lease.get("session") == self.session and lease.get("epoch") == self.epoch:
@@ -246,7 +280,15 @@ class Master:
                           state_sha256=codec.sha256(sbytes), master=self.node_id)
         pbytes = pointer.to_bytes()
         if getattr(self.store, "single_commit", False):
-            etag = self.store.commit({gkey: wbytes, skey: sbytes}, (POINTER_KEY, pbytes, expected))
+            try:
+                etag = self.store.commit({gkey: wbytes, skey: sbytes},
+                                         (POINTER_KEY, pbytes, expected))
+            except PreconditionFailed:
+                # A retried commit whose first try landed (the reply was lost) finds its own
+                # pointer: that is success, as for the file and S3 stores below.
+                data, etag = self.store.get_with_etag(POINTER_KEY)
+                if data != pbytes:
+                    raise
         else:
             self.store.put(gkey, wbytes, if_absent=True)
             self.store.put(skey, sbytes, if_absent=True)
@@ -299,11 +341,22 @@ class Master:
             try:
                 self.store.put(codec.rejection_key(node, session, seq),
                                json.dumps({"key": key, "reason": reason}).encode())
-            except StoreError as exc:
+            except (StoreError, ValueError) as exc:  # ValueError: a name no valid key allows
                 logger.warning("diloco master: could not record the rejection of %s: %s",
                                key, exc)
         if self.cfg.delete_processed:
-            self.store.delete(key)
+            try:
+                self.store.delete(key)
+            except ValueError:
+                pass  # listed but not addressable: the high-water mark skips it from now on
+
+    @property
+    def max_object_bytes(self) -> int:
+        """Largest delta this master downloads (see ``distributed.max_object_mb``)."""
+        if self.cfg.max_object_mb is not None:
+            return int(self.cfg.max_object_mb * 2**20)
+        fp32 = sum(4 * v.numel() for v in self.weights.values())
+        return int(1.25 * fp32) + 2**20
 
     def run_once(self) -> MasterStats:
         """One aggregation round; returns its counters. Raises LeaseLost if deposed."""
@@ -325,16 +378,30 @@ class Master:
             if seq > self.hwm.get(f"{node}/{session}", -1) and key not in self.skip:
                 new.append((key, node, session, seq))
         new.sort(key=lambda item: (item[1], item[2], item[3]))
+        # Bounded memory: at most max_deltas_per_round per version; the rest stay above their
+        # session's high-water mark and are found again next round (sorted, so no gaps).
+        new = new[:self.cfg.max_deltas_per_round]
         stats.found = len(new)
-        accepted: list[tuple[dict[str, torch.Tensor], float]] = []
+        # One decoded delta at a time is added into the running weighted sum (fp32, like the
+        # weights): memory is 2x the model whatever the backlog.
+        accepted = _WeightedSum()
         applied_keys: list[str] = []
         staleness: list[int] = []
         hwm = dict(self.hwm)
         for key, node, session, seq in new:
             hwm[f"{node}/{session}"] = max(seq, hwm.get(f"{node}/{session}", -1))
             try:
+                info = self.store.stat(key)
+                if info is not None and info.size > self.max_object_bytes:
+                    self._quarantine(key, f"{info.size} bytes, above the {self.max_object_bytes}"
+                                     "-byte limit (distributed.max_object_mb); not downloaded",
+                                     stats)
+                    continue
                 data = self.store.get(key)
             except ObjectNotFound:
+                continue
+            except ValueError as exc:  # a name that lists but is not a valid store key
+                self._quarantine(key, f"unusable key: {exc}", stats)
                 continue
             stats.bytes_down += len(data)
             try:
@@ -364,13 +431,14 @@ class Master:
             if reason is not None:
                 self._quarantine(key, reason, stats)
                 continue
-            accepted.append((delta, staleness_weight(stale, self.cfg.staleness_weighting)))
+            accepted.add(delta, staleness_weight(stale, self.cfg.staleness_weighting))
+            del delta
             applied_keys.append(key)
             staleness.append(stale)
         self.totals["bytes_down"] += stats.bytes_down
         if new:
             self.last_new_delta = time.monotonic()
-        if len(accepted) < max(1, self.cfg.min_deltas):
+        if accepted.count < max(1, self.cfg.min_deltas):
             self._emit(stats)
             return stats
         self._apply_and_publish(accepted, applied_keys, staleness, hwm, stats)
@@ -384,12 +452,13 @@ class Master:
         self.weights = {k: v.clone() for k, v in self.weights.items()}
         self.outer.buf = {k: v.clone() for k, v in self.outer.buf.items()}
         self.outer.acc = {k: v.clone() for k, v in self.outer.acc.items()}
-        self.outer.step(self.weights, accepted, workers)
+        self.outer.step_sum(self.weights, accepted.total, accepted.weight, accepted.count,
+                            workers)
         crash_point("after_apply")
         version = self.pointer.version + 1
         self.hwm = hwm
         self.node_last_version = {**self.node_last_version, **{n: version for n in batch_nodes}}
-        self.totals["applied"] += len(accepted)
+        self.totals["applied"] += accepted.count
         self.totals["rejected"] += stats.rejected
         self.totals["versions"] += 1
         try:
@@ -403,10 +472,10 @@ class Master:
                 raise LeaseLost(f"pointer moved under master {self.node_id}: {exc}") from exc
             raise
         self.totals["bytes_up"] += stats.bytes_up
-        stats.version, stats.applied, stats.published = version, len(accepted), True
+        stats.version, stats.applied, stats.published = version, accepted.count, True
         stats.mean_staleness = sum(staleness) / len(staleness)
         logger.info("diloco master: v%d from %d deltas (M=%.0f, staleness mean %.2f, max %d), "
-                    "%d rejected", version, len(accepted), workers, stats.mean_staleness,
+                    "%d rejected", version, accepted.count, workers, stats.mean_staleness,
                     max(staleness), stats.rejected)
         self._emit(stats)
         self._collect_garbage(applied_keys)
@@ -418,8 +487,12 @@ class Master:
             keep_from = self.pointer.version - self.cfg.keep_versions + 1
             current = {self.pointer.path, self.pointer.state_path}
             for key in self.store.list("global/v") + self.store.list("master/state-"):
-                name = key.rsplit("/", 1)[-1]
-                ver = int(name.split("-")[1 if name.startswith("state-") else 0].lstrip("v"))
+                ver = _version_of(key)
+                if ver is None:  # a stray object under our prefixes: not ours to judge
+                    if key not in self.skip:
+                        self.skip.add(key)
+                        logger.warning("diloco master: ignoring unexpected object %s", key)
+                    continue
                 orphan = ver >= self.pointer.version and key not in current
                 if ver < keep_from or orphan:
                     doomed.append(key)
@@ -469,3 +542,12 @@ class Master:
                 break
             if stats.found == 0:
                 stop.wait(self.cfg.poll_interval)
+
+
+_VERSIONED = re.compile(r"(?:global/v|master/state-v)(\d{8})-e\d{4,}-[0-9a-f]+\.safetensors")
+
+
+def _version_of(key: str) -> int | None:
+    """The version in a global or master-state name this code writes, else None."""
+    m = _VERSIONED.fullmatch(key)
+    return int(m.group(1)) if m else None

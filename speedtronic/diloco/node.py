@@ -349,6 +349,13 @@ class Worker:
 
     def _stage(self, pointer: Pointer) -> None:
         """Download, verify and stage the global ``pointer`` names (installed at a boundary)."""
+        if self._params:
+            limit = (int(self.cfg.max_object_mb * 2**20) if self.cfg.max_object_mb is not None
+                     else int(1.25 * sum(4 * p.numel() for p in self._params.values())) + 2**20)
+            info = self.store.stat(pointer.path)
+            if info is not None and info.size > limit:
+                raise FormatError(f"global v{pointer.version} is {info.size} bytes, above the "
+                                  f"{limit}-byte limit (distributed.max_object_mb); not read")
         data = self.store.get(pointer.path)
         self.m["bytes_down"] += len(data)
         tensors = codec.decode_global(data, pointer)  # verifies sha256 + digest

@@ -62,18 +62,28 @@ class OuterOptimizer:
         """One outer update from ``deltas`` = [(delta, weight), ...]; ``workers`` = M."""
         if not deltas:
             return
-        total_w = sum(w for _, w in deltas)
+        total = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in params.items()}
+        for delta, w in deltas:
+            for key, acc in total.items():
+                acc.add_(delta[key].float(), alpha=w)
+        self.step_sum(params, total, sum(w for _, w in deltas), len(deltas), workers)
+
+    def step_sum(self, params: dict[str, torch.Tensor], weighted_sum: dict[str, torch.Tensor],
+                 total_weight: float, count: int, workers: float = 1.0) -> None:
+        """The same update from ``sum(w_i * delta_i)`` over ``count`` deltas: the master adds
+        deltas into it one at a time, so a round holds one decoded delta beside the sum
+        whatever the backlog. ``weighted_sum`` is consumed (scaled in place)."""
+        if count <= 0:
+            return
         if self.method == "delayed_nesterov":
             denom = max(float(workers), 1.0)
         else:
-            denom = total_w if total_w > 0 else 1.0
+            denom = total_weight if total_weight > 0 else 1.0
         for key, theta in params.items():
-            g = torch.zeros_like(theta, dtype=torch.float32)  # same shape as theta, fp32
-            for delta, w in deltas:
-                g.add_(delta[key].float(), alpha=w / denom)
-            self._apply(key, theta, g, len(deltas), workers)
+            g = weighted_sum[key].div_(denom)  # (same shape as theta), fp32
+            self._apply(key, theta, g, count, workers)
         if self.method == "delayed_nesterov":
-            self.arrived += len(deltas)
+            self.arrived += count
             if self.arrived >= workers:  # the round closed inside _apply: start the next one
                 self.arrived = math.fmod(self.arrived, max(float(workers), 1.0))
                 self.acc.clear()
