@@ -64,7 +64,8 @@ def worker(a: argparse.Namespace) -> None:
 
 def master(a: argparse.Namespace) -> None:
     cfg = make_cfg(a.store, outer_optimizer=a.outer, max_staleness=a.max_staleness,
-                   poll_interval=a.poll, delete_processed=a.delete)
+                   poll_interval=a.poll, delete_processed=a.delete,
+                   max_object_mb=a.max_object_mb)
     expect = {n for n in a.expect.split(",") if n}
     t = MasterThread(cfg, a.node, lambda: initial_weights(0))
     t.until = lambda m: m.all_done(expect)
@@ -97,6 +98,7 @@ def main() -> None:
     p.add_argument("--outer", default="delayed_nesterov")
     p.add_argument("--max-staleness", type=int, default=8)
     p.add_argument("--delete", action="store_true")
+    p.add_argument("--max-object-mb", type=float, default=None)
     a = p.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO,

@@ -7,6 +7,7 @@ rejected) and that every node at version v holds the weights the pointer named f
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -190,6 +191,34 @@ def test_worker_killed_during_upload_leaves_nothing_visible(cluster, tmp_path):
     _check(cluster, ["w0", "w1-restarted"])
 
 
+def test_a_damaged_lease_does_not_stop_a_master_from_starting(cluster):
+    """A lease.json that is not JSON used to raise out of every master's start; now it reads as
+    an unknown holder: the master waits lease_ttl for a renewal that never comes, takes over,
+    and the run completes."""
+    store = open_store(cluster.url)
+    store.put("master/lease.json", b"\x00not json{")
+    m = cluster.start("master", "m0", "--expect", "w0")
+    w0 = cluster.start("worker", "w0", *WORKER)
+    cluster.wait(w0)
+    cluster.wait(m)
+    assert cluster.report("m0")["error"] is None
+    _check(cluster, ["w0"])
+
+
+def test_two_masters_with_one_node_id_never_double_apply(cluster):
+    """The same node id reads as a restart of that master and takes over at once; the pointer
+    fence stops the older process at its next write, and every delta is applied exactly once."""
+    a = cluster.start("master", "m0", "--expect", "w0", tag="-a")
+    assert wait_for(lambda: _pointer_version(cluster.url) >= 0, TIMEOUT)
+    w0 = cluster.start("worker", "w0", *WORKER)
+    assert wait_for(lambda: _pointer_version(cluster.url) >= 1, TIMEOUT)
+    b = cluster.start("master", "m0", "--expect", "w0", tag="-b")
+    cluster.wait(w0)
+    codes = {a.wait(timeout=TIMEOUT), b.wait(timeout=TIMEOUT)}
+    assert codes <= {0, 3}, codes  # 3: stopped by the fence (reported, not a crash)
+    _check(cluster, ["w0"])
+
+
 def test_second_master_cannot_move_the_pointer(cluster):
     a = cluster.start("master", "ma", "--expect", "w0")
     assert wait_for(lambda: _pointer_version(cluster.url) >= 0, TIMEOUT)
@@ -232,16 +261,37 @@ def _bad_deltas(store, version: int) -> dict[str, str]:
         put("bad", 4, good, raw=lambda d: store.get(
             f"nodes/bad/s0/d00000002-b{version:08d}.safetensors")): "does not match",  # duplicate
         put("bad", 5, good, base=0): "stale",
+        _put_raw_header(store, "bad", 6, version,  # int ids where floats belong (no compress)
+                        {**good, "fc1.weight": w["fc1.weight"].to(torch.int32)}):
+            "dtype not allowed",
+        _put_raw_header(store, "bad", 7, version, good, seq="7"): "field 'seq' is str",
+        _put_raw_header(store, "bad", 8, version, good, tokens=-5): "field 'tokens' is negative",
+        put("bad", 9, {**good, "fc1.weight": torch.zeros(4096, 64)}): "above the",  # oversized
     }
+
+
+def _put_raw_header(store, node: str, number: int, version: int, delta, **bad_fields) -> str:
+    """A delta whose checksum is right but whose header fields have hostile types/values."""
+    h = codec.DeltaHeader(node=node, session="s0", seq=number, base_version=version,
+                          inner_steps=5, tokens=0)
+    meta = {**dataclasses.asdict(h), **bad_fields}
+    meta["content_sha256"] = codec._content_sha(meta, codec.tensor_digest(delta))
+    store.put(h.key, codec.encode(delta, meta), if_absent=True)
+    return h.key
 
 
 def test_bad_and_stale_deltas_are_quarantined(cluster):
     # "bad" counts as an expected node, so the master keeps going until its deltas are seen
-    m = cluster.start("master", "master", "--expect", "w0,bad", "--max-staleness", "1")
+    # A 1 MB object limit: the tiny model's legitimate deltas are a few KB.
+    m = cluster.start("master", "master", "--expect", "w0,bad", "--max-staleness", "1",
+                      "--max-object-mb", "1")
     w0 = cluster.start("worker", "w0", *WORKER)
     assert wait_for(lambda: _pointer_version(cluster.url) >= 2, TIMEOUT)
     store = open_store(cluster.url)
     bad = _bad_deltas(store, _pointer_version(cluster.url))
+    # Objects nobody should have written, under the master's own prefixes: ignored, not fatal.
+    store.put("global/vjunk.safetensors", b"junk")
+    store.put("master/state-v99999999-junk", b"junk")
     store.put("nodes/bad/s0/done.json", b"{}")
     cluster.wait(w0)
     cluster.wait(m)
