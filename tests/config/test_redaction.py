@@ -42,3 +42,24 @@ def test_saved_config_holds_no_credential(tmp_path):
     text = (tmp_path / "config.yaml").read_text()
     assert "se/cret" not in text and REDACTED in text
     assert cfg.to_dict(redact=False)["logging"]["wandb_project"].endswith("se/cret@bucket/x")
+
+
+def test_a_secret_with_slashes_and_ats_reaches_no_file_and_no_log_line(tmp_path, caplog):
+    """config.yaml, checkpoints and metrics.jsonl of a real run, and every log line."""
+    from speedtronic.runtime import train_from_config
+
+    secret = "s3cr/et@with/odd+chars"
+    cfg = load_config({
+        "run": {"name": "s", "output_dir": str(tmp_path), "max_steps": 2, "eval_every": 0,
+                "device": "cpu"},
+        "model": {"n_layer": 1, "d_model": 32, "n_head": 2, "max_seq_len": 16},
+        "data": {"micro_batch_size": 2, "stdlib_max_bytes": 100_000},
+        "checkpoint": {"every_steps": 1}, "logging": {"progress_bar": False},
+        "distributed": {"store": f"s3://AKIAEXAMPLE:{secret}@bucket/prefix"}})
+    with caplog.at_level("DEBUG", logger="speedtronic"):
+        train_from_config(cfg, plot=False)
+    for path in (tmp_path / "s").rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+            assert b"s3cr/et" not in path.read_bytes(), path
+    assert "s3cr/et" not in caplog.text
