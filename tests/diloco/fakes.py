@@ -29,6 +29,9 @@ class FakeHfApi:
     files: dict[str, bytes] = field(default_factory=dict)
     commits: list[str] = field(default_factory=lambda: ["0" * 40])
     fail: list[tuple[str, int, float | None]] = field(default_factory=list)
+    lose_reply: list[str] = field(default_factory=list)
+    """Commit-message fragments: the next commit whose message holds one takes effect and then
+    fails with a 503, as when the reply to a request that landed is lost on the way back."""
     calls: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -65,6 +68,10 @@ class FakeHfApi:
                     self.files[op.path_in_repo] = data
             self.commits.append(hashlib.sha1(f"{len(self.commits)}{commit_message}".encode())
                                 .hexdigest())
+            lost = next((f for f in self.lose_reply if f in commit_message), None)
+            if lost is not None:
+                self.lose_reply.remove(lost)
+                raise FakeHTTPError(503)
         return SimpleNamespace(oid=self.commits[-1])
 
     def hf_hub_download(self, repo_id: str, filename: str, *, local_dir: str, **kw: Any) -> str:

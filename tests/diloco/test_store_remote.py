@@ -8,6 +8,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fakes import FakeHfApi, MotoServer, set_aws_env  # noqa: E402
@@ -112,6 +113,29 @@ def test_hf_publication_is_one_commit():
     m.load_or_bootstrap()
     assert api.calls["create_commit"] == before + 1  # weights + state + pointer together
     assert {"global/latest.json", m.pointer.path, m.pointer.state_path} <= set(api.files)
+
+
+def test_hf_publication_whose_reply_is_lost_is_not_a_lost_lease():
+    """The commit lands, its reply is lost, the retry finds the pointer already moved: the master
+    must recognise its own publication (as on file:// and s3://), not step down."""
+    from speedtronic.diloco import codec
+    from speedtronic.diloco.master import Master
+
+    api = FakeHfApi()
+    store = RetryingStore(HfStore("hf://me/run", api=api), sleep=lambda _: None)
+    m = Master(store, make_cfg("hf://me/run"), "m0", lambda: initial_weights())
+    assert m.acquire_lease(threading.Event(), timeout=5)
+    m.load_or_bootstrap()
+    w = initial_weights()
+    h = codec.DeltaHeader(node="w0", session="s0", seq=0, base_version=0, inner_steps=5,
+                          tokens=0)
+    data, _ = codec.encode_delta({k: 1e-3 * torch.ones_like(v) for k, v in w.items()}, h)
+    store.put(h.key, data, if_absent=True)
+    api.lose_reply = ["publish global/latest.json"]  # the publication, not the lease renewal
+    stats = m.run_once()
+    assert not api.lose_reply  # the fault did fire
+    assert stats.published and m.pointer.version == 1
+    assert codec.Pointer.from_bytes(store.get("global/latest.json")).version == 1
 
 
 def _run(url: str, store, **kw) -> None:
