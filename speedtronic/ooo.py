@@ -37,6 +37,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from .config import SpeedtronicConfig
+from .precision import decide_compile
 
 __all__ = ["OOOScheduler", "build_ooo_scheduler", "find_deferrable_linears"]
 
@@ -470,9 +471,9 @@ def build_ooo_scheduler(model: nn.Module, cfg: SpeedtronicConfig, device: torch.
 def _fallback_reason(cfg: SpeedtronicConfig, device: torch.device, force_cpu: bool) -> str | None:
     if not cfg.ooo_backprop:
         return "ooo_backprop: false"
-    if cfg.compile:
-        return ("compile: true; torch.compile and ooo_backprop are mutually exclusive in this "
-                "release")
+    compiled, why = decide_compile(cfg, device)
+    if compiled:
+        return f"{why}; torch.compile and ooo_backprop are mutually exclusive in this release"
     if device.type == "cpu" and force_cpu:
         return None
     if device.type != "cuda" or not torch.cuda.is_available():

@@ -10,10 +10,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import SpeedtronicError
+
+if TYPE_CHECKING:
+    from .config import SpeedtronicConfig
 
 logger = logging.getLogger("speedtronic.precision")
 
@@ -140,3 +144,27 @@ def max_memory_bytes(device: torch.device) -> int | None:
         return None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB
+
+
+AUTO_COMPILE_MIN_STEPS = 2000
+"""``compile: auto`` compiles CUDA runs of at least this many steps: about 1.7x the break-even
+measured on an H200 (see the ``compile`` config field)."""
+
+
+def decide_compile(cfg: SpeedtronicConfig, device: torch.device) -> tuple[bool, str]:
+    """``(compile?, why)`` for ``cfg.compile`` on ``device`` (one log line says both)."""
+    if cfg.compile is True:
+        return True, "compile: true"
+    if cfg.compile is False:
+        return False, "compile: false"
+    if cfg.ooo_backprop:
+        return False, ("auto: ooo_backprop: true was asked for, and the two are mutually "
+                       "exclusive in this release")
+    if device.type != "cuda":
+        return False, (f"auto: no CUDA ({device.type}); compiling a CPU run costs more time "
+                       "than it saves")
+    if cfg.run.max_steps < AUTO_COMPILE_MIN_STEPS:
+        return False, (f"auto: {cfg.run.max_steps} steps is shorter than the "
+                       f"{AUTO_COMPILE_MIN_STEPS}-step threshold where compiling pays back; set "
+                       "compile: true to compile anyway")
+    return True, f"auto: a {cfg.run.max_steps}-step CUDA run"

@@ -24,7 +24,7 @@ from .config import SpeedtronicConfig
 from .errors import SpeedtronicError
 from .metrics import MetricsLogger, format_step_line
 from .models.loss import extract_loss
-from .precision import PrecisionPlan, max_memory_bytes
+from .precision import PrecisionPlan, decide_compile, max_memory_bytes
 
 logger = logging.getLogger("speedtronic.trainer")
 
@@ -159,13 +159,14 @@ class Trainer:
             else:
                 logger.warning("gradient checkpointing: off (%s has no "
                                "set_gradient_checkpointing(bool))", type(self.model).__name__)
-        if cfg.compile:
+        self.compile_on, why = decide_compile(cfg, self.device)
+        if self.compile_on:
             self._forward = torch.compile(self.model)
             self._compile_pending = True  # real compilation happens on the first forward
-            logger.info("torch.compile: requested (compiles on the first step; falls back to "
-                        "eager if the compiler fails)")
+            logger.info("torch.compile: on, %s (compiles on the first step; falls back to "
+                        "eager if the compiler fails)", why)
         else:
-            logger.info("torch.compile: off (set compile: true to enable)")
+            logger.info("torch.compile: off, %s", why)
 
     def log_metrics(self, values: dict[str, Any]) -> None:
         """Record extra values (e.g. from a callback) as a ``train_step``-style event."""
@@ -306,9 +307,11 @@ class Trainer:
         """
         self._compile_pending = False
         rng = torch.get_rng_state()
+        t0 = time.perf_counter()
         try:
             loss = self._micro_step(x, y)
-            logger.info("torch.compile: on")
+            logger.info("torch.compile: compiled in %.1f s (first forward + backward)",
+                        time.perf_counter() - t0)
             return loss
         except _compile_error_types() as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -381,7 +384,7 @@ class Trainer:
             "parameters": sum(p.numel() for p in self.params),
             "shape_alignment": getattr(report, "alignment", None),
             "shape_warning_count": getattr(report, "warning_count", None),
-            "compile": cfg.compile, "ooo_backprop": self._ooo is not None,
+            "compile": self.compile_on, "ooo_backprop": self._ooo is not None,
         })
         self._call("on_train_start")
         self.model.train()

@@ -42,3 +42,28 @@ def test_sound_schedules_say_nothing(caplog, kw):
     with caplog.at_level(logging.WARNING, logger="speedtronic.runtime"):
         _sched(**kw)
     assert not caplog.records
+
+
+@pytest.mark.parametrize("setting, device, steps, ooo, expected, fragment", [
+    ("auto", "cpu", 5000, False, False, "no CUDA"),
+    ("auto", "cuda", 500, False, False, "shorter than the 2000-step threshold"),
+    ("auto", "cuda", 5000, False, True, "5000-step CUDA run"),
+    ("auto", "cuda", 5000, True, False, "ooo_backprop: true"),
+    (True, "cpu", 10, False, True, "compile: true"),
+    (False, "cuda", 10_000, False, False, "compile: false"),
+])
+def test_compile_auto_decides_by_device_length_and_ooo(setting, device, steps, ooo, expected,
+                                                       fragment):
+    from speedtronic.precision import decide_compile
+
+    cfg = load_config({"compile": setting, "run": {"max_steps": steps}, "ooo_backprop": ooo})
+    on, why = decide_compile(cfg, torch.device(device))
+    assert on is expected and fragment in why
+
+
+def test_compile_setting_is_strict():
+    from speedtronic.config import ConfigError
+
+    assert load_config({}).compile == "auto"
+    with pytest.raises(ConfigError, match="compile"):
+        load_config({"compile": "yes"})

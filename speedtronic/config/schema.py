@@ -572,8 +572,11 @@ class SpeedtronicConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     shape_validation: ShapeValidationConfig = field(default_factory=ShapeValidationConfig)
-    compile: bool = False
-    """Compile the model with ``torch.compile`` (falls back to eager, with the reason logged)."""
+    compile: bool | Literal["auto"] = "auto"
+    """Compile the model with ``torch.compile`` (falls back to eager, with the reason logged).
+    ``auto``: on for CUDA runs of at least 2000 steps, where compiling pays back (an 85M GPT on
+    an H200 compiled in ~24 s and then stepped 50 -> 29 ms, a break-even near 1150 steps,
+    benchmarks/results/h200_first_run_2026-11-30.md); off on CPU and for shorter runs."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (same as model.gradient_checkpointing)."""
     ooo_backprop: bool = False
