@@ -1,0 +1,83 @@
+"""Wall time of a short CPU training run, ours against speedtronic 2.0.0 on the same YAML.
+
+The run (150 steps of a 4-layer, d=128 model on byte-level data, fp32, no checkpoints) is what a
+user tries first; every second of start-up, evaluation or plotting shows. Both CLIs run the same
+file in alternation, ``--repeats`` times each, with one torch thread (``OMP_NUM_THREADS=1``), and
+the medians are compared. speedtronic 2.0.0 lives in its own virtual environment (same package
+name): ``python3 -m venv /tmp/v200 && /tmp/v200/bin/pip install torch==2.13.0 speedtronic==2.0.0``.
+
+    python benchmarks/bench_short_run.py --v200-python /tmp/v200/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONFIG = """run: {max_steps: 150, device: cpu, seed: 1, name: short, output_dir: %s}
+model: {vocab_size: 256, max_seq_len: 128, n_layer: 4, n_head: 4, n_kv_head: 2, d_model: 128}
+data: {micro_batch_size: 8, target_batch_size: 8}
+precision: {mode: fp32}
+checkpoint: {enabled: false}
+"""
+
+
+def run(python: str, config: Path) -> float:
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    t0 = time.perf_counter()
+    out = subprocess.run([python, "-m", "speedtronic", "train", "--config", str(config)],
+                         capture_output=True, text=True, env=env, timeout=900)
+    elapsed = time.perf_counter() - t0
+    if out.returncode != 0:
+        raise SystemExit(f"{python} failed:\n{out.stderr[-2000:]}")
+    return elapsed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--v200-python", required=True)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    times: dict[str, list[float]] = {"ours": [], "2.0.0": []}
+    with tempfile.TemporaryDirectory() as d:
+        for i in range(args.repeats):
+            for name, python in (("ours", sys.executable), ("2.0.0", args.v200_python)):
+                config = Path(d) / f"{name}-{i}.yaml"
+                config.write_text(CONFIG % (Path(d) / f"runs-{name}-{i}"))
+                times[name].append(run(python, config))
+                print(name, f"{times[name][-1]:.2f} s", flush=True)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["ours"] / med["2.0.0"]
+    try:
+        load = Path("/proc/loadavg").read_text().split()[:3]
+    except OSError:
+        load = ["?"]
+    result = {"times_s": times, "median_s": med, "ratio": ratio, "load_avg_after": load,
+              "machine": platform.processor() or platform.machine(),
+              "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M"),
+              "command": "python benchmarks/bench_short_run.py --v200-python <venv>/bin/python"}
+    (RESULTS / "short_run_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
+    lines = ["# Short CPU run: wall time, ours against speedtronic 2.0.0 (same YAML)", "",
+             f"Command: `{result['command']}`, {result['date']} UTC; {result['machine']}, "
+             f"Python {result['python']}, torch 2.13.0+cpu for both, OMP_NUM_THREADS=1; "
+             f"load average after: {' '.join(load)}", "", "```yaml",
+             (CONFIG % "<tmp>").strip(), "```", "",
+             "| CLI | runs (s) | median (s) |", "|---|---|---|"]
+    for k, v in times.items():
+        lines.append(f"| {k} | {', '.join(f'{x:.2f}' for x in v)} | {med[k]:.2f} |")
+    lines += ["", f"Ratio ours / 2.0.0: **{ratio:.2f}x** (the target is <= 0.90x)."]
+    (RESULTS / "short_run_cpu.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
