@@ -29,6 +29,7 @@ import torch
 
 import speedtronic.kernels as kernels
 import speedtronic.ops as ops
+from speedtronic.autotune import cuda_event_timer
 
 GPT2_SMALL = [(768, 768)] * 48 + [(3072, 768)] * 12 + [(768, 3072)] * 12
 LLAMA_1B = ([(2048, 2048)] * 32 + [(512, 2048)] * 32 + [(8192, 2048)] * 32 + [(2048, 8192)] * 16)
@@ -65,19 +66,8 @@ class Clock:
 
 
 def cuda_time(fn: Callable[[], object], warmup: int = 5, repeat: int = 20) -> float:
-    """Median milliseconds of fn() by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    """Median milliseconds of fn() by CUDA events (the timer the per-shape dispatch uses)."""
+    return cuda_event_timer(fn, warmup, repeat)
 
 
 def make_params(shapes, device, seed=0, spectrum="gaussian"):
