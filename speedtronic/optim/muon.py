@@ -33,7 +33,8 @@ from ._state import Fp32StateMixin, run_closure
 
 logger = logging.getLogger("speedtronic.optim")
 
-__all__ = ["Muon", "muon_step", "adjusted_lr_scale", "MUON_DEFAULTS", "resolve_ns_dtype"]
+__all__ = ["Muon", "muon_step", "adjusted_lr_scale", "MUON_DEFAULTS", "parse_layout",
+           "resolve_ns_dtype"]
 
 MUON_DEFAULTS: dict[str, Any] = {
     "lr": 1e-3,
@@ -49,6 +50,7 @@ MUON_DEFAULTS: dict[str, Any] = {
     "cautious": False,
     "cautious_rescale": True,
     "ns_dtype": "auto",
+    "layout": "matrix",
 }
 """Per-group defaults; the first eight are torch.optim.Muon's, with the same values."""
 
@@ -91,6 +93,23 @@ def adjusted_lr_scale(adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
                      "'match_rms_adamw'")
 
 
+def parse_layout(layout: str) -> tuple[str, int]:
+    """``"matrix"`` | ``"transposed"`` | ``"split:K"`` -> (kind, K); ValueError otherwise.
+
+    * ``matrix``: the weight is ``(out, in)`` (``nn.Linear``);
+    * ``transposed``: the weight is stored ``(in, out)`` (Hugging Face ``Conv1D``): the polar
+      factor of the transpose is the transpose of the polar factor, so only the lr scale must
+      use the logical ``(out, in)`` shape;
+    * ``split:K``: K matrices stacked along dim 0 (fused Q/K/V: ``K = 3``), each orthogonalized
+      on its own: Q, K and V are separate linear maps."""
+    if layout in ("matrix", "transposed"):
+        return layout, 1
+    if isinstance(layout, str) and layout.startswith("split:") and layout[6:].isdigit() \
+            and int(layout[6:]) >= 1:
+        return "split", int(layout[6:])
+    raise ValueError(f"layout {layout!r} is not valid; use 'matrix', 'transposed' or 'split:K'")
+
+
 def _check_group(group: dict[str, Any]) -> None:
     lr = group["lr"]
     if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -108,14 +127,21 @@ def _check_group(group: dict[str, Any]) -> None:
     group["ns_dtype"] = resolve_ns_dtype(group["ns_dtype"])
     if isinstance(group["ns_coefficients"], tuple):
         group["ns_coefficients"] = list(group["ns_coefficients"])
+    kind, k = parse_layout(group.get("layout", "matrix"))
     for p in group["params"]:
         if p.ndim != 2:
             raise ValueError("Muon only supports 2D parameters whereas we found a parameter with "
                              f"size: {p.size()} (route it to AdamW; see "
                              "speedtronic.optim.route_parameters)")
+        if kind == "split" and p.shape[0] % k:
+            raise ValueError(f"layout split:{k} needs rows divisible by {k}, got shape "
+                             f"{tuple(p.shape)}")
 
 
 def _group_entries(state: dict, group: dict[str, Any]) -> list[tuple[Tensor, Tensor, Tensor]]:
+    """``(param, grad, momentum buffer)`` per matrix; a ``split:K`` parameter gives K row-block
+    views of all three (contiguous slices: the kernels update the parameter in place)."""
+    kind, k = parse_layout(group.get("layout", "matrix"))
     entries = []
     for p in group["params"]:
         g = p.grad
@@ -133,7 +159,12 @@ def _group_entries(state: dict, group: dict[str, Any]) -> list[tuple[Tensor, Ten
             # fp32 whatever the parameter dtype: bf16 momentum loses the small updates.
             buf = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
             st["momentum_buffer"] = buf
-        entries.append((p, g, buf))
+        if kind == "split":
+            rows = p.shape[0] // k
+            entries.extend((p[i * rows:(i + 1) * rows], g[i * rows:(i + 1) * rows],
+                            buf[i * rows:(i + 1) * rows]) for i in range(k))
+        else:
+            entries.append((p, g, buf))
     return entries
 
 
@@ -145,6 +176,9 @@ def muon_step(state: dict, groups: Iterable[dict[str, Any]]) -> None:
     buckets: dict[tuple, list[tuple[dict, Tensor, Tensor, Tensor]]] = defaultdict(list)
     for group in groups:
         for p, g, buf in _group_entries(state, group):
+            if not p.is_contiguous():  # a split view of a non-contiguous parameter
+                raise RuntimeError(f"Muon layout {group.get('layout')!r} needs a contiguous "
+                                   f"parameter (shape {tuple(p.shape)})")
             coeffs = group["ns_coefficients"]
             key = (tuple(p.shape), p.device, group["ns_steps"],
                    coeffs if isinstance(coeffs, str) else tuple(coeffs), group["eps"],
@@ -184,8 +218,9 @@ def _bucket_step(key: tuple, items: list[tuple[dict, Tensor, Tensor, Tensor]]) -
         end = start
         while end < len(items) and items[end][0] is group:
             end += 1
+        logical = shape[::-1] if group.get("layout") == "transposed" else shape
         post(params[start:end], orth[start:end], grads[start:end], float(group["lr"]),
-             float(group["weight_decay"]), adjusted_lr_scale(group["adjust_lr_fn"], shape),
+             float(group["weight_decay"]), adjusted_lr_scale(group["adjust_lr_fn"], logical),
              bool(group["muon_plus"]), float(group["norm_eps"]), bool(group["cautious"]),
              bool(group["cautious_rescale"]))
         start = end

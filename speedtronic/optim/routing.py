@@ -11,7 +11,11 @@ Rules, applied once per parameter *tensor* (tied/shared tensors are seen once):
    embedding/head-like name (``lm_head``, ``wte``, ``embed_tokens``, ...), or, as a last resort,
    is a Linear whose ``out_features`` equals the vocabulary size of the model's largest
    embedding.
-4. 2-D weights of ``nn.Linear`` modules (hidden matrices) go to Muon.
+4. Hidden matrices go to Muon: 2-D weights of ``nn.Linear`` (and subclasses); Hugging Face
+   ``Conv1D`` weights, stored ``(in, out)`` (layout ``transposed``: the lr scale uses the
+   logical ``(out, in)`` shape); ``nn.MultiheadAttention.in_proj_weight`` (layout ``split:3``:
+   Q, K and V orthogonalized as three matrices); any 2-D weight whose parameter or module sets
+   ``_speedtronic_muon_split = K`` (a fused projection of K matrices stacked along dim 0).
 5. Everything else (norm gains, biases, conv kernels, raw ``nn.Parameter`` tensors) goes to
    AdamW; give the owning module ``_speedtronic_optimizer_role = "muon"`` to change that.
 
@@ -28,9 +32,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["ParameterRoutes", "route_parameters", "ROLE_ATTRIBUTE"]
+__all__ = ["ParameterRoutes", "route_parameters", "ROLE_ATTRIBUTE", "SPLIT_ATTRIBUTE",
+           "describe_routing"]
 
 ROLE_ATTRIBUTE = "_speedtronic_optimizer_role"
+SPLIT_ATTRIBUTE = "_speedtronic_muon_split"
 _VALID_ROLES = ("muon", "adamw")
 _HEAD_NAMES = frozenset({
     "lm_head", "head", "output_head", "classifier", "score", "unembed", "embed_out",
@@ -51,6 +57,10 @@ class ParameterRoutes:
     frozen: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
     """Parameter name -> why it went where it went (e.g. ``"adamw: embedding"``)."""
+    layouts: dict[str, str] = field(default_factory=dict)
+    """Muon parameter name -> ``"matrix"``, ``"transposed"`` or ``"split:K"`` (see Muon)."""
+    hidden_unrouted: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+    """2-D AdamW tensors that are not embeddings or heads (matrices Muon could have taken)."""
 
     @property
     def adamw(self) -> list[tuple[str, nn.Parameter]]:
@@ -160,6 +170,7 @@ def route_parameters(model: nn.Module, *, decay_embeddings: bool = False,
         embedding_like = is_embedding or is_head
         linear_weight = any(isinstance(mod, nn.Linear) and leaf == "weight"
                             for _, mod, leaf in owners[key])
+        layout, kind = _muon_layout(p, owners[key])
         matrix = p.ndim == 2 and p.is_floating_point()
 
         if role == "muon" and matrix:
@@ -170,6 +181,8 @@ def route_parameters(model: nn.Module, *, decay_embeddings: bool = False,
             branch, why = "adamw", "adamw: embedding/head"
         elif role is None and matrix and linear_weight:
             branch, why = "muon", "muon: hidden Linear matrix"
+        elif role is None and matrix and kind is not None:
+            branch, why = "muon", f"muon: {kind}"
         else:
             branch = "adamw"
             why = ("adamw: bias/norm (<2 dims)" if p.ndim < 2 else
@@ -178,7 +191,10 @@ def route_parameters(model: nn.Module, *, decay_embeddings: bool = False,
 
         if branch == "muon":
             routes.muon.append((name, p))
+            routes.layouts[name] = layout
         else:
+            if matrix and not embedding_like:
+                routes.hidden_unrouted.append((name, tuple(p.shape)))
             if embedding_like:
                 decay = decay_embeddings
             elif p.ndim < 2:
@@ -189,6 +205,51 @@ def route_parameters(model: nn.Module, *, decay_embeddings: bool = False,
             why += " (decay)" if decay else " (no decay)"
         routes.reasons[name] = why
     return routes
+
+
+def _muon_layout(p: nn.Parameter, regs: list[tuple[str, nn.Module, str]]
+                 ) -> tuple[str, str | None]:
+    """(layout, what it is) for a matrix Muon can take beyond plain ``nn.Linear`` weights."""
+    for _, mod, leaf in regs:
+        split = getattr(p, SPLIT_ATTRIBUTE, None) or (
+            getattr(mod, SPLIT_ATTRIBUTE, None) if leaf == "weight" else None)
+        conv1d = type(mod).__name__ == "Conv1D" and leaf == "weight" and p.ndim == 2
+        if split is not None and conv1d:
+            raise ValueError(f"{SPLIT_ATTRIBUTE} on a Conv1D weight (stored (in, out), its "
+                             "blocks are column blocks) is not supported; it is orthogonalized "
+                             "as one matrix without the attribute")
+        if split is not None:
+            if not isinstance(split, int) or split < 1 or p.ndim != 2 or p.shape[0] % split:
+                raise ValueError(f"{SPLIT_ATTRIBUTE} = {split!r} does not split a tensor of "
+                                 f"shape {tuple(p.shape)} into equal row blocks")
+            return f"split:{split}", f"declared fused projection of {split} matrices"
+        if isinstance(mod, nn.MultiheadAttention) and leaf == "in_proj_weight":
+            return "split:3", "MultiheadAttention in_proj (Q, K, V)"
+        if isinstance(mod, nn.MultiheadAttention) and leaf in ("q_proj_weight", "k_proj_weight",
+                                                                "v_proj_weight"):
+            return "matrix", f"MultiheadAttention {leaf[0].upper()} projection"
+        if conv1d:
+            return "transposed", "Conv1D matrix stored (in, out)"
+        if isinstance(mod, nn.Linear) and leaf == "weight":
+            return "matrix", None
+    return "matrix", None
+
+
+def describe_routing(model: nn.Module, **kwargs: bool) -> str:
+    """A table of every trainable tensor: name, shape, branch and why (see the module docstring).
+
+    ``kwargs`` go to :func:`route_parameters`; print the returned string.
+    """
+    routes = route_parameters(model, **kwargs)
+    params = dict(model.named_parameters())
+    rows = [("name", "shape", "layout", "why")]
+    for name, why in routes.reasons.items():
+        shape = "x".join(map(str, params[name].shape)) if name in params else "?"
+        rows.append((name, shape, routes.layouts.get(name, "-"), why))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}"
+             for r in rows]
+    return "\n".join([*lines, routes.summary()])
 
 
 def describe_routes(routes: ParameterRoutes) -> str:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
 
-from speedtronic.config import ModelConfig
-from speedtronic.optim import route_parameters
+from speedtronic.config import ModelConfig, OptimizerConfig
+from speedtronic.optim import Muon, build_optimizer, route_parameters
 from speedtronic.optim.routing import trainable_parameters
 
 
@@ -151,3 +153,103 @@ def test_unpacking_and_decay_flags() -> None:
     routes = route_parameters(model, decay_embeddings=True, decay_norms_and_biases=True)
     assert routes.adamw_no_decay == []
     assert "muon 4 tensors" in routes.summary()
+
+
+# ------------------------------------------------------------------ beyond nn.Linear
+class Conv1D(torch.nn.Module):
+    """The Hugging Face GPT-2 projection: weight stored (in, out), y = x @ W + b."""
+
+    def __init__(self, nf: int, nx: int) -> None:
+        super().__init__()
+        self.nf = nf
+        self.weight = torch.nn.Parameter(torch.randn(nx, nf) * 0.02)
+        self.bias = torch.nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return x @ self.weight + self.bias
+
+
+def test_transformer_encoder_routes_every_hidden_matrix_to_muon():
+    from speedtronic.optim import describe_routing
+
+    layer = torch.nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64,
+                                             batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+    routes = route_parameters(model)
+    muon = dict(routes.muon)
+    assert {n for n in muon if n.endswith("in_proj_weight")} == {
+        "layers.0.self_attn.in_proj_weight", "layers.1.self_attn.in_proj_weight"}
+    assert routes.layouts["layers.0.self_attn.in_proj_weight"] == "split:3"
+    assert routes.layouts["layers.0.self_attn.out_proj.weight"] == "matrix"
+    assert "layers.0.linear1.weight" in muon and "layers.1.linear2.weight" in muon
+    assert not routes.hidden_unrouted
+    assert all(p.ndim < 2 for _, p in routes.adamw)
+    table = describe_routing(model)
+    assert "layers.0.self_attn.in_proj_weight" in table and "split:3" in table
+
+
+def test_conv1d_goes_to_muon_with_the_logical_shape_for_the_lr_scale():
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 16), Conv1D(48, 16), Conv1D(16, 48))
+    routes = route_parameters(model)
+    assert routes.layouts == {"1.weight": "transposed", "2.weight": "transposed"}
+    assert {n for n, _ in routes.adamw} == {"0.weight", "1.bias", "2.bias"}
+
+
+def test_transposed_layout_equals_muon_on_the_transposed_matrix():
+    torch.manual_seed(0)
+    w = torch.randn(16, 48)  # stored (in, out) for out=48, in=16
+    g = torch.randn(16, 48)
+    a = torch.nn.Parameter(w.clone())
+    b = torch.nn.Parameter(w.t().contiguous())  # the logical (out, in) matrix
+    a.grad, b.grad = g.clone(), g.t().contiguous()
+    Muon([{"params": [a], "layout": "transposed"}], lr=0.1, weight_decay=0.0,
+         ns_dtype="fp32").step()
+    Muon([b], lr=0.1, weight_decay=0.0, ns_dtype="fp32").step()
+    torch.testing.assert_close(a.detach().t(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_split_layout_equals_three_separate_matrices():
+    torch.manual_seed(0)
+    w, g = torch.randn(3 * 16, 16), torch.randn(3 * 16, 16)
+    fused = torch.nn.Parameter(w.clone())
+    fused.grad = g.clone()
+    parts = [torch.nn.Parameter(w[i * 16:(i + 1) * 16].clone()) for i in range(3)]
+    for i, p in enumerate(parts):
+        p.grad = g[i * 16:(i + 1) * 16].clone()
+    opt = Muon([{"params": [fused], "layout": "split:3"}], lr=0.1, weight_decay=0.01,
+               ns_dtype="fp32")
+    for _ in range(2):
+        opt.step()
+    ref = Muon(parts, lr=0.1, weight_decay=0.01, ns_dtype="fp32")
+    for _ in range(2):
+        ref.step()
+    torch.testing.assert_close(fused.detach(), torch.cat([p.detach() for p in parts]),
+                               rtol=1e-5, atol=1e-6)
+    assert opt.state[fused]["momentum_buffer"].shape == (48, 16)
+
+
+def test_declared_fused_projection_and_bad_declarations():
+    from speedtronic.optim import SPLIT_ATTRIBUTE
+
+    qkv = torch.nn.Linear(16, 48)
+    setattr(qkv, SPLIT_ATTRIBUTE, 3)
+    routes = route_parameters(torch.nn.Sequential(qkv))
+    assert routes.layouts["0.weight"] == "split:3"
+    setattr(qkv, SPLIT_ATTRIBUTE, 5)
+    with pytest.raises(ValueError, match="equal row blocks"):
+        route_parameters(torch.nn.Sequential(qkv))
+    with pytest.raises(ValueError, match="layout 'diagonal' is not valid"):
+        Muon([{"params": [torch.nn.Parameter(torch.randn(4, 4))], "layout": "diagonal"}])
+
+
+def test_a_muon_run_that_trains_most_matrices_with_adamw_says_so(caplog):
+    class Raw(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.small = torch.nn.Linear(8, 8)
+            self.big = torch.nn.Parameter(torch.randn(64, 64))  # a raw matrix, not a Linear
+
+    with caplog.at_level(logging.WARNING, logger="speedtronic.optim"):
+        build_optimizer(Raw(), OptimizerConfig(name="muon"))
+    (msg,) = [r.getMessage() for r in caplog.records]
+    assert "only 2% of the hidden-matrix parameters are on Muon" in msg and "big 64x64" in msg
