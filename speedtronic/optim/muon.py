@@ -89,8 +89,9 @@ def adjusted_lr_scale(adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
         return math.sqrt(max(1.0, a / b))
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(a, b))
-    raise ValueError(f"adjust_lr_fn {adjust_lr_fn!r} is not supported; valid: None, 'original', "
-                     "'match_rms_adamw'")
+    # torch.optim.Muon's wording, so code matching torch's errors matches ours.
+    raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported (valid: "
+                     "None, 'original', 'match_rms_adamw')")
 
 
 def parse_layout(layout: str) -> tuple[str, int]:
