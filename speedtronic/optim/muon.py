@@ -90,8 +90,8 @@ def adjusted_lr_scale(adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(a, b))
     # torch.optim.Muon's wording, so code matching torch's errors matches ours.
-    raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported (valid: "
-                     "None, 'original', 'match_rms_adamw')")
+    raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported "
+                     "(adjust_lr_fn must be None, 'original' or 'match_rms_adamw')")
 
 
 def parse_layout(layout: str) -> tuple[str, int]:
