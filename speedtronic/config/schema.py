@@ -521,8 +521,9 @@ class DistributedConfig:
         _check(self.max_staleness >= 0, f"{p}.max_staleness", "must be >= 0")
         if self.max_delta_norm is not None:
             _check(self.max_delta_norm > 0, f"{p}.max_delta_norm", "must be > 0 or null")
-        _check(self.max_deltas_per_round >= 1, f"{p}.max_deltas_per_round",
-               f"must be >= 1, got {self.max_deltas_per_round}")
+        _check(self.max_deltas_per_round >= max(1, self.min_deltas),
+               f"{p}.max_deltas_per_round", f"must be >= 1 and >= min_deltas={self.min_deltas} "
+               f"(a round could never publish), got {self.max_deltas_per_round}")
         if self.max_object_mb is not None:
             _check(self.max_object_mb > 0, f"{p}.max_object_mb",
                    f"must be > 0, got {self.max_object_mb}")

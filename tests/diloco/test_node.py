@@ -136,3 +136,10 @@ def test_a_dead_master_thread_fails_the_run_with_one_line(tmp_path, monkeypatch)
                                                "quota exceeded while publishing"):
         node.after_optimizer_step(trainer, 1)
     node.on_train_end(trainer)  # reported once: the end of the run does not raise again
+
+
+def test_a_round_bound_below_min_deltas_is_refused():
+    with pytest.raises(ConfigError, match="max_deltas_per_round: must be >= 1 and >= "
+                                          "min_deltas=20"):
+        load_config({"distributed": {"enabled": True, "store": "file:///tmp/x", "min_deltas": 20,
+                                     "max_deltas_per_round": 16}})
