@@ -20,6 +20,7 @@ Every batch is ``(input_ids, labels)``, each ``(B, T)`` int64 on the CPU, with
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -268,20 +269,14 @@ def check_data(cfg: SpeedtronicConfig) -> None:
     d = cfg.data
     if d.tokens_path is None and d.tokenizer is None:
         return
-    from .prepare import load_tokenizer
-
-    vocab_from_data: int | None = None
-    if d.tokenizer is not None:
-        vocab_from_data = int(load_tokenizer(d.tokenizer).get_vocab_size(with_added_tokens=True))
-    spec, eval_spec, _ = _token_paths(cfg)
+    spec, eval_spec, _ = _token_paths(cfg)  # prepares a tokenizer source (meta.json: its vocab)
     paths = [("data.tokens_path", p) for p in resolve_token_paths(spec, "data.tokens_path")]
     if eval_spec is not None:
         paths += [("data.eval_tokens_path", p)
                   for p in resolve_token_paths(eval_spec, "data.eval_tokens_path")]
     meta = Path(spec) / "meta.json"
-    if vocab_from_data is None and meta.is_file():
-        import json
-
+    vocab_from_data: int | None = None
+    if meta.is_file():
         vocab_from_data = int(json.loads(meta.read_text()).get("vocab_size") or 0) or None
     top, where = -1, ""
     for key, path in paths:

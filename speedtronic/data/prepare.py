@@ -16,7 +16,6 @@ Documents are separated by the tokenizer's end-of-text token when it has one (``
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
@@ -30,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, SpeedtronicConfig
-from .token_files import write_shard
+from .token_files import expand_paths, write_shard
 
 __all__ = ["PreparedTokens", "load_tokenizer", "prepare", "prepared_dir", "text_files"]
 
@@ -85,19 +84,7 @@ def eos_id(tokenizer: Any) -> int | None:
 
 def text_files(spec: str) -> list[Path]:
     """The UTF-8 files named by ``data.text_path``: a file, a glob, or a directory (recursive)."""
-    path = Path(spec).expanduser()
-    if any(ch in spec for ch in "*?["):
-        files = [Path(p) for p in glob.glob(str(path), recursive=True)]
-    elif path.is_dir():
-        files = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")]
-    elif path.is_file():
-        files = [path]
-    else:
-        raise ConfigError(f"data.text_path: no such file or directory: {spec!r}")
-    files = sorted(p for p in files if p.is_file())
-    if not files:
-        raise ConfigError(f"data.text_path: {spec!r} matches no files")
-    return files
+    return expand_paths(spec, "data.text_path", recursive=True)
 
 
 def _source_fingerprint(cfg: SpeedtronicConfig) -> dict[str, Any]:

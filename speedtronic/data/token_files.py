@@ -33,8 +33,8 @@ import numpy as np
 from ..errors import ConfigError
 from .sources import TokenStore
 
-__all__ = ["HEADER_MAGIC", "TOKEN_CHUNK", "TokenFile", "TokenFileStore", "open_token_file",
-           "resolve_token_paths", "write_shard"]
+__all__ = ["HEADER_MAGIC", "TOKEN_CHUNK", "TokenFile", "TokenFileStore", "expand_paths",
+           "open_token_file", "resolve_token_paths", "write_shard"]
 
 logger = logging.getLogger("speedtronic.data")
 
@@ -59,21 +59,31 @@ class TokenFile:
         return int(self.tokens.shape[0])
 
 
-def resolve_token_paths(spec: str, key: str) -> list[Path]:
-    """The shards named by ``spec`` (a file, a glob or a directory), sorted; errors name ``key``."""
+def expand_paths(spec: str, key: str, suffixes: tuple[str, ...] | None = None,
+                 recursive: bool = False) -> list[Path]:
+    """The files ``spec`` names (a file, a glob or a directory), sorted; with ``suffixes`` only
+    those kinds; a directory is read recursively (hidden files skipped) when ``recursive``.
+    Errors are ConfigErrors naming ``key``."""
     path = Path(spec).expanduser()
     if any(ch in spec for ch in "*?["):
         found = [Path(p) for p in glob.glob(str(path), recursive=True)]
     elif path.is_dir():
-        found = [p for p in path.iterdir() if p.suffix in (".bin", ".npy")]
+        found = ([p for p in path.rglob("*") if not p.name.startswith(".")] if recursive
+                 else list(path.iterdir()))
     elif path.is_file():
         found = [path]
     else:
         raise ConfigError(f"{key}: no such file or directory: {spec!r}")
-    files = sorted(p for p in found if p.is_file() and p.suffix in (".bin", ".npy"))
+    files = sorted(p for p in found if p.is_file() and (suffixes is None or p.suffix in suffixes))
     if not files:
-        raise ConfigError(f"{key}: {spec!r} matches no .bin or .npy token files")
+        kinds = " or ".join(suffixes) + " token files" if suffixes else "files"
+        raise ConfigError(f"{key}: {spec!r} matches no {kinds}")
     return files
+
+
+def resolve_token_paths(spec: str, key: str) -> list[Path]:
+    """The shards named by ``spec`` (a file, a glob or a directory), sorted; errors name ``key``."""
+    return expand_paths(spec, key, suffixes=(".bin", ".npy"))
 
 
 def open_token_file(path: Path, dtype: str, key: str) -> TokenFile:
