@@ -285,6 +285,10 @@ class OptimizerConfig:
     closer to a float64 evaluation than bf16, benchmarks/results/optimizer_cpu.md). On CPUs with
     native bf16 GEMM (AVX512-BF16, AMX) ``bf16`` is faster. ``fp64`` works everywhere (PyTorch path
     on CUDA)."""
+    muon_conv: bool = False
+    """Also train convolution kernels larger than 1x1 with Muon, each flattened to
+    ``(out, in * kh * kw)`` (pointwise 1x1 convolutions always go to Muon: they are a Linear over
+    channels; grouped and depthwise ones always stay on AdamW). Requires ``name: muon``."""
     muon_plus: bool = False
     """Muon+: normalize rows then columns after orthogonalization (requires name: muon)."""
     muon_norm_eps: float = 1e-8
@@ -322,6 +326,9 @@ class OptimizerConfig:
         _check(not self.muon_plus or self.name == "muon", f"{p}.muon_plus",
                f"requires optimizer.name: muon (got name: {self.name}); Muon+ normalizes "
                "orthogonalized updates, which AdamW does not produce")
+        _check(not self.muon_conv or self.name == "muon", f"{p}.muon_conv",
+               f"requires optimizer.name: muon (got name: {self.name}); it routes convolution "
+               "kernels to Muon")
 
 
 @dataclass

@@ -100,7 +100,8 @@ def _warn_if_under_routed(routes: Any) -> None:
         largest = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in shapes[:5])
         logger.warning("optimizer: only %.0f%% of the hidden-matrix parameters are on Muon; the "
                        "largest on AdamW: %s. Set _speedtronic_optimizer_role = 'muon' on their "
-                       "module (or _speedtronic_muon_split = K for a fused projection); "
+                       "module (or _speedtronic_muon_split = K for a fused projection; "
+                       "optimizer.muon_conv: true for convolution kernels); "
                        "speedtronic.optim.describe_routing(model) prints the whole table",
                        100.0 * on_muon / (on_muon + off), largest)
 
@@ -127,7 +128,8 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig | None = None) -> 
         raise ValueError("model has no trainable parameters (every parameter has "
                          "requires_grad=False); nothing to optimize")
     routes = route_parameters(model, decay_embeddings=cfg.decay_embeddings,
-                              decay_norms_and_biases=cfg.decay_norms_and_biases)
+                              decay_norms_and_biases=cfg.decay_norms_and_biases,
+                              muon_conv=cfg.muon_conv)
     groups: list[dict[str, Any]] = []
     if cfg.name == "muon":
         by_layout: dict[str, list[nn.Parameter]] = {}

@@ -102,13 +102,16 @@ def parse_layout(layout: str) -> tuple[str, int]:
       factor of the transpose is the transpose of the polar factor, so only the lr scale must
       use the logical ``(out, in)`` shape;
     * ``split:K``: K matrices stacked along dim 0 (fused Q/K/V: ``K = 3``), each orthogonalized
-      on its own: Q, K and V are separate linear maps."""
-    if layout in ("matrix", "transposed"):
+      on its own: Q, K and V are separate linear maps;
+    * ``flatten``: a convolution kernel ``(out, in, *k)`` orthogonalized as the matrix
+      ``(out, in * prod(k))`` (a view: the parameter must be contiguous)."""
+    if layout in ("matrix", "transposed", "flatten"):
         return layout, 1
     if isinstance(layout, str) and layout.startswith("split:") and layout[6:].isdigit() \
             and int(layout[6:]) >= 1:
         return "split", int(layout[6:])
-    raise ValueError(f"layout {layout!r} is not valid; use 'matrix', 'transposed' or 'split:K'")
+    raise ValueError(f"layout {layout!r} is not valid; use 'matrix', 'transposed', 'flatten' or "
+                     "'split:K'")
 
 
 def _check_group(group: dict[str, Any]) -> None:
@@ -130,6 +133,8 @@ def _check_group(group: dict[str, Any]) -> None:
         group["ns_coefficients"] = list(group["ns_coefficients"])
     kind, k = parse_layout(group.get("layout", "matrix"))
     for p in group["params"]:
+        if kind == "flatten" and p.ndim >= 2:
+            continue
         if p.ndim != 2:
             raise ValueError("Muon only supports 2D parameters whereas we found a parameter with "
                              f"size: {p.size()} (route it to AdamW; see "
@@ -160,7 +165,13 @@ def _group_entries(state: dict, group: dict[str, Any]) -> list[tuple[Tensor, Ten
             # fp32 whatever the parameter dtype: bf16 momentum loses the small updates.
             buf = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
             st["momentum_buffer"] = buf
-        if kind == "split":
+        if kind == "flatten":
+            if not p.is_contiguous():  # e.g. a conv kernel in channels_last memory format
+                raise RuntimeError(f"Muon layout 'flatten' needs a contiguous parameter (shape "
+                                   f"{tuple(p.shape)}); keep the model in contiguous format")
+            entries.append((p.view(p.shape[0], -1), g.reshape(p.shape[0], -1),
+                            buf.view(p.shape[0], -1)))
+        elif kind == "split":
             rows = p.shape[0] // k
             entries.extend((p[i * rows:(i + 1) * rows], g[i * rows:(i + 1) * rows],
                             buf[i * rows:(i + 1) * rows]) for i in range(k))

@@ -5,7 +5,8 @@ Rules, applied once per parameter *tensor* (tied/shared tensors are seen once):
 1. Frozen (``requires_grad=False``): in neither branch; they are not trained.
 2. An explicit role wins: ``_speedtronic_optimizer_role = "muon" | "adamw"`` on the parameter
    itself, or on the nearest module (owner first, then its ancestors) that registers it.
-   ``"muon"`` still sends non-2-D tensors (biases, gains) to AdamW: Muon needs matrices.
+   ``"muon"`` still sends biases, gains and other non-matrix tensors to AdamW (Muon needs
+   matrices); on a convolution it means "flatten this kernel onto Muon" (rule 5).
 3. Embeddings and output heads go to AdamW: any module registering the tensor is an
    ``nn.Embedding``/``nn.EmbeddingBag`` (this catches heads tied to an embedding), has an
    embedding/head-like name (``lm_head``, ``wte``, ``embed_tokens``, ...), or, as a last resort,
@@ -44,7 +45,15 @@ _HEAD_NAMES = frozenset({
 _EMBEDDING_NAMES = frozenset({
     "embed", "embedding", "embeddings", "embed_tokens", "tok_embeddings", "word_embeddings",
     "wte", "wpe", "tok_emb", "pos_emb", "token_embedding", "position_embedding",
+    # Input layers of vision models (a patchify or stem convolution reads raw pixels).
+    "patch_embed", "patch_embeddings", "stem",
+    # Learned tokens and position tables of vision transformers (timm's names).
+    "pos_embed", "cls_token", "reg_token", "dist_token", "mask_token",
 })
+# Fused projections of known libraries whose row layout is known: (module prefix, class name of
+# the owner, attribute name of the Linear, K). timm's Attention reshapes qkv's output as
+# (3, heads, head_dim), so its rows are [Q; K; V] blocks.
+_KNOWN_FUSED = (("timm.", "Attention", "qkv", 3),)
 
 
 @dataclass
@@ -58,9 +67,11 @@ class ParameterRoutes:
     reasons: dict[str, str] = field(default_factory=dict)
     """Parameter name -> why it went where it went (e.g. ``"adamw: embedding"``)."""
     layouts: dict[str, str] = field(default_factory=dict)
-    """Muon parameter name -> ``"matrix"``, ``"transposed"`` or ``"split:K"`` (see Muon)."""
+    """Muon parameter name -> ``"matrix"``, ``"transposed"``, ``"flatten"`` or ``"split:K"``
+    (see :func:`speedtronic.optim.parse_layout`)."""
     hidden_unrouted: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
-    """2-D AdamW tensors that are not embeddings or heads (matrices Muon could have taken)."""
+    """AdamW tensors that are not embeddings or heads but Muon could have taken: 2-D matrices,
+    and convolution kernels left off by ``muon_conv=False``."""
 
     @property
     def adamw(self) -> list[tuple[str, nn.Parameter]]:
@@ -122,10 +133,12 @@ def _fallback_head(model: nn.Module, owners: dict[int, list[tuple[str, nn.Module
 
 
 def route_parameters(model: nn.Module, *, decay_embeddings: bool = False,
-                     decay_norms_and_biases: bool = False) -> ParameterRoutes:
+                     decay_norms_and_biases: bool = False,
+                     muon_conv: bool = False) -> ParameterRoutes:
     """Split ``model``'s trainable parameters into Muon / AdamW-decay / AdamW-no-decay.
 
     Every trainable tensor lands in exactly one list (see the module docstring for the rules).
+    ``muon_conv``: also send convolution kernels larger than 1x1 to Muon, flattened.
     """
     modules = dict(model.named_modules(remove_duplicate=False))
     vocab = _vocab_size(model)
@@ -170,8 +183,9 @@ def route_parameters(model: nn.Module, *, decay_embeddings: bool = False,
         embedding_like = is_embedding or is_head
         linear_weight = any(isinstance(mod, nn.Linear) and leaf == "weight"
                             for _, mod, leaf in owners[key])
-        layout, kind = _muon_layout(p, owners[key])
+        layout, kind = _muon_layout(p, owners[key], muon_conv or role == "muon", modules)
         matrix = p.ndim == 2 and p.is_floating_point()
+        conv = _conv_kind(p, owners[key])
 
         if role == "muon" and matrix:
             branch, why = "muon", "muon: role override"
@@ -180,9 +194,11 @@ def route_parameters(model: nn.Module, *, decay_embeddings: bool = False,
         elif role is None and embedding_like:
             branch, why = "adamw", "adamw: embedding/head"
         elif role is None and matrix and linear_weight:
-            branch, why = "muon", "muon: hidden Linear matrix"
-        elif role is None and matrix and kind is not None:
+            branch, why = "muon", f"muon: {kind or 'hidden Linear matrix'}"
+        elif role != "adamw" and kind is not None and (matrix or layout == "flatten"):
             branch, why = "muon", f"muon: {kind}"
+        elif conv is not None:
+            branch, why = "adamw", f"adamw: {conv}"
         else:
             branch = "adamw"
             why = ("adamw: bias/norm (<2 dims)" if p.ndim < 2 else
@@ -193,7 +209,7 @@ def route_parameters(model: nn.Module, *, decay_embeddings: bool = False,
             routes.muon.append((name, p))
             routes.layouts[name] = layout
         else:
-            if matrix and not embedding_like:
+            if not embedding_like and (matrix or conv == _CONV_OPT_IN):
                 routes.hidden_unrouted.append((name, tuple(p.shape)))
             if embedding_like:
                 decay = decay_embeddings
@@ -207,10 +223,47 @@ def route_parameters(model: nn.Module, *, decay_embeddings: bool = False,
     return routes
 
 
-def _muon_layout(p: nn.Parameter, regs: list[tuple[str, nn.Module, str]]
-                 ) -> tuple[str, str | None]:
-    """(layout, what it is) for a matrix Muon can take beyond plain ``nn.Linear`` weights."""
+_CONV_OPT_IN = "conv kernel (optimizer.muon_conv: true flattens it onto Muon)"
+
+
+def _conv_kind(p: nn.Parameter, regs: list[tuple[str, nn.Module, str]]) -> str | None:
+    """Why a convolution weight stays on AdamW (None: not a conv weight, or Muon may take it)."""
     for _, mod, leaf in regs:
+        if not (isinstance(mod, nn.modules.conv._ConvNd) and leaf == "weight"):
+            continue
+        if mod.transposed:
+            return "transposed convolution kernel"
+        if mod.groups > 1:
+            return "grouped/depthwise conv (independent filters, not one map)"
+        return _CONV_OPT_IN
+    return None
+
+
+def _known_fused(regs: list[tuple[str, nn.Module, str]], modules: dict[str, nn.Module]
+                 ) -> int | None:
+    for mod_path, mod, leaf in regs:
+        if leaf != "weight" or not isinstance(mod, nn.Linear) or not mod_path:
+            continue
+        parent_path, _, attr = mod_path.rpartition(".")
+        parent = modules.get(parent_path)
+        for prefix, cls, name, k in _KNOWN_FUSED:
+            if attr == name and parent is not None and type(parent).__name__ == cls \
+                    and type(parent).__module__.startswith(prefix) and mod.out_features % k == 0:
+                return k
+    return None
+
+
+def _muon_layout(p: nn.Parameter, regs: list[tuple[str, nn.Module, str]],
+                 muon_conv: bool = False, modules: dict[str, nn.Module] | None = None
+                 ) -> tuple[str, str | None]:
+    """(layout, what it is) for a tensor Muon can take beyond plain ``nn.Linear`` weights."""
+    for _, mod, leaf in regs:
+        if isinstance(mod, nn.modules.conv._ConvNd) and leaf == "weight" and p.ndim >= 3 \
+                and not mod.transposed and mod.groups == 1:
+            if all(k == 1 for k in p.shape[2:]):
+                return "flatten", "pointwise (1x1) conv, a Linear over channels"
+            if muon_conv:
+                return "flatten", "conv kernel flattened to (out, in*k) (muon_conv)"
         split = getattr(p, SPLIT_ATTRIBUTE, None) or (
             getattr(mod, SPLIT_ATTRIBUTE, None) if leaf == "weight" else None)
         conv1d = type(mod).__name__ == "Conv1D" and leaf == "weight" and p.ndim == 2
@@ -231,6 +284,9 @@ def _muon_layout(p: nn.Parameter, regs: list[tuple[str, nn.Module, str]]
         if conv1d:
             return "transposed", "Conv1D matrix stored (in, out)"
         if isinstance(mod, nn.Linear) and leaf == "weight":
+            fused = _known_fused(regs, modules or {})
+            if fused is not None:
+                return f"split:{fused}", f"fused projection of {fused} matrices ({type(mod).__name__})"
             return "matrix", None
     return "matrix", None
 

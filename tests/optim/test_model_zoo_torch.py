@@ -1,0 +1,98 @@
+"""Model-zoo rows built from torch.nn alone: nn.TransformerEncoder (fused in_proj_weight, split
+into Q, K and V) and a small CNN (pointwise convs on Muon by default, 3x3 kernels with
+``muon_conv``, the depthwise conv and the stem on AdamW). Same check as the Hugging Face rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from _zoo_fixtures import check_zoo_model
+from speedtronic.optim import Muon, route_parameters
+
+
+class Encoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64,
+                                           batch_first=True, dropout=0.0)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, ids):
+        return self.head(self.encoder(self.embed(ids)))  # (B, T, V)
+
+
+class SmallCNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.conv = nn.Conv2d(16, 16, 3, padding=1)
+        self.depthwise = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.pointwise = nn.Conv2d(16, 32, 1)
+        self.classifier = nn.Linear(32, 5)
+
+    def forward(self, x):                      # (B, 3, H, W)
+        x = torch.relu(self.conv(torch.relu(self.stem(x))))
+        x = self.pointwise(torch.relu(self.depthwise(x)))   # (B, 32, H, W)
+        return self.classifier(x.mean(dim=(2, 3)))          # (B, 5)
+
+
+def _encoder_loss(model, seed):
+    ids = torch.randint(0, 50, (4, 12), generator=torch.Generator().manual_seed(seed))
+    return nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.flatten())
+
+
+def _cnn_loss(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 5, (8,), generator=g)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def test_transformer_encoder():
+    # per layer: in_proj (split:3), out_proj, linear1, linear2
+    check_zoo_model(Encoder, _encoder_loss, {"split:3": 2, "matrix": 6})
+
+
+def test_cnn_with_muon_conv():
+    check_zoo_model(SmallCNN, _cnn_loss, {"flatten": 2}, muon_conv=True)
+
+
+def test_cnn_default_keeps_kernels_on_adamw_and_says_so():
+    routes = route_parameters(SmallCNN())
+    assert routes.layouts == {"pointwise.weight": "flatten"}
+    assert routes.hidden_unrouted == [("conv.weight", (16, 16, 3, 3))]
+    assert "muon_conv" in routes.reasons["conv.weight"]
+    assert "depthwise" in routes.reasons["depthwise.weight"]
+    assert "embedding/head" in routes.reasons["stem.weight"]
+
+
+def test_conv_role_and_transposed_convs():
+    model = nn.Sequential(nn.Conv2d(4, 4, 3), nn.ConvTranspose2d(4, 4, 3), nn.Conv1d(4, 8, 5))
+    model[2]._speedtronic_optimizer_role = "muon"
+    routes = route_parameters(model)
+    assert routes.layouts == {"2.weight": "flatten"}  # the role wins, flattened
+    assert "transposed convolution" in routes.reasons["1.weight"]
+    assert routes.reasons["2.bias"].startswith("adamw")
+
+
+def test_flatten_layout_equals_muon_on_the_flattened_matrix():
+    torch.manual_seed(0)
+    w, g = torch.randn(8, 4, 3, 3), torch.randn(8, 4, 3, 3)
+    a = nn.Parameter(w.clone())
+    b = nn.Parameter(w.reshape(8, 36).clone())
+    a.grad, b.grad = g.clone(), g.reshape(8, 36).clone()
+    for _ in range(2):
+        Muon([{"params": [a], "layout": "flatten"}], lr=0.1, weight_decay=0.01,
+             ns_dtype="fp32").step()
+        Muon([b], lr=0.1, weight_decay=0.01, ns_dtype="fp32").step()
+    torch.testing.assert_close(a.detach().reshape(8, 36), b.detach(), rtol=0, atol=0)
+
+
+def test_flatten_layout_refuses_channels_last_with_a_clear_error():
+    p = nn.Parameter(torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last))
+    p.grad = torch.randn_like(p)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        Muon([{"params": [p], "layout": "flatten"}], lr=0.1).step()
