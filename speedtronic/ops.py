@@ -83,7 +83,7 @@ def kernel_or_fallback(name: str, device: torch.device, dtypes: Sequence[torch.d
     """The op ``name``, or its PyTorch implementation when a CUDA kernel would be asked for a
     dtype it lacks (float64 params or ``ns_dtype="fp64"``): every documented option works on
     every device, at the fallback's speed, with one log line per op and dtype combination."""
-    op = globals()[name]
+    op = _OPS_BY_NAME[name]
     if torch.device(device).type != "cuda" or all(d in CUDA_KERNEL_DTYPES for d in dtypes):
         return op
     tag = (name, tuple(str(d).removeprefix("torch.") for d in dtypes))
@@ -393,10 +393,11 @@ def _adamw_impl(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, wei
     if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
         raise ValueError("cautious_adamw_step_: params, grads, exp_avgs and exp_avg_sqs must have "
                          "the same length")
-    if step < 1:
+    traced = isinstance(step, Tensor)  # a 0-d step tensor: see adamw_traceable
+    if not traced and step < 1:
         raise ValueError(f"cautious_adamw_step_: step must be >= 1 (1-based), got {step}")
     bias1 = 1.0 - beta1 ** step
-    bias2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    bias2_sqrt = (1.0 - beta2 ** step).sqrt() if traced else math.sqrt(1.0 - beta2 ** step)
     for idx in _chunks(n, [p.numel() for p in params]):
         p = [params[i] for i in idx]
         g = [grads[i] for i in idx]
@@ -414,7 +415,20 @@ def _adamw_impl(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, wei
         torch._foreach_mul_(upd, m)                               # m / (sqrt(v_hat) + eps)
         if cautious:
             _cautious_mask_impl(upd, g, cautious_rescale)
-        _decay_and_add_(p, upd, 1.0 - lr * weight_decay, -lr / bias1)
+        if traced:
+            torch._foreach_div_(upd, bias1)
+        _decay_and_add_(p, upd, 1.0 - lr * weight_decay, -lr if traced else -lr / bias1)
+
+
+def adamw_traceable(params: Sequence[Tensor], grads: Sequence[Tensor],
+                    exp_avgs: Sequence[Tensor], exp_avg_sqs: Sequence[Tensor], lr: float,
+                    beta1: float, beta2: float, eps: float, weight_decay: float, step: Tensor,
+                    cautious: bool, cautious_rescale: bool) -> None:
+    """The math of :func:`cautious_adamw_step_` with ``step`` a 0-d tensor, called directly
+    (not as an op) so that ``torch.compile`` traces it: the op takes ``step`` as an int, and
+    reading it from the state tensor (``.item()``) would break the graph every step."""
+    _adamw_impl(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
+                cautious, cautious_rescale)
 
 
 @torch.library.custom_op(
@@ -445,6 +459,9 @@ def _(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay,
 # one "cuda kernels: fallback: <reason>" line is logged and the defaults above run everywhere.
 # Loaded only now, after every schema above exists, so the CUDA impls attach to defined ops.
 _kernels.load(op_names=CUDA_KERNEL_OPS)
+
+# A plain dict, not globals(): torch.compile cannot trace globals() (a graph break per call).
+_OPS_BY_NAME: dict[str, Callable] = {name: globals()[name] for name in OP_NAMES}
 
 #: The pure-PyTorch body of each op with a CUDA kernel (what :func:`kernel_or_fallback` returns).
 _PYTORCH_IMPLS: dict[str, Callable] = {

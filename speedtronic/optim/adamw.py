@@ -92,6 +92,17 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
         return
     beta1, beta2 = group["betas"]
     lr = float(group["lr"])
+    if torch.compiler.is_compiling():
+        # Under torch.compile: torch's fused kernel is compiler-disabled (a graph break) and the
+        # op below needs each step as a Python int (.item(), another break). Trace the same math
+        # per parameter with its step tensor instead; inductor fuses it.
+        for i, p in enumerate(params):
+            steps[i] = state[p]["step"] = steps[i] + 1
+            ops.adamw_traceable([p], [grads[i]], [exp_avgs[i]], [exp_avg_sqs[i]], lr,
+                                float(beta1), float(beta2), float(group["eps"]),
+                                float(group["weight_decay"]), steps[i], bool(group["cautious"]),
+                                bool(group["cautious_rescale"]))
+        return
     if _use_fused(group, params):
         # torch's fused kernel wants each step on its parameter's device.
         for i, p in enumerate(params):

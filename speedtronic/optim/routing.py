@@ -286,7 +286,7 @@ def _muon_layout(p: nn.Parameter, regs: list[tuple[str, nn.Module, str]],
         if isinstance(mod, nn.Linear) and leaf == "weight":
             fused = _known_fused(regs, modules or {})
             if fused is not None:
-                return f"split:{fused}", f"fused projection of {fused} matrices ({type(mod).__name__})"
+                return f"split:{fused}", f"known fused projection of {fused} matrices"
             return "matrix", None
     return "matrix", None
 

@@ -19,17 +19,18 @@ else:
     timm = pytest.importorskip("timm", exc_type=ImportError)
 
 from _zoo_fixtures import check_zoo_model  # noqa: E402
+
 from speedtronic.optim import route_parameters  # noqa: E402
 
 
 def _vit():
-    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8,
-                             embed_dim=32, depth=2, num_heads=4, num_classes=3)
+    return timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32,
+                             patch_size=8, embed_dim=32, depth=2, num_heads=4, num_classes=3)
 
 
 def _convnext():
-    return timm.create_model("convnext_atto", pretrained=False, depths=(1, 1, 1, 1), dims=(8, 16, 16, 24),
-                             num_classes=3)
+    return timm.create_model("convnext_atto", pretrained=False, depths=(1, 1, 1, 1),
+                             dims=(8, 16, 16, 24), num_classes=3)
 
 
 def _loss(model, seed):

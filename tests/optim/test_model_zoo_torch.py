@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _zoo_fixtures import check_zoo_model
 from torch import nn
 
-from _zoo_fixtures import check_zoo_model
 from speedtronic.optim import Muon, route_parameters
 
 

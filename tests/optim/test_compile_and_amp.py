@@ -1,0 +1,105 @@
+"""The optimizer inside the tools users wrap it in: ``torch.compile`` of the step (no graph
+breaks, same result as eager) and ``torch.amp.GradScaler`` (steps with finite gradients equal the
+unscaled step; a step with an inf is skipped and leaves parameters and state untouched)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo.utils as dynamo_utils
+from torch import nn
+
+from speedtronic.config import OptimizerConfig
+from speedtronic.optim import build_optimizer
+
+CASES = [("muon", False), ("muon", True), ("adamw", False), ("adamw", True)]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(20, 16), nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16),
+                         nn.LayerNorm(16), nn.Linear(16, 20))
+
+
+def _loss(model: nn.Module, seed: int) -> torch.Tensor:
+    ids = torch.randint(0, 20, (4, 8), generator=torch.Generator().manual_seed(seed))
+    return model(ids).logsumexp(-1).mean()
+
+
+def _backward(model: nn.Module, seed: int) -> None:
+    _loss(model, seed).backward()
+
+
+@pytest.mark.parametrize("name,cautious", CASES)
+def test_compiled_step_has_no_graph_breaks(name, cautious):
+    model = _model()
+    opt = build_optimizer(model, OptimizerConfig(name=name, cautious=cautious))
+    _backward(model, 0)
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(opt.step)()
+    assert explanation.graph_break_count == 0, [str(b.reason)[:300]
+                                                for b in explanation.break_reasons]
+    assert explanation.graph_count == 1
+
+
+@pytest.mark.parametrize("name,cautious", CASES)
+def test_compiled_step_matches_eager_without_recompiling(name, cautious):
+    eager_model = _model()
+    compiled_model = copy.deepcopy(eager_model)
+    cfg = OptimizerConfig(name=name, cautious=cautious)
+    eager_opt = build_optimizer(eager_model, cfg)
+    compiled_opt = build_optimizer(compiled_model, cfg)
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    # aot_eager: the whole torch.compile front end (Dynamo, AOTAutograd's functionalization of
+    # the in-place custom ops) without inductor's C++ build, which takes minutes on CI.
+    step = torch.compile(compiled_opt.step, backend="aot_eager")
+    for seed in range(4):
+        for model, opt in ((eager_model, eager_opt), (compiled_model, compiled_opt)):
+            opt.zero_grad()
+            _backward(model, seed)
+        eager_opt.step()
+        step()
+    for a, b in zip(eager_model.parameters(), compiled_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    # One graph for the first step (creates the state), one for every later step.
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2
+
+
+@pytest.mark.parametrize("name,cautious", CASES)
+def test_grad_scaler_unscales_and_skips_non_finite_steps(name, cautious):
+    plain_model = _model()
+    scaled_model = copy.deepcopy(plain_model)
+    cfg = OptimizerConfig(name=name, cautious=cautious, grad_clip=None)
+    plain_opt = build_optimizer(plain_model, cfg)
+    scaled_opt = build_optimizer(scaled_model, cfg)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12)
+    for seed in range(3):
+        plain_opt.zero_grad()
+        scaled_opt.zero_grad()
+        _backward(plain_model, seed)
+        scaler.scale(_loss(scaled_model, seed)).backward()
+        plain_opt.step()
+        scaler.step(scaled_opt)
+        scaler.update()
+    for a, b in zip(plain_model.parameters(), scaled_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    # An overflow: the step is skipped, nothing moves, and the scale is halved.
+    before_params = [p.detach().clone() for p in scaled_model.parameters()]
+    before_state = copy.deepcopy(scaled_opt.state_dict())
+    scale = scaler.get_scale()
+    scaled_opt.zero_grad()
+    scaler.scale(_loss(scaled_model, 9)).backward()
+    next(scaled_model[1].parameters()).grad[0, 0] = float("inf")
+    scaler.step(scaled_opt)
+    scaler.update()
+    assert scaler.get_scale() == scale / 2
+    for a, b in zip(before_params, scaled_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+    after_state = scaled_opt.state_dict()["state"]
+    for key, entry in before_state["state"].items():
+        for field, value in entry.items():
+            torch.testing.assert_close(value, after_state[key][field], rtol=0, atol=0)
