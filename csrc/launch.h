@@ -30,6 +30,12 @@ void launch_muon_post(DType p, DType o, DType g, int b, void* const* params, voi
 void launch_syrk(DType t, SyrkArgs a, void* stream);
 void launch_mma_probe(DType t, const void* A, const void* Bt, float* D, void* stream);
 
+// Hopper TMA + wgmma symmetric GEMM (sym_gemm_sm90.cu, built for sm_90a only); t F16 or BF16.
+// usable: the copy engine can read X as laid out. device_ok: the current GPU is sm_90.
+void launch_sym_gemm_sm90(DType t, SymGemmArgs a, void* stream);
+bool sym_gemm_sm90_usable(const SymGemmArgs& a);
+int sym_gemm_sm90_device_ok();
+
 // Architectures compiled into this binary ("800,900"; empty in the emulation).
 const char* compiled_arch_list();
 

@@ -56,6 +56,12 @@ at::Tensor syrk(const at::Tensor& X, double alpha, double beta, const std::optio
   return g::syrk(X, alpha, beta, Y);
 }
 
+at::Tensor sym_gemm(const at::Tensor& X, double alpha, double beta, const std::optional<at::Tensor>& C,
+                    int64_t tile_n) {
+  OptionalCUDAGuard guard(X.device());
+  return g::sym_gemm(X, alpha, beta, C, tile_n);
+}
+
 at::Tensor mma_probe(const at::Tensor& A, const at::Tensor& Bt) {
   OptionalCUDAGuard guard(A.device());
   return g::mma_probe(A, Bt);
@@ -78,12 +84,14 @@ TORCH_LIBRARY_IMPL(speedtronic, CUDA, m) {
 TORCH_LIBRARY(speedtronic_debug, m) {
   m.def("syrk(Tensor X, float alpha=1.0, float beta=0.0, Tensor? Y=None) -> Tensor");
   m.def("mma_probe(Tensor A, Tensor Bt) -> Tensor");
+  m.def("sym_gemm(Tensor X, float alpha=1.0, float beta=0.0, Tensor? C=None, int tile_n=0) -> Tensor");
   m.def("arch_list() -> str", &arch_list);
 }
 
 TORCH_LIBRARY_IMPL(speedtronic_debug, CUDA, m) {
   m.impl("syrk", &syrk);
   m.impl("mma_probe", &mma_probe);
+  m.impl("sym_gemm", &sym_gemm);
 }
 
 // `import speedtronic._C` needs a module object; the ops above register at load time.

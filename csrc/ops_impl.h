@@ -360,6 +360,63 @@ inline at::Tensor syrk(const at::Tensor& X_, double alpha, double beta, const st
   return X_.dim() == 3 ? out : out.squeeze(0);
 }
 
+// out = alpha X X^T + beta C on Hopper (TMA + wgmma), C symmetric (only its lower triangle is
+// read). X is copied only when the copy engine cannot read it as given (inner stride != 1, row
+// or batch stride not a multiple of 8 elements, misaligned base), and k is zero-padded to a
+// multiple of 8 (X X^T does not change).
+inline at::Tensor sym_gemm(const at::Tensor& X_, double alpha, double beta, const std::optional<at::Tensor>& C_,
+                           int64_t tile_n) {
+  TORCH_CHECK_VALUE(X_.dim() == 2 || X_.dim() == 3, "sym_gemm: X must be (m, k) or (b, m, k), got ", X_.sizes());
+  TORCH_CHECK_VALUE(X_.scalar_type() == at::kHalf || X_.scalar_type() == at::kBFloat16,
+                    "sym_gemm: X must be float16 or bfloat16, got ", X_.scalar_type());
+  TORCH_CHECK_VALUE(tile_n == 0 || tile_n == 128 || tile_n == 256, "sym_gemm: tile_n must be 0, 128 or 256");
+  TORCH_CHECK(sym_gemm_sm90_device_ok(), "sym_gemm: the TMA + wgmma kernel needs an sm_90 (Hopper) GPU");
+  at::Tensor X = X_.dim() == 3 ? X_ : X_.unsqueeze(0);
+  const int64_t b = X.size(0), m = X.size(1);
+  int64_t k = X.size(2);
+  if (k % 8) {
+    X = at::constant_pad_nd(X, {0, 8 - k % 8});
+    k = X.size(2);
+  }
+  auto readable = [](const at::Tensor& t) {
+    return t.stride(2) == 1 && t.stride(1) % 8 == 0 && (t.size(0) == 1 || t.stride(0) % 8 == 0) &&
+           reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(1) >= t.size(2);
+  };
+  if (!readable(X)) X = X.contiguous();
+  TORCH_CHECK_VALUE(m < INT_MAX && k < INT_MAX && X.stride(1) < INT_MAX, "sym_gemm: matrix too large");
+  at::Tensor out = at::empty({b, m, m}, X.options());
+  at::Tensor C;
+  if (C_.has_value() && C_->defined()) {
+    C = (C_->dim() == 3 ? *C_ : C_->unsqueeze(0)).contiguous();
+    TORCH_CHECK_VALUE(C.sizes() == out.sizes() && C.scalar_type() == X.scalar_type() && C.device() == X.device(),
+                      "sym_gemm: C must be ", out.sizes(), " ", X.scalar_type(), ", got ", C.sizes(), " ",
+                      C.scalar_type());
+  }
+  if (b == 0 || m == 0) return X_.dim() == 3 ? out : out.squeeze(0);
+  if (k == 0) {
+    out = C.defined() ? (C.to(at::kFloat) * beta).to(X.scalar_type()) : at::zeros_like(out);
+    return X_.dim() == 3 ? out : out.squeeze(0);
+  }
+  SymGemmArgs a{};
+  a.X = X.data_ptr();
+  a.out = out.data_ptr();
+  a.C = C.defined() ? C.data_ptr() : nullptr;
+  a.batch = b;
+  a.m = static_cast<int>(m);
+  a.k = static_cast<int>(k);
+  a.x_bs = X.stride(0);
+  a.out_bs = m * m;
+  a.c_bs = m * m;
+  a.ldx = static_cast<int>(X.stride(1));
+  a.ldo = static_cast<int>(m);
+  a.ldc = static_cast<int>(m);
+  a.alpha = static_cast<float>(alpha);
+  a.beta = static_cast<float>(beta);
+  a.tile_n = static_cast<int>(tile_n);
+  launch_sym_gemm_sm90(X.scalar_type() == at::kHalf ? DType::F16 : DType::BF16, a, current_stream());
+  return X_.dim() == 3 ? out : out.squeeze(0);
+}
+
 // D (16, 8) fp32 = A (16, 16) @ Bt (8, 16)^T through one mma.sync: the layout probe.
 inline at::Tensor mma_probe(const at::Tensor& A, const at::Tensor& Bt) {
   TORCH_CHECK_VALUE(A.sizes() == at::IntArrayRef({16, 16}) && Bt.sizes() == at::IntArrayRef({8, 16}) &&

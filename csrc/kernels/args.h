@@ -69,6 +69,19 @@ struct SyrkArgs {
   int tiles;                   // ceil(m / kSymBM), set by run_syrk
 };
 
+// Hopper symmetric GEMM (kernels/sym_gemm_sm90.cuh): out = alpha X X^T + beta C, C symmetric.
+struct SymGemmArgs {
+  const void* X;
+  void* out;
+  const void* C;  // may be null (then beta is ignored); only its lower triangle is read
+  int64_t batch;
+  int m, k;
+  int64_t x_bs, out_bs, c_bs;  // batch strides, elements
+  int ldx, ldo, ldc;           // row strides, elements
+  float alpha, beta;
+  int tile_n;                  // 0: by size (256 for m >= 1536, else 128); or 128 / 256
+};
+
 // Strips of rows for the column reduction: at most 32 strips, at least 8 rows each.
 inline void plan_strips(NormStats& s) {
   s.rows_per_strip = s.m / 32 + (s.m % 32 != 0);

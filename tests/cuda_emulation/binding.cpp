@@ -10,6 +10,7 @@
 #include "../../csrc/elementwise.cu"
 #include "../../csrc/muon.cu"
 #include "../../csrc/symmetric_gemm.cu"
+#include "../../csrc/sym_gemm_sm90.cu"
 #include "../../csrc/ops_impl.h"
 
 namespace st::glue {
@@ -58,6 +59,158 @@ __global__ void bug_deadlock(float* out) {
   out[threadIdx.x] = v;
 }
 
+// ---------------------------------------------------------------- Hopper instruction probes
+// Each runs the project's sm90 wrappers (csrc/kernels/hopper.cuh) on the emulator; the tests
+// compare with layouts computed in Python from the PTX ISA.
+namespace sm90 = st::sm90;
+
+// Dynamic smem <- `image` (bytes at window addresses kSmemBase..); then one warpgroup issues
+// `repeat` wgmma m64nNk16 with the given descriptors into D (initialised from d_in), commits,
+// waits, and writes each thread's fragment: out[thread][i].
+__global__ void probe_wgmma_kernel(const uint8_t* image, int64_t bytes, uint64_t da, uint64_t db, int n, bool bf16,
+                                   bool scale_d, int repeat, const float* d_in, float* out) {
+  ST_DYNAMIC_SMEM(uint8_t, sm);
+  for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) sm[i] = image[i];
+  __syncthreads();
+  float d[128];
+  for (int i = 0; i < n / 2; ++i) d[i] = d_in[threadIdx.x * (n / 2) + i];
+  sm90::wgmma_fence();
+  for (int r = 0; r < repeat; ++r) stemu::hopper::wgmma_issue(d, n, da, db, scale_d || r > 0, bf16);
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<0>(d);
+  for (int i = 0; i < n / 2; ++i) out[threadIdx.x * (n / 2) + i] = d[i];
+}
+
+at::Tensor probe_wgmma(const at::Tensor& image, int64_t da, int64_t db, int64_t n, bool bf16, bool scale_d,
+                       int64_t repeat, const at::Tensor& d_in) {
+  TORCH_CHECK_VALUE(image.scalar_type() == at::kByte && d_in.scalar_type() == at::kFloat, "probe_wgmma: dtypes");
+  at::Tensor img = image.contiguous(), din = d_in.contiguous();
+  at::Tensor out = at::empty({128, n / 2}, at::kFloat);
+  ST_LAUNCH(dim3(1), dim3(128), static_cast<size_t>(img.numel()), nullptr, probe_wgmma_kernel)(
+      img.data_ptr<uint8_t>(), img.numel(), static_cast<uint64_t>(da), static_cast<uint64_t>(db), static_cast<int>(n),
+      bf16, scale_d, static_cast<int>(repeat), din.data_ptr<float>(), out.data_ptr<float>());
+  return out;
+}
+
+// One bulk tensor copy of the box at `coords` of the 3-D tensor G (16-bit, strided) into smem at
+// window address `dst`, through an mbarrier; returns the box's bytes as they landed.
+__global__ void probe_tma_kernel(const __grid_constant__ sm90::TensorMap map, uint32_t dst, int c0, int c1, int c2,
+                                 uint32_t bytes, uint8_t* out) {
+  ST_DYNAMIC_SMEM(uint8_t, sm);
+  const uint32_t bar = dst + ((bytes + 7u) & ~7u);
+  if (threadIdx.x == 0) {
+    sm90::mbar_init(bar, 1);
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    sm90::mbar_arrive_expect_tx(bar, bytes);
+    sm90::tma_load_3d(dst, &map, c0, c1, c2, bar);
+  }
+  sm90::mbar_wait(bar, 0);
+  const uint8_t* src = sm + (dst - stemu::hopper::kSmemBase);
+  for (uint32_t i = threadIdx.x; i < bytes; i += blockDim.x) out[i] = src[i];
+}
+
+at::Tensor probe_tma(const at::Tensor& G, std::vector<int64_t> box, std::vector<int64_t> coords, int64_t swizzle,
+                     int64_t dst) {
+  TORCH_CHECK_VALUE(G.dim() == 3 && G.element_size() == 2 && box.size() == 3 && coords.size() == 3,
+                    "probe_tma: G must be 3-D 16-bit; box and coords 3 long");
+  // innermost first, as the tensor map wants
+  const uint64_t dims[3] = {static_cast<uint64_t>(G.size(2)), static_cast<uint64_t>(G.size(1)),
+                            static_cast<uint64_t>(G.size(0))};
+  const uint64_t strides[2] = {static_cast<uint64_t>(G.stride(1)) * 2, static_cast<uint64_t>(G.stride(0)) * 2};
+  const uint32_t bx[3] = {static_cast<uint32_t>(box[0]), static_cast<uint32_t>(box[1]), static_cast<uint32_t>(box[2])};
+  sm90::TensorMap map = stemu::hopper::encode_tensor_map(G.data_ptr(), 3, 2, dims, strides, bx,
+                                                         static_cast<int>(swizzle));
+  const uint32_t bytes = bx[0] * bx[1] * bx[2] * 2;
+  at::Tensor out = at::empty({static_cast<int64_t>(bytes)}, at::kByte);
+  const size_t smem = static_cast<size_t>(dst - stemu::hopper::kSmemBase) + bytes + 16;
+  ST_LAUNCH(dim3(1), dim3(64), smem, nullptr, probe_tma_kernel)(
+      map, static_cast<uint32_t>(dst), static_cast<int>(coords[0]), static_cast<int>(coords[1]),
+      static_cast<int>(coords[2]), bytes, out.data_ptr<uint8_t>());
+  return out;
+}
+
+// A script of mbarrier operations by one thread on one barrier: (op, arg) pairs.
+//   0 init(arg)  1 arrive  2 arrive.expect_tx(arg)  3 complete_tx(arg)  4 test_wait.parity(arg)
+//   5 expect_tx(arg). Returns the test_wait results in order.
+__global__ void probe_mbar_kernel(const int64_t* script, int64_t n, int64_t* results) {
+  ST_DYNAMIC_SMEM(uint8_t, sm);
+  const uint32_t bar = sm90::smem_addr(sm + 8);
+  int r = 0;
+  for (int64_t i = 0; i < n; i += 2) {
+    const uint32_t arg = static_cast<uint32_t>(script[i + 1]);
+    switch (script[i]) {
+      case 0: sm90::mbar_init(bar, arg); break;
+      case 1: sm90::mbar_arrive(bar); break;
+      case 2: sm90::mbar_arrive_expect_tx(bar, arg); break;
+      case 3: stemu::hopper::mbar_complete_tx(bar, arg); break;
+      case 4: results[r++] = stemu::hopper::mbar_test_wait(bar, arg); break;
+      case 5: stemu::hopper::mbar_expect_tx(bar, arg); break;
+    }
+  }
+}
+
+std::vector<int64_t> probe_mbar(std::vector<int64_t> script) {
+  std::vector<int64_t> res(script.size(), -1);
+  ST_LAUNCH(dim3(1), dim3(1), 64, nullptr, probe_mbar_kernel)(script.data(), static_cast<int64_t>(script.size()),
+                                                               res.data());
+  int64_t n = 0;
+  for (size_t i = 0; i < script.size(); i += 2) n += script[i] == 4;
+  res.resize(n);
+  return res;
+}
+
+// Misuse the Hopper emulation must report (or, for early_read, poison).
+__global__ void bug_hopper(int which, float* out) {
+  ST_DYNAMIC_SMEM(uint8_t, sm);
+  const uint32_t base = (sm90::smem_addr(sm) + 1023u) & ~1023u;
+  for (int i = threadIdx.x; i < 20480; i += blockDim.x) sm[i] = 0;
+  __syncthreads();
+  const uint64_t desc = sm90::desc_k_major_sw128(base);
+  float d[64];
+  for (int i = 0; i < 64; ++i) d[i] = 1.f;
+  if (which == 0) {  // no wgmma.fence before the first wgmma
+    sm90::wgmma_m64k16<__nv_bfloat16, 128>(d, desc, desc, true);
+  } else if (which == 1) {  // threads of the warpgroup disagree on the descriptor
+    sm90::wgmma_fence();
+    sm90::wgmma_m64k16<__nv_bfloat16, 128>(d, desc + (threadIdx.x == 5 ? 2 : 0), desc, true);
+  } else if (which == 2) {  // reads the accumulator before wgmma.wait_group
+    sm90::wgmma_fence();
+    sm90::wgmma_m64k16<__nv_bfloat16, 128>(d, desc, desc, true);
+    sm90::wgmma_commit();
+    out[threadIdx.x] = d[0];
+    sm90::wgmma_wait<0>(d);
+    return;
+  } else if (which == 3) {  // waits on an mbarrier nobody arrives at
+    if (threadIdx.x == 0) sm90::mbar_init(base + 18432, 1);
+    __syncthreads();
+    sm90::mbar_wait(base + 18432, 0);
+  } else if (which == 4) {  // exits without waiting for its wgmma
+    sm90::wgmma_fence();
+    sm90::wgmma_m64k16<__nv_bfloat16, 128>(d, desc, desc, true);
+    sm90::wgmma_commit();
+    return;
+  }
+  sm90::wgmma_fence();
+  sm90::wgmma_m64k16<__nv_bfloat16, 128>(d, desc, desc, true);
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<0>(d);
+  out[threadIdx.x] = d[0];
+}
+
+at::Tensor run_hopper_bug(const std::string& which) {
+  static const std::vector<std::string> names = {"no_fence", "divergent_desc", "early_read", "mbar_deadlock",
+                                                 "exit_in_flight"};
+  auto it = std::find(names.begin(), names.end(), which);
+  TORCH_CHECK_VALUE(it != names.end(), "unknown hopper bug ", which);
+  at::Tensor out = at::zeros({128}, at::kFloat);
+  ST_LAUNCH(dim3(1), dim3(128), 20480, nullptr, bug_hopper)(static_cast<int>(it - names.begin()),
+                                                            out.data_ptr<float>());
+  return out;
+}
+
 // Runs one of the broken kernels on 64 threads; returns the output (if it finishes).
 at::Tensor run_bug(const std::string& which) {
   at::Tensor out = at::zeros({64}, at::kFloat);
@@ -95,7 +248,22 @@ TORCH_LIBRARY(speedtronic_emu, m) {
         "int step, bool cautious, bool cautious_rescale) -> ()");
   m.def("syrk(Tensor X, float alpha=1.0, float beta=0.0, Tensor? Y=None) -> Tensor");
   m.def("mma_probe(Tensor A, Tensor Bt) -> Tensor");
+  m.def("sym_gemm(Tensor X, float alpha=1.0, float beta=0.0, Tensor? C=None, int tile_n=0) -> Tensor");
   m.def("configure(str schedule, int seed) -> ()", &configure);
+  m.def("set_sm_count(int n) -> ()", [](int64_t n) { stemu::hopper::sm_count() = static_cast<int>(n); });
+  m.def("hopper_smem_base() -> int", []() -> int64_t { return stemu::hopper::kSmemBase; });
+  m.def("probe_wgmma(Tensor image, int da, int db, int n, bool bf16, bool scale_d, int repeat, Tensor d_in) -> Tensor",
+        [](const at::Tensor& im, int64_t da, int64_t db, int64_t n, bool bf, bool sd, int64_t rep, const at::Tensor& d) {
+          return guarded([&] { return probe_wgmma(im, da, db, n, bf, sd, rep, d); });
+        });
+  m.def("probe_tma(Tensor G, int[] box, int[] coords, int swizzle, int dst) -> Tensor",
+        [](const at::Tensor& G, std::vector<int64_t> box, std::vector<int64_t> co, int64_t sw, int64_t dst) {
+          return guarded([&] { return probe_tma(G, box, co, sw, dst); });
+        });
+  m.def("probe_mbar(int[] script) -> int[]",
+        [](std::vector<int64_t> s) { return guarded([&] { return probe_mbar(s); }); });
+  m.def("run_hopper_bug(str which) -> Tensor",
+        [](const std::string& w) { return guarded([&] { return run_hopper_bug(w); }); });
   m.def("stats() -> int[]", &stats);
   m.def("run_bug(str which) -> Tensor", [](const std::string& w) { return guarded([&] { return run_bug(w); }); });
 }
@@ -124,6 +292,8 @@ TORCH_LIBRARY_IMPL(speedtronic_emu, CompositeExplicitAutograd, m) {  // also rea
   m.impl("syrk", [](const at::Tensor& X, double alpha, double beta, const std::optional<at::Tensor>& Y) {
     return guarded([&] { return g::syrk(X, alpha, beta, Y); });
   });
+  m.impl("sym_gemm", [](const at::Tensor& X, double alpha, double beta, const std::optional<at::Tensor>& C,
+                        int64_t tile_n) { return guarded([&] { return g::sym_gemm(X, alpha, beta, C, tile_n); }); });
   m.impl("mma_probe", [](const at::Tensor& A, const at::Tensor& Bt) {
     return guarded([&] { return g::mma_probe(A, Bt); });
   });

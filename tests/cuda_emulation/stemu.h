@@ -29,6 +29,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <random>
 #include <stdexcept>
@@ -151,7 +152,23 @@ __asm__(
 
 namespace stemu {
 
-enum class Wait : uint8_t { Run, Block, Warp, Done };
+enum class Wait : uint8_t { Run, Block, Warp, Mbar, Done };
+
+// Hopper state (see the "Hopper" section below for the semantics).
+struct WgmmaOp {
+  uint64_t desc_a = 0, desc_b = 0;
+  int n = 0;              // N of m64nNk16
+  bool scale_d = true;    // false: D = A*B, the old accumulator is ignored
+  bool bf16 = false;
+  float* d = nullptr;     // the issuing thread's accumulator registers (n / 2 floats)
+  bool chained = false;   // reads the result of an older pending op on the same registers
+  std::vector<float> d_in;
+};
+struct Mbar {
+  uint32_t expected = 0, pending = 0;  // arrival counts
+  int64_t tx = 0;                      // pending transaction bytes (may go below zero)
+  uint64_t phase = 0;                  // completed phases
+};
 
 struct Thread {
   Ctx ctx;
@@ -159,7 +176,13 @@ struct Thread {
   int linear = 0, warp = 0, lane = 0;
   Wait wait = Wait::Run;
   unsigned long wait_gen = 0;
+  uint32_t wait_addr = 0;  // the mbarrier a Wait::Mbar thread waits on
   char* stack = nullptr;  // lowest usable address (a guard page lies below it)
+  // wgmma: ops not yet committed, committed groups (oldest first), fence state, issue count
+  std::vector<WgmmaOp> wg_open;
+  std::vector<std::vector<WgmmaOp>> wg_groups;
+  bool wg_fenced = false;
+  long wg_issued = 0;
 };
 
 struct Site {
@@ -200,6 +223,13 @@ struct Block {
   size_t dyn_bytes = 0;
   std::function<void()> body;
   std::string error;
+  // Hopper: mbarriers by shared-window address, bulk tensor copies in flight, and per warpgroup
+  // the wgmma issues not yet matched by all 128 threads (base index, records).
+  std::map<uint32_t, Mbar> mbars;
+  std::vector<std::function<void()>> copies_land;  // in issue order
+  std::vector<uint32_t> copies_bar;
+  struct WgRec { uint64_t a, b; int n; bool scale_d; int seen; };
+  std::vector<std::pair<long, std::vector<WgRec>>> wglog;
 };
 
 inline Block* g_block = nullptr;
@@ -281,6 +311,9 @@ inline void fiber_main(Thread* t) {
   // Thread exit: drop out of the block and warp barriers, as exited threads do on hardware.
   Block& b = *g_block;
   Warp& w = b.warps[t->warp];
+  if ((!t->wg_open.empty() || !t->wg_groups.empty()) && b.error.empty()) {
+    b.error = "thread " + std::to_string(t->linear) + " exited with wgmma.mma_async in flight (no wgmma.wait_group)";
+  }
   w.live &= ~(1u << t->lane);
   --b.live;
   if (b.arrived > 0 && b.error.empty()) {
@@ -338,6 +371,7 @@ inline std::string deadlock_report(const Block& b) {
       const Warp& w = b.warps[t.warp];
       sites[std::string(w.kind) + " at " + where(w.site)]++;
     }
+    if (t.wait == Wait::Mbar) sites["mbarrier.try_wait on shared address " + std::to_string(t.wait_addr)]++;
   }
   std::string msg = "stemu: deadlock:";
   for (auto& [k, v] : sites) msg += " " + std::to_string(v) + " threads wait in " + k + ";";
@@ -356,6 +390,7 @@ inline void run_block(Block& b) {
       if (t.wait == Wait::Done) continue;
       if (t.wait == Wait::Block && b.gen == t.wait_gen) continue;
       if (t.wait == Wait::Warp && b.warps[t.warp].gen == t.wait_gen) continue;
+      if (t.wait == Wait::Mbar && b.mbars[t.wait_addr].phase == t.wait_gen) continue;
       t.wait = Wait::Run;
       g_thread = &t;
       stemu_switch(&g_sched, &t.ctx);
@@ -426,12 +461,32 @@ struct Launch {
         wp.arrived = 0;
         wp.gen = 0;
       }
-      for (Thread& t : b.threads) t.wait = Wait::Run;
+      for (Thread& t : b.threads) {
+        t.wait = Wait::Run;
+        t.wg_open.clear();
+        t.wg_groups.clear();
+        t.wg_fenced = false;
+        t.wg_issued = 0;
+      }
+      b.mbars.clear();
+      b.copies_land.clear();
+      b.copies_bar.clear();
+      b.wglog.assign((nwarps + 3) / 4, {0L, {}});
       b.dyn_bytes = smem;
       b.dyn = pool().dyn_smem(smem);
       std::memset(b.dyn, 0xff, smem);  // poison: reads before writes show up as NaN / -1
       ++st.blocks;
       run_block(b);
+      for (size_t g = 0; g < b.wglog.size(); ++g) {
+        if (!b.wglog[g].second.empty()) {
+          throw Error("stemu: wgmma.mma_async #" + std::to_string(b.wglog[g].first) + " of warpgroup " +
+                      std::to_string(g) + " was not issued by all 128 of its threads");
+        }
+      }
+      if (!b.copies_land.empty()) {
+        throw Error("stemu: block exited with " + std::to_string(b.copies_land.size()) +
+                    " cp.async.bulk.tensor copies in flight (nobody waited on their mbarrier)");
+      }
     }
   }
 };
@@ -611,6 +666,382 @@ inline void mma_m16n8k16(const char* f, int l, float d[4], const uint32_t a[4], 
     d[i] = mine.c[i] + acc;
   }
 }
+
+// ---------------------------------------------------------------- Hopper (sm_90a)
+// Written from the PTX ISA (sections "mbarrier", "cp.async.bulk.tensor", "Asynchronous
+// Warpgroup Level Matrix Multiply-Accumulate") and the driver API's cuTensorMapEncodeTiled.
+//
+// Shared window. Dynamic shared memory byte 0 sits at window address kSmemBase; shared
+// addresses (what __cvta_generic_to_shared returns, what descriptors and mbarrier operands
+// hold) are window addresses. kSmemBase is 128- but not 1024-aligned, so a kernel that needs
+// 1024-byte alignment for 128B swizzling must align its buffers itself, as on hardware.
+//
+// mbarrier. State: expected arrival count, pending arrival count, tx-count, phase.
+//   init(count): expected = pending = count, tx = 0, phase 0 in progress.
+//   expect_tx(b): tx += b.   complete_tx(b): tx -= b (it may run ahead of expect_tx).
+//   arrive: pending -= 1.    arrive.expect_tx(b): expect_tx(b), then arrive.
+//   The current phase completes when pending == 0 and tx == 0: phase += 1, pending = expected.
+//   try_wait.parity(P) / test_wait.parity(P): true iff the phase with parity P has completed,
+//   i.e. iff P != (current phase & 1) (a fresh barrier reports parity 1 as complete).
+//   try_wait may also return false after a time-out; here it blocks the fiber until the phase
+//   changes (a deadlock is reported when no thread can make progress).
+//
+// cp.async.bulk.tensor (tile mode, global -> shared, mbarrier::complete_tx::bytes). The box at
+// coordinates c (innermost first) is written to shared memory packed, innermost dimension
+// fastest; elements outside the tensor are filled with zeros; then complete_tx(box bytes) is
+// signalled on the mbarrier (the full box counts, zero fill included). Swizzle 32B/64B/128B:
+// the 16-byte chunk index (address bits [4, 4 + log2(span / 16))) is XORed with address bits
+// [7, 7 + same width); the inner box extent must be exactly the span here (the driver allows
+// less; the emulator does not). The copy lands late: only when a thread waits on its mbarrier
+// and the phase is still incomplete (or never: a block exiting with copies in flight is an
+// error), so reading the destination before waiting sees stale or poisoned bytes.
+//
+// wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16} with A and B from shared memory.
+//   D(64xN, f32) = A(64x16) * B(16xN) + (scale-d ? D : 0); imm-scale-a/b = 1, no transpose:
+//   A is K-major (M rows of K), B is K-major (N rows of K: B[k][n] at row n, column k).
+//   Matrix descriptor (64 bits): [0,14) start address >> 4; [16,30) leading-dimension byte
+//   offset >> 4; [32,46) stride-dimension byte offset >> 4; [49,52) base offset; [62,64)
+//   swizzle: 0 none, 1 128B, 2 64B, 3 32B. Element (r, k) of a K-major operand:
+//     none:     start + (r / 8) * SBO + (k*2 / 16) * LBO + (r % 8) * 16 + (k*2) % 16
+//               (8x16-byte core matrices; LBO steps along K, SBO along M/N);
+//     swizzled: logical = start + (r / 8) * SBO + (r % 8) * span + k*2, physical = logical with
+//               the swizzle above applied to its address bits (LBO unused: a k16 slice of a
+//               16-bit operand never crosses the span). Base offset must be 0 here.
+//   Accumulator fragment (per thread, n/2 floats): warp w = warp % 4 of the warpgroup, lane l,
+//     d[i]: row = 16 w + l / 4 + 8 ((i >> 1) & 1), col = 8 (i >> 2) + 2 (l % 4) + (i & 1).
+//   Asynchrony: the operands are read and D is written when the op completes, at
+//   wgmma.wait_group(N) (all but the N most recent committed groups complete, oldest first).
+//   At issue, the accumulator registers are poisoned with NaN (reading them before the wait is
+//   undefined on hardware); ops on the same registers chain in issue order. Checked: every
+//   thread of the warpgroup alive and issuing the same descriptors/shape/scale-d in the same
+//   order (by the end of the block); a wgmma.fence since the thread's last wait_group (the ISA requires one before the
+//   first wgmma and between other register accesses and wgmma); nothing in flight at exit.
+namespace hopper {
+
+constexpr uint32_t kSmemBase = 0x80;
+
+// Multiprocessors the emulated device reports (sm90::sm_count), settable by tests.
+inline int& sm_count() {
+  static int n = 3;
+  return n;
+}
+
+inline uint32_t smem_addr(const void* p) {
+  Block& b = *g_block;
+  auto* c = static_cast<const unsigned char*>(p);
+  if (c < b.dyn || c > b.dyn + b.dyn_bytes) {
+    raise_in_fiber("shared address of a pointer outside dynamic shared memory");
+  }
+  return kSmemBase + static_cast<uint32_t>(c - b.dyn);
+}
+
+inline unsigned char* smem_at(uint32_t addr, size_t bytes, const char* what) {
+  Block& b = *g_block;
+  if (addr < kSmemBase || addr - kSmemBase + bytes > b.dyn_bytes) {
+    raise_in_fiber(std::string(what) + ": shared address " + std::to_string(addr) + " (+" +
+                   std::to_string(bytes) + " bytes) outside dynamic shared memory");
+  }
+  return b.dyn + (addr - kSmemBase);
+}
+
+// ------------------------------------------------ mbarrier
+inline Mbar& mbar(uint32_t addr, const char* what) {
+  Block& b = *g_block;
+  if (addr % 8) raise_in_fiber(std::string(what) + ": mbarrier address not 8-byte aligned");
+  auto it = b.mbars.find(addr);
+  if (it == b.mbars.end()) raise_in_fiber(std::string(what) + ": mbarrier not initialized");
+  return it->second;
+}
+
+inline void mbar_maybe_complete(Mbar& m) {
+  if (m.pending == 0 && m.tx == 0) {
+    ++m.phase;
+    m.pending = m.expected;
+  }
+}
+
+inline void mbar_init(uint32_t addr, uint32_t count) {
+  if (addr % 8) raise_in_fiber("mbarrier.init: address not 8-byte aligned");
+  if (count == 0 || count >= (1u << 20)) raise_in_fiber("mbarrier.init: count must be in [1, 2^20)");
+  smem_at(addr, 8, "mbarrier.init");
+  Mbar m;
+  m.expected = m.pending = count;
+  g_block->mbars[addr] = m;
+}
+
+inline void mbar_expect_tx(uint32_t addr, uint32_t bytes) {
+  Mbar& m = mbar(addr, "mbarrier.expect_tx");
+  m.tx += bytes;
+  if (m.tx >= (1 << 20)) raise_in_fiber("mbarrier: tx-count above 2^20 - 1");
+}
+
+inline void mbar_complete_tx(uint32_t addr, uint32_t bytes) {
+  Mbar& m = mbar(addr, "mbarrier.complete_tx");
+  m.tx -= bytes;
+  if (m.tx <= -(1 << 20)) raise_in_fiber("mbarrier: tx-count below -(2^20 - 1)");
+  mbar_maybe_complete(m);
+}
+
+inline void mbar_arrive(uint32_t addr, uint32_t tx_bytes = 0) {
+  Mbar& m = mbar(addr, "mbarrier.arrive");
+  if (tx_bytes) mbar_expect_tx(addr, tx_bytes);
+  if (m.pending == 0) raise_in_fiber("mbarrier.arrive: more arrivals than the expected count");
+  --m.pending;
+  mbar_maybe_complete(m);
+}
+
+inline bool mbar_test_wait(uint32_t addr, uint32_t parity) {
+  return (mbar(addr, "mbarrier.test_wait").phase & 1u) != (parity & 1u);
+}
+
+inline void land_copies(uint32_t bar);
+
+inline bool mbar_try_wait(uint32_t addr, uint32_t parity) {
+  if (mbar_test_wait(addr, parity)) return true;
+  land_copies(addr);
+  if (mbar_test_wait(addr, parity)) return true;
+  Thread& t = *g_thread;
+  t.wait = Wait::Mbar;
+  t.wait_addr = addr;
+  t.wait_gen = mbar(addr, "mbarrier.try_wait").phase;
+  yield_to_scheduler();
+  return mbar_test_wait(addr, parity);
+}
+
+// ------------------------------------------------ tensor map + bulk tensor copy
+struct TensorMap {
+  const void* base = nullptr;
+  int rank = 0, esize = 0, swizzle = 0;  // swizzle span in bytes: 0, 32, 64, 128
+  uint64_t dims[5] = {0, 0, 0, 0, 0};
+  uint64_t strides[5] = {0, 0, 0, 0, 0};  // bytes; strides[0] = esize
+  uint32_t box[5] = {1, 1, 1, 1, 1};
+  uint32_t magic = 0;
+};
+constexpr uint32_t kTensorMapMagic = 0x5417a9u;
+
+// Checks of cuTensorMapEncodeTiled (driver API documentation), with elementStrides all 1.
+inline TensorMap encode_tensor_map(const void* base, int rank, int esize, const uint64_t* dims,
+                                   const uint64_t* byte_strides /* rank - 1, dims 1.. */,
+                                   const uint32_t* box, int swizzle) {
+  auto fail = [](const std::string& m) { throw Error("stemu: cuTensorMapEncodeTiled: " + m); };
+  if (rank < 1 || rank > 5) fail("rank must be 1..5");
+  if (reinterpret_cast<uintptr_t>(base) % 16) fail("global address must be 16-byte aligned");
+  if (swizzle != 0 && swizzle != 32 && swizzle != 64 && swizzle != 128) fail("bad swizzle");
+  TensorMap t;
+  t.base = base;
+  t.rank = rank;
+  t.esize = esize;
+  t.swizzle = swizzle;
+  t.strides[0] = static_cast<uint64_t>(esize);
+  for (int i = 0; i < rank; ++i) {
+    if (dims[i] == 0 || dims[i] > (uint64_t(1) << 32)) fail("globalDim must be in [1, 2^32]");
+    if (box[i] == 0 || box[i] > 256) fail("boxDim must be in [1, 256]");
+    t.dims[i] = dims[i];
+    t.box[i] = box[i];
+    if (i > 0) {
+      if (byte_strides[i - 1] % 16 || byte_strides[i - 1] >= (uint64_t(1) << 40)) {
+        fail("globalStrides must be multiples of 16 and below 2^40");
+      }
+      t.strides[i] = byte_strides[i - 1];
+    }
+  }
+  if ((static_cast<uint64_t>(box[0]) * esize) % 16) fail("boxDim[0] * element size must be a multiple of 16 bytes");
+  if (swizzle && static_cast<uint64_t>(box[0]) * esize > static_cast<uint64_t>(swizzle)) {
+    fail("the inner box dimension must not exceed the swizzle span");
+  }
+  t.magic = kTensorMapMagic;
+  return t;
+}
+
+inline uint32_t swizzle_addr(uint32_t addr, int span) {
+  if (span == 0) return addr;
+  const uint32_t mask = static_cast<uint32_t>(span / 16 - 1);
+  return addr ^ (((addr >> 7) & mask) << 4);
+}
+
+inline void bulk_tensor_load(uint32_t dst, const TensorMap* tm, const int32_t* c, uint32_t bar) {
+  if (tm->magic != kTensorMapMagic) raise_in_fiber("cp.async.bulk.tensor: not an encoded tensor map");
+  if (dst % 128) raise_in_fiber("cp.async.bulk.tensor: shared destination not 128-byte aligned");
+  if (tm->swizzle && static_cast<int>(tm->box[0]) * tm->esize != tm->swizzle) {
+    raise_in_fiber("cp.async.bulk.tensor: emulated swizzle needs inner box bytes == swizzle span");
+  }
+  mbar(bar, "cp.async.bulk.tensor");
+  uint64_t n = 1;
+  for (int i = 0; i < tm->rank; ++i) n *= tm->box[i];
+  const uint32_t bytes = static_cast<uint32_t>(n * tm->esize);
+  smem_at(dst, bytes, "cp.async.bulk.tensor");
+  TensorMap map = *tm;
+  int32_t co[5] = {0, 0, 0, 0, 0};
+  for (int i = 0; i < tm->rank; ++i) co[i] = c[i];
+  Block& b = *g_block;
+  b.copies_bar.push_back(bar);
+  b.copies_land.push_back([map, co, dst, bar, n, bytes]() {
+    unsigned char* out = smem_at(dst, bytes, "cp.async.bulk.tensor");
+    for (uint64_t e = 0; e < n; ++e) {
+      uint64_t rem = e, off = 0;
+      bool inside = true;
+      for (int i = 0; i < map.rank; ++i) {
+        const int64_t g = static_cast<int64_t>(co[i]) + static_cast<int64_t>(rem % map.box[i]);
+        rem /= map.box[i];
+        if (g < 0 || static_cast<uint64_t>(g) >= map.dims[i]) inside = false;
+        else off += static_cast<uint64_t>(g) * map.strides[i];
+      }
+      const uint32_t at = swizzle_addr(dst + static_cast<uint32_t>(e * map.esize), map.swizzle);
+      unsigned char* p = out + (at - dst);
+      if (inside) std::memcpy(p, static_cast<const unsigned char*>(map.base) + off, map.esize);
+      else std::memset(p, 0, map.esize);
+    }
+    mbar_complete_tx(bar, bytes);
+  });
+}
+
+inline void land_copies(uint32_t bar) {
+  Block& b = *g_block;
+  for (size_t i = 0; i < b.copies_land.size();) {
+    if (b.copies_bar[i] == bar) {
+      auto land = std::move(b.copies_land[i]);
+      b.copies_land.erase(b.copies_land.begin() + static_cast<long>(i));
+      b.copies_bar.erase(b.copies_bar.begin() + static_cast<long>(i));
+      land();
+    } else {
+      ++i;
+    }
+  }
+}
+
+// ------------------------------------------------ wgmma
+inline float load16(const unsigned char* p, bool bf16) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return bf16 ? __bfloat162float(__nv_bfloat16{bits}) : __half2float(__half{bits});
+}
+
+inline uint32_t desc_elem(uint64_t desc, int r, int k) {
+  const uint32_t start = static_cast<uint32_t>(desc & 0x3fffu) << 4;
+  const uint32_t lbo = static_cast<uint32_t>((desc >> 16) & 0x3fffu) << 4;
+  const uint32_t sbo = static_cast<uint32_t>((desc >> 32) & 0x3fffu) << 4;
+  const int mode = static_cast<int>(desc >> 62);
+  const uint32_t kb = static_cast<uint32_t>(k) * 2u, ur = static_cast<uint32_t>(r);
+  if (mode == 0) return start + (ur / 8) * sbo + (kb / 16) * lbo + (ur % 8) * 16 + kb % 16;
+  const uint32_t span = mode == 1 ? 128u : mode == 2 ? 64u : 32u;
+  return swizzle_addr(start + (ur / 8) * sbo + (ur % 8) * span + kb, static_cast<int>(span));
+}
+
+inline void check_desc(uint64_t desc, const char* which) {
+  if ((desc >> 49) & 7u) raise_in_fiber(std::string("wgmma: ") + which + " descriptor base offset != 0 is not emulated");
+  if (desc & (uint64_t(3) << 14 | uint64_t(3) << 30 | uint64_t(7) << 46 | uint64_t(0x3ff) << 52)) {
+    raise_in_fiber(std::string("wgmma: ") + which + " descriptor has reserved bits set");
+  }
+}
+
+inline void wgmma_compute(WgmmaOp& op, const float* d_in, float* result) {
+  Thread& t = *g_thread;
+  const int w = t.warp % 4, l = t.lane;
+  float A[2][16];
+  for (int h = 0; h < 2; ++h) {
+    const int r = 16 * w + l / 4 + 8 * h;
+    for (int k = 0; k < 16; ++k) A[h][k] = load16(smem_at(desc_elem(op.desc_a, r, k), 2, "wgmma A"), op.bf16);
+  }
+  for (int i = 0; i < op.n / 2; ++i) {
+    const int h = (i >> 1) & 1, col = 8 * (i >> 2) + 2 * (l % 4) + (i & 1);
+    float acc = 0.f;
+    for (int k = 0; k < 16; ++k) acc += A[h][k] * load16(smem_at(desc_elem(op.desc_b, col, k), 2, "wgmma B"), op.bf16);
+    result[i] = (op.scale_d ? d_in[i] : 0.f) + acc;
+  }
+}
+
+inline void wgmma_fence() { g_thread->wg_fenced = true; }
+
+inline void wgmma_issue(float* d, int n, uint64_t desc_a, uint64_t desc_b, bool scale_d, bool bf16) {
+  Block& b = *g_block;
+  Thread& t = *g_thread;
+  if (n % 8 || n < 8 || n > 256) raise_in_fiber("wgmma: N must be a multiple of 8 in [8, 256]");
+  if (!t.wg_fenced) raise_in_fiber("wgmma.mma_async without a wgmma.fence since the last wait_group");
+  const int g = t.warp / 4;
+  for (int w = 4 * g; w < 4 * g + 4; ++w) {
+    if (w >= static_cast<int>(b.warps.size()) || b.warps[w].size != 32) {
+      raise_in_fiber("wgmma.mma_async needs a full warpgroup (4 warps of 32 threads)");
+    }
+  }
+  check_desc(desc_a, "A");
+  check_desc(desc_b, "B");
+  // .sync.aligned: every thread of the warpgroup issues the same sequence.
+  auto& [base, recs] = b.wglog[g];
+  const long idx = t.wg_issued++ - base;
+  if (idx == static_cast<long>(recs.size())) {
+    recs.push_back({desc_a, desc_b, n, scale_d, 0});
+  } else {
+    const auto& r = recs[idx];
+    if (r.a != desc_a || r.b != desc_b || r.n != n || r.scale_d != scale_d) {
+      raise_in_fiber("wgmma.mma_async: threads of a warpgroup issued different operands");
+    }
+  }
+  if (++recs[idx].seen == 128) {
+    while (!recs.empty() && recs.front().seen == 128) {
+      recs.erase(recs.begin());
+      ++base;
+    }
+  }
+  WgmmaOp op;
+  op.desc_a = desc_a;
+  op.desc_b = desc_b;
+  op.n = n;
+  op.scale_d = scale_d;
+  op.bf16 = bf16;
+  op.d = d;
+  bool pending = false;
+  for (auto& grp : t.wg_groups)
+    for (auto& o : grp) pending |= o.d == d;
+  for (auto& o : t.wg_open) pending |= o.d == d;
+  op.chained = pending;
+  if (!pending) {
+    op.d_in.assign(d, d + n / 2);
+    for (int i = 0; i < n / 2; ++i) d[i] = std::numeric_limits<float>::quiet_NaN();
+  }
+  t.wg_open.push_back(std::move(op));
+}
+
+inline void wgmma_commit() {
+  Thread& t = *g_thread;
+  t.wg_groups.push_back(std::move(t.wg_open));  // may be an empty group, as in the ISA
+  t.wg_open.clear();
+}
+
+inline void wgmma_wait(int keep) {
+  Thread& t = *g_thread;
+  // Let other threads run first: a stage released too early gets overwritten before the
+  // deferred operand reads below.
+  yield_to_scheduler();
+  while (static_cast<int>(t.wg_groups.size()) > keep) {
+    std::vector<WgmmaOp> grp = std::move(t.wg_groups.front());
+    t.wg_groups.erase(t.wg_groups.begin());
+    for (WgmmaOp& op : grp) {
+      std::vector<float> out(op.n / 2);
+      wgmma_compute(op, op.d_in.data(), out.data());
+      WgmmaOp* next = nullptr;  // the next pending op on the same registers takes the result
+      for (auto& o : grp) {
+        if (!next && &o > &op && o.d == op.d) next = &o;
+      }
+      for (auto& g2 : t.wg_groups) {
+        for (auto& o : g2) {
+          if (!next && o.d == op.d) next = &o;
+        }
+      }
+      for (auto& o : t.wg_open) {
+        if (!next && o.d == op.d) next = &o;
+      }
+      if (next) {
+        next->d_in = std::move(out);
+        next->chained = false;
+      } else {
+        std::memcpy(op.d, out.data(), sizeof(float) * out.size());
+      }
+    }
+  }
+  t.wg_fenced = false;
+}
+
+}  // namespace hopper
 
 // ---------------------------------------------------------------- atomics
 // Fibers never interleave inside these, so plain read-modify-write is atomic.
