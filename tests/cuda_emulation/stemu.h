@@ -692,9 +692,11 @@ inline void mma_m16n8k16(const char* f, int l, float d[4], const uint32_t a[4], 
 // signalled on the mbarrier (the full box counts, zero fill included). Swizzle 32B/64B/128B:
 // the 16-byte chunk index (address bits [4, 4 + log2(span / 16))) is XORed with address bits
 // [7, 7 + same width); the inner box extent must be exactly the span here (the driver allows
-// less; the emulator does not). The copy lands late: only when a thread waits on its mbarrier
-// and the phase is still incomplete (or never: a block exiting with copies in flight is an
-// error), so reading the destination before waiting sees stale or poisoned bytes.
+// less; the emulator does not). When the copy lands depends on the schedule: forward, as late
+// as possible (when a thread waits on its mbarrier and the phase is still incomplete), so a
+// read of the destination before that wait sees stale or poisoned bytes; reverse, at issue,
+// so a stage handed back to the producer while a wgmma still reads it is overwritten first;
+// random, either, per copy. A block exiting with copies in flight is an error.
 //
 // wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16} with A and B from shared memory.
 //   D(64xN, f32) = A(64x16) * B(16xN) + (scale-d ? D : 0); imm-scale-a/b = 1, no transpose:
@@ -893,6 +895,16 @@ inline void bulk_tensor_load(uint32_t dst, const TensorMap* tm, const int32_t* c
     }
     mbar_complete_tx(bar, bytes);
   });
+  // When the copy lands depends on the schedule: forward as late as possible (a read of the
+  // destination before waiting on the mbarrier sees stale bytes), reverse at once (a stage
+  // released while a wgmma still reads it gets overwritten first), random either, per copy.
+  const Schedule sc = settings().schedule;
+  if (sc == Schedule::Reverse || (sc == Schedule::Random && (rng()() & 1u))) {
+    auto land = std::move(b.copies_land.back());
+    b.copies_land.pop_back();
+    b.copies_bar.pop_back();
+    land();
+  }
 }
 
 inline void land_copies(uint32_t bar) {
