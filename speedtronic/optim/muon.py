@@ -103,15 +103,20 @@ def parse_layout(layout: str) -> tuple[str, int]:
       use the logical ``(out, in)`` shape;
     * ``split:K``: K matrices stacked along dim 0 (fused Q/K/V: ``K = 3``), each orthogonalized
       on its own: Q, K and V are separate linear maps;
+    * ``transposed_split:K``: K matrices stored transposed side by side, ``(in, K * out)``
+      (GPT-2's fused ``c_attn`` ``Conv1D``): each column block is orthogonalized on its own,
+      through a contiguous ``(out, in)`` copy written back after the step; the momentum buffer
+      is kept in that logical ``(K * out, in)`` layout;
     * ``flatten``: a convolution kernel ``(out, in, *k)`` orthogonalized as the matrix
       ``(out, in * prod(k))`` (a view: the parameter must be contiguous)."""
     if layout in ("matrix", "transposed", "flatten"):
         return layout, 1
-    if isinstance(layout, str) and layout.startswith("split:") and layout[6:].isdigit() \
-            and int(layout[6:]) >= 1:
-        return "split", int(layout[6:])
-    raise ValueError(f"layout {layout!r} is not valid; use 'matrix', 'transposed', 'flatten' or "
-                     "'split:K'")
+    for kind in ("split", "transposed_split"):
+        if isinstance(layout, str) and layout.startswith(f"{kind}:") \
+                and layout[len(kind) + 1:].isdigit() and int(layout[len(kind) + 1:]) >= 1:
+            return kind, int(layout[len(kind) + 1:])
+    raise ValueError(f"layout {layout!r} is not valid; use 'matrix', 'transposed', 'flatten', "
+                     "'split:K' or 'transposed_split:K'")
 
 
 def _check_group(group: dict[str, Any]) -> None:
@@ -142,11 +147,17 @@ def _check_group(group: dict[str, Any]) -> None:
         if kind == "split" and p.shape[0] % k:
             raise ValueError(f"layout split:{k} needs rows divisible by {k}, got shape "
                              f"{tuple(p.shape)}")
+        if kind == "transposed_split" and p.shape[1] % k:
+            raise ValueError(f"layout transposed_split:{k} needs columns divisible by {k}, got "
+                             f"shape {tuple(p.shape)}")
 
 
-def _group_entries(state: dict, group: dict[str, Any]) -> list[tuple[Tensor, Tensor, Tensor]]:
+def _group_entries(state: dict, group: dict[str, Any], writebacks: list[tuple[Tensor, Tensor]]
+                   ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """``(param, grad, momentum buffer)`` per matrix; a ``split:K`` parameter gives K row-block
-    views of all three (contiguous slices: the kernels update the parameter in place)."""
+    views of all three (contiguous slices: the kernels update the parameter in place). A
+    ``transposed_split:K`` parameter gives K contiguous ``(out, in)`` copies, each listed in
+    ``writebacks`` as ``(copy, column block of the parameter)``."""
     kind, k = parse_layout(group.get("layout", "matrix"))
     entries = []
     for p in group["params"]:
@@ -164,8 +175,21 @@ def _group_entries(state: dict, group: dict[str, Any]) -> list[tuple[Tensor, Ten
         if buf is None:
             # fp32 whatever the parameter dtype: bf16 momentum loses the small updates.
             buf = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            if kind == "transposed_split":
+                buf = buf.mT.contiguous()                         # (K * out, in)
             st["momentum_buffer"] = buf
-        if kind == "flatten":
+        if kind == "transposed_split":
+            if buf.shape != p.mT.shape:
+                raise RuntimeError(f"Muon layout transposed_split:{k}: momentum buffer of shape "
+                                   f"{tuple(buf.shape)} does not match the (K * out, in) = "
+                                   f"{tuple(p.mT.shape)} layout of this parameter")
+            cols = p.shape[1] // k
+            for i in range(k):
+                block = slice(i * cols, (i + 1) * cols)
+                work = p[:, block].mT.contiguous()                # (out, in) copy
+                writebacks.append((work, p[:, block]))
+                entries.append((work, g[:, block].mT.contiguous(), buf[block]))
+        elif kind == "flatten":
             if not p.is_contiguous():  # e.g. a conv kernel in channels_last memory format
                 raise RuntimeError(f"Muon layout 'flatten' needs a contiguous parameter (shape "
                                    f"{tuple(p.shape)}); keep the model in contiguous format")
@@ -186,8 +210,9 @@ def muon_step(state: dict, groups: Iterable[dict[str, Any]]) -> None:
     Matrices are bucketed by (shape, device, NS settings, momentum settings) across groups, so
     each bucket costs one pre-pass, ONE ``newton_schulz`` call and one post-pass per group."""
     buckets: dict[tuple, list[tuple[dict, Tensor, Tensor, Tensor]]] = defaultdict(list)
+    writebacks: list[tuple[Tensor, Tensor]] = []
     for group in groups:
-        for p, g, buf in _group_entries(state, group):
+        for p, g, buf in _group_entries(state, group, writebacks):
             if not p.is_contiguous():  # a split view of a non-contiguous parameter
                 raise RuntimeError(f"Muon layout {group.get('layout')!r} needs a contiguous "
                                    f"parameter (shape {tuple(p.shape)})")
@@ -199,6 +224,8 @@ def muon_step(state: dict, groups: Iterable[dict[str, Any]]) -> None:
     for key, bucket in buckets.items():
         for items in _split(bucket, NS_MAX_BATCH_NUMEL):
             _bucket_step(key, items)
+    for work, block in writebacks:                                # transposed_split copies
+        block.copy_(work.mT)
 
 
 def _split(items: list, max_numel: int) -> list[list]:

@@ -253,6 +253,23 @@ def _known_fused(regs: list[tuple[str, nn.Module, str]], modules: dict[str, nn.M
     return None
 
 
+def _known_fused_conv1d(p: nn.Parameter, regs: list[tuple[str, nn.Module, str]],
+                        modules: dict[str, nn.Module]) -> int | None:
+    """GPT-2's attention keeps Q, K, V (K, V for cross-attention) side by side in one Conv1D
+    ``c_attn`` of shape ``(d, K d)``, and Hugging Face splits its output into equal blocks of
+    ``d``. Recognized by the owner's class (``transformers`` ``...GPT2Attention``) and the
+    attribute name."""
+    for mod_path, _, leaf in regs:
+        parent_path, _, attr = mod_path.rpartition(".")
+        parent = modules.get(parent_path)
+        if leaf == "weight" and attr == "c_attn" and parent is not None \
+                and type(parent).__name__.endswith("GPT2Attention") \
+                and type(parent).__module__.startswith("transformers.") \
+                and p.shape[1] > p.shape[0] and p.shape[1] % p.shape[0] == 0:
+            return p.shape[1] // p.shape[0]
+    return None
+
+
 def _muon_layout(p: nn.Parameter, regs: list[tuple[str, nn.Module, str]],
                  muon_conv: bool = False, modules: dict[str, nn.Module] | None = None
                  ) -> tuple[str, str | None]:
@@ -267,10 +284,15 @@ def _muon_layout(p: nn.Parameter, regs: list[tuple[str, nn.Module, str]],
         split = getattr(p, SPLIT_ATTRIBUTE, None) or (
             getattr(mod, SPLIT_ATTRIBUTE, None) if leaf == "weight" else None)
         conv1d = type(mod).__name__ == "Conv1D" and leaf == "weight" and p.ndim == 2
+        if split is None and conv1d:
+            split = _known_fused_conv1d(p, regs, modules or {})
         if split is not None and conv1d:
-            raise ValueError(f"{SPLIT_ATTRIBUTE} on a Conv1D weight (stored (in, out), its "
-                             "blocks are column blocks) is not supported; it is orthogonalized "
-                             "as one matrix without the attribute")
+            if not isinstance(split, int) or split < 1 or p.shape[1] % split:
+                raise ValueError(f"{SPLIT_ATTRIBUTE} = {split!r} does not split a Conv1D weight "
+                                 f"of shape {tuple(p.shape)} (stored (in, out)) into equal "
+                                 "column blocks")
+            return (f"transposed_split:{split}",
+                    f"fused Conv1D projection of {split} matrices stored (in, out)")
         if split is not None:
             if not isinstance(split, int) or split < 1 or p.ndim != 2 or p.shape[0] % split:
                 raise ValueError(f"{SPLIT_ATTRIBUTE} = {split!r} does not split a tensor of "

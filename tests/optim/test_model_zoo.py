@@ -44,7 +44,8 @@ def _vit():
 
 # model -> (builder, Muon tensors per layout)
 ZOO = {
-    "gpt2": (_gpt2, {"transposed": 8}),  # c_attn, attn c_proj, c_fc, mlp c_proj per layer
+    # per layer: c_attn (Q, K, V column blocks), attn c_proj, c_fc, mlp c_proj
+    "gpt2": (_gpt2, {"transposed_split:3": 2, "transposed": 6}),
     "llama": (_llama, {"matrix": 14}),   # q, k, v, o, gate, up, down per layer
     "bert": (_bert, {"matrix": 13}),     # q, k, v, o, intermediate, output per layer + pooler
     "vit": (_vit, {"matrix": 12}),       # q, k, v, o, intermediate, output per layer

@@ -229,6 +229,46 @@ def test_split_layout_equals_three_separate_matrices():
     assert opt.state[fused]["momentum_buffer"].shape == (48, 16)
 
 
+def test_transposed_split_equals_three_separate_logical_matrices():
+    """GPT-2's c_attn: (in, 3 out) stored; Q, K, V are its column blocks."""
+    torch.manual_seed(0)
+    w, g = torch.randn(16, 3 * 8), torch.randn(16, 3 * 8)  # (in, K * out)
+    fused = torch.nn.Parameter(w.clone())
+    fused.grad = g.clone()
+    parts = [torch.nn.Parameter(w[:, i * 8:(i + 1) * 8].t().contiguous()) for i in range(3)]
+    for i, p in enumerate(parts):
+        p.grad = g[:, i * 8:(i + 1) * 8].t().contiguous()  # (out, in)
+    opt = Muon([{"params": [fused], "layout": "transposed_split:3"}], lr=0.1,
+               weight_decay=0.01, ns_dtype="fp32")
+    ref = Muon(parts, lr=0.1, weight_decay=0.01, ns_dtype="fp32")
+    for _ in range(2):
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(fused.detach(), torch.cat([p.detach().t() for p in parts], 1),
+                               rtol=1e-5, atol=1e-6)
+    assert opt.state[fused]["momentum_buffer"].shape == (24, 16)  # logical (K * out, in)
+
+
+def test_gpt2_style_c_attn_is_recognized_and_declared_conv1d_splits_work():
+    from speedtronic.optim import SPLIT_ATTRIBUTE
+
+    class GPT2Attention(torch.nn.Module):  # named as in transformers, but defined here
+        def __init__(self):
+            super().__init__()
+            self.c_attn = Conv1D(48, 16)
+            self.c_proj = Conv1D(16, 16)
+
+    model = torch.nn.Sequential(GPT2Attention())
+    assert route_parameters(model).layouts["0.c_attn.weight"] == "transposed"  # not transformers'
+    setattr(model[0].c_attn, SPLIT_ATTRIBUTE, 3)
+    routes = route_parameters(model)
+    assert routes.layouts == {"0.c_attn.weight": "transposed_split:3",
+                              "0.c_proj.weight": "transposed"}
+    setattr(model[0].c_attn, SPLIT_ATTRIBUTE, 5)
+    with pytest.raises(ValueError, match="equal column blocks"):
+        route_parameters(model)
+
+
 def test_declared_fused_projection_and_bad_declarations():
     from speedtronic.optim import SPLIT_ATTRIBUTE
 
