@@ -174,7 +174,7 @@ __device__ __forceinline__ void wgmma_wait(float (&d)[R]) {
 #if ST_SM90A
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(KEEP) : "memory");
 #elif defined(STEMU_ACTIVE)
-  ::stemu::hopper::wgmma_wait(KEEP);
+  ::stemu::hopper::wgmma_wait(KEEP, __FILE__, __LINE__);
 #elif defined(__CUDA_ARCH__)
   __trap();
 #endif

@@ -399,6 +399,15 @@ inline void run_block(Block& b) {
       if (!b.error.empty()) throw Error("stemu: " + b.error);
       if (t.wait == Wait::Done) ++done;
     }
+    if (!progressed && !b.copies_land.empty()) {
+      // Everyone waits, and copies are still in flight: the copy engine finishes them now.
+      auto lands = std::move(b.copies_land);
+      b.copies_land.clear();
+      b.copies_bar.clear();
+      for (auto& land : lands) land();
+      if (!b.error.empty()) throw Error("stemu: " + b.error);
+      continue;
+    }
     if (!progressed) throw Error(deadlock_report(b));
   }
 }
@@ -693,7 +702,8 @@ inline void mma_m16n8k16(const char* f, int l, float d[4], const uint32_t a[4], 
 // the 16-byte chunk index (address bits [4, 4 + log2(span / 16))) is XORed with address bits
 // [7, 7 + same width); the inner box extent must be exactly the span here (the driver allows
 // less; the emulator does not). When the copy lands depends on the schedule: forward, as late
-// as possible (when a thread waits on its mbarrier and the phase is still incomplete), so a
+// as possible (when a thread waits on its mbarrier and the phase is still incomplete, or when
+// every thread of the block waits), so a
 // read of the destination before that wait sees stale or poisoned bytes; reverse, at issue,
 // so a stage handed back to the producer while a wgmma still reads it is overwritten first;
 // random, either, per copy. A block exiting with copies in flight is an error.
@@ -877,8 +887,11 @@ inline void bulk_tensor_load(uint32_t dst, const TensorMap* tm, const int32_t* c
   for (int i = 0; i < tm->rank; ++i) co[i] = c[i];
   Block& b = *g_block;
   b.copies_bar.push_back(bar);
+  // The landing may run from the scheduler (no current fiber): nothing in it may raise; the
+  // bounds and the barrier were checked above.
   b.copies_land.push_back([map, co, dst, bar, n, bytes]() {
-    unsigned char* out = smem_at(dst, bytes, "cp.async.bulk.tensor");
+    Block& blk = *g_block;
+    unsigned char* out = blk.dyn + (dst - kSmemBase);
     for (uint64_t e = 0; e < n; ++e) {
       uint64_t rem = e, off = 0;
       bool inside = true;
@@ -893,7 +906,13 @@ inline void bulk_tensor_load(uint32_t dst, const TensorMap* tm, const int32_t* c
       if (inside) std::memcpy(p, static_cast<const unsigned char*>(map.base) + off, map.esize);
       else std::memset(p, 0, map.esize);
     }
-    mbar_complete_tx(bar, bytes);
+    auto it = blk.mbars.find(bar);
+    if (it == blk.mbars.end()) {
+      if (blk.error.empty()) blk.error = "cp.async.bulk.tensor: its mbarrier was invalidated in flight";
+      return;
+    }
+    it->second.tx -= bytes;
+    mbar_maybe_complete(it->second);
   });
   // When the copy lands depends on the schedule: forward as late as possible (a read of the
   // destination before waiting on the mbarrier sees stale bytes), reverse at once (a stage
@@ -946,8 +965,7 @@ inline void check_desc(uint64_t desc, const char* which) {
   }
 }
 
-inline void wgmma_compute(WgmmaOp& op, const float* d_in, float* result) {
-  Thread& t = *g_thread;
+inline void wgmma_compute(const Thread& t, WgmmaOp& op, const float* d_in, float* result) {
   const int w = t.warp % 4, l = t.lane;
   float A[2][16];
   for (int h = 0; h < 2; ++h) {
@@ -1019,17 +1037,15 @@ inline void wgmma_commit() {
   t.wg_open.clear();
 }
 
-inline void wgmma_wait(int keep) {
-  Thread& t = *g_thread;
-  // Let other threads run first: a stage released too early gets overwritten before the
-  // deferred operand reads below.
-  yield_to_scheduler();
+// Completes the due groups of one thread (its registers are written through the recorded
+// pointers, which stay valid while the thread waits in wgmma_wait).
+inline void wgmma_complete(Thread& t, int keep) {
   while (static_cast<int>(t.wg_groups.size()) > keep) {
     std::vector<WgmmaOp> grp = std::move(t.wg_groups.front());
     t.wg_groups.erase(t.wg_groups.begin());
     for (WgmmaOp& op : grp) {
       std::vector<float> out(op.n / 2);
-      wgmma_compute(op, op.d_in.data(), out.data());
+      wgmma_compute(t, op, op.d_in.data(), out.data());
       WgmmaOp* next = nullptr;  // the next pending op on the same registers takes the result
       for (auto& o : grp) {
         if (!next && &o > &op && o.d == op.d) next = &o;
@@ -1051,6 +1067,19 @@ inline void wgmma_wait(int keep) {
     }
   }
   t.wg_fenced = false;
+}
+
+// wgmma.wait_group is .sync.aligned: the lanes of a warp pass it together. So it is a warp
+// collective here, and the first lane to leave it completes the due groups of all 32 lanes
+// (the warp's share of the operand reads is over before any lane goes on, e.g. to hand the
+// stage back). It yields first, letting other threads run (and overwrite a stage released
+// too early) before the deferred operand reads.
+inline void wgmma_wait(int keep, const char* file, int line) {
+  yield_to_scheduler();
+  collective("wgmma.wait_group", 0xffffffffu, &keep, sizeof keep, file, line);
+  Block& b = *g_block;
+  const int w = g_thread->warp;
+  for (int l = 0; l < b.warps[w].size; ++l) wgmma_complete(b.threads[w * 32 + l], keep);
 }
 
 }  // namespace hopper

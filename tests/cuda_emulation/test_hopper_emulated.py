@@ -226,6 +226,7 @@ def _check_sym(out: torch.Tensor, ref: torch.Tensor, dt: torch.dtype, what: str)
     (1, 130, 72, 0),     # m just past one tile
     (2, 200, 328, 128),  # k over 4 stages: the ring wraps; 3 blocks walk 6 items
     (1, 300, 24, 256),   # 256-wide macro tiles; one row half lies below the matrix
+    (3, 129, 264, 0),    # 9 items over 3 persistent blocks, 5 k-blocks each
 ])
 def test_sym_gemm_kernel_matches_torch(emu, sched, b, m, k, tile_n):
     emu.set_sm_count(3)
