@@ -22,6 +22,8 @@ CSRC = os.path.join("csrc")
 #: Without a visible GPU there is nothing to detect: Ampere and Hopper SASS, plus Hopper PTX so
 #: newer GPUs can JIT it.
 DEFAULT_ARCH_LIST = "8.0;9.0+PTX"
+#: Compiled for sm_90a only (-gencode arch=compute_90a,code=sm_90a), outside the arch list.
+SM90A_SOURCE = "sym_gemm_sm90.cu"
 #: nvcc + cicc peak per job on the launcher files, measured here (~1.5 GiB; 2 GiB with headroom).
 GIB_PER_JOB = 2.0
 
@@ -104,7 +106,10 @@ def extension_modules() -> tuple[list, dict]:
     _cap_max_jobs()
     _say(f"building for {arch_list} with MAX_JOBS={os.environ['MAX_JOBS']}")
 
-    sources = [os.path.join(CSRC, "ops.cpp")] + sorted(glob.glob(os.path.join(CSRC, "*.cu")))
+    # csrc/sym_gemm_sm90.cu needs sm_90a (wgmma) and nothing else: compiled on its own by
+    # BuildWithInfo below and linked in as an object, so the other files keep the arch list.
+    sources = [os.path.join(CSRC, "ops.cpp")] + sorted(
+        f for f in glob.glob(os.path.join(CSRC, "*.cu")) if os.path.basename(f) != SM90A_SOURCE)
     torch_version = torch.__version__
     ext = CUDAExtension(
         name="speedtronic._C",
@@ -123,6 +128,32 @@ def extension_modules() -> tuple[list, dict]:
 
     class BuildWithInfo(BuildExtension):
         """Writes ``_C.build.json`` beside the binary; the loader reads it before importing."""
+
+        def build_extension(self, ext):  # noqa: D401 - setuptools hook
+            ext.extra_objects = list(ext.extra_objects or []) + [self._compile_sm90a(ext)]
+            super().build_extension(ext)
+
+        def _compile_sm90a(self, ext) -> str:
+            """nvcc on SM90A_SOURCE for sm_90a alone (it includes no torch header)."""
+            from torch.utils.cpp_extension import CUDA_HOME
+
+            src = os.path.join(ROOT, CSRC, SM90A_SOURCE)
+            os.makedirs(self.build_temp, exist_ok=True)
+            obj = os.path.join(self.build_temp, "sym_gemm_sm90.sm_90a.o")
+            deps = [src] + glob.glob(os.path.join(ROOT, CSRC, "kernels", "*")) + [os.path.join(ROOT, CSRC, "launch.h")]
+            if os.path.exists(obj) and os.path.getmtime(obj) >= max(os.path.getmtime(d) for d in deps):
+                return obj
+            nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else "nvcc"
+            cmd = [nvcc, "-std=c++17", "-O3", "-lineinfo", "-c", src, "-o", obj,
+                   "-gencode", "arch=compute_90a,code=sm_90a", "-Xcompiler", "-fPIC",
+                   f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+                   "-Xptxas=-warn-spills,-warn-lmem-usage"]
+            cmd += [f"-I{d}" for d in ext.include_dirs]
+            _say("nvcc " + SM90A_SOURCE + " for sm_90a")
+            import subprocess
+
+            subprocess.run(cmd, check=True)
+            return obj
 
         def run(self):  # noqa: D401 - setuptools hook
             super().run()

@@ -3,6 +3,9 @@
 #   (i)  compile-only: every launcher (.cu) for sm_80 and sm_90 with ptxas spill and local-memory
 #        warnings as errors, then a SASS check (cuobjdump from the nvidia-cuda-cuobjdump wheel)
 #        that the symmetric Newton-Schulz kernel really runs on tensor cores (HMMA.16816).
+#        The Hopper symmetric GEMM (csrc/sym_gemm_sm90.cu) again for sm_90a, as setup.py builds it,
+#        with the same resource gates, and a SASS check that every instantiation issues wgmma
+#        (HGMMA) and bulk tensor copies (UTMALDG).
 #   (ii) full build of speedtronic._C against torch==2.14.1 (cu130) in a venv made here,
 #        `import speedtronic._C`, and a check that every op of speedtronic.ops has a CUDA kernel
 #        registered with the dispatcher.
@@ -50,6 +53,29 @@ for arch in 80 90; do
     echo "ci[cuda]: sm_$arch syrk_mma_kernel: $hmma HMMA.16816 instructions, no spills"
 done
 
+echo "ci[cuda]: nvcc sm_90a csrc/sym_gemm_sm90.cu"
+"$NVCC" -std=c++17 -O3 -c csrc/sym_gemm_sm90.cu -o "$WORK/sym_gemm_sm90a.o" -Icsrc \
+    -gencode "arch=compute_90a,code=sm_90a" \
+    -Xptxas -warn-spills,-warn-lmem-usage --Werror all-warnings
+"$NVBIN/cuobjdump" --dump-sass "$WORK/sym_gemm_sm90a.o" >"$WORK/sym_gemm_sm90a.sass"
+kernels="$(grep -o 'Function : [^ ]*sym_gemm_sm90_kernel[^ ]*' "$WORK/sym_gemm_sm90a.sass" | awk '{print $3}' || true)"
+count=0
+for fn in $kernels; do
+    body="$(awk -v f="$fn" '/Function :/ {on = ($3 == f)} on' "$WORK/sym_gemm_sm90a.sass")"
+    hgmma="$(grep -c 'HGMMA\.64x' <<<"$body" || true)"
+    utma="$(grep -c 'UTMALDG' <<<"$body" || true)"
+    if [[ "$hgmma" -lt 4 || "$utma" -lt 2 ]]; then
+        echo "ci: FAILED: $fn (sm_90a) has $hgmma HGMMA and $utma UTMALDG instructions (want >= 4 and >= 2)" >&2
+        exit 1
+    fi
+    echo "ci[cuda]: sm_90a $fn: $hgmma HGMMA, $utma UTMALDG, no spills"
+    count=$((count + 1))
+done
+if [[ "$count" -ne 4 ]]; then
+    echo "ci: FAILED: expected 4 sym_gemm_sm90_kernel instantiations (fp16/bf16 x 128/256) in the sm_90a SASS, found $count" >&2
+    exit 1
+fi
+
 # ---- (ii) full extension build, import, registrations --------------------------------------
 echo "ci[cuda]: building speedtronic._C against $("$VENV/bin/python" -c 'import torch; print(torch.__version__)')"
 PATH="$VENV/bin:$NVBIN:$PATH" TORCH_CUDA_ARCH_LIST="8.0;9.0+PTX" SPEEDTRONIC_CUDA=1 \
@@ -69,6 +95,8 @@ print("ci[cuda]:", st.line(), kernels.env_info())
 missing = [n for n in ops.CUDA_KERNEL_OPS
            if not torch._C._dispatch_has_kernel_for_dispatch_key(f"speedtronic::{n}", "CUDA")]
 assert not missing, f"ops without a CUDA kernel: {missing}"
+assert torch._C._dispatch_has_kernel_for_dispatch_key("speedtronic_debug::sym_gemm", "CUDA"), \
+    "the sm_90a sym_gemm object was not linked in"
 assert st.imported and "sm_80" in st.so_arches and "sm_90" in st.so_arches, st
 assert torch.ops.speedtronic_debug.arch_list() != ""
 print(f"ci[cuda]: all {len(ops.CUDA_KERNEL_OPS)} kernel ops are registered; arches {st.so_arches}")
