@@ -19,7 +19,9 @@ SCHEDULES = ("forward", "reverse", "random")
 
 
 def _load_emu():
-    spec = importlib.util.spec_from_file_location("emu_build", Path(__file__).parent / "emu_build.py")
+    spec = importlib.util.spec_from_file_location(
+        "emu_build", Path(__file__).parent / "emu_build.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.load()
@@ -52,12 +54,18 @@ def swizzle(addr: int, span: int) -> int:
 def descriptor(start: int, lbo: int, sbo: int, mode: int) -> int:
     """64-bit wgmma matrix descriptor: [0,14) start>>4, [16,30) LBO>>4, [32,46) SBO>>4,
     [62,64) swizzle mode (0 none, 1 128B, 2 64B, 3 32B)."""
-    d = ((start & 0x3FFFF) >> 4) | ((lbo >> 4) & 0x3FFF) << 16 | ((sbo >> 4) & 0x3FFF) << 32 | mode << 62
+    d = (
+        ((start & 0x3FFFF) >> 4)
+        | ((lbo >> 4) & 0x3FFF) << 16
+        | ((sbo >> 4) & 0x3FFF) << 32
+        | mode << 62
+    )
     return d - (1 << 64) if d >= 1 << 63 else d  # as a signed int64 for the op schema
 
 
-def place_k_major(image: torch.Tensor, base: int, mat: torch.Tensor, mode: int, lbo: int, sbo: int,
-                  window: int) -> None:
+def place_k_major(
+    image: torch.Tensor, base: int, mat: torch.Tensor, mode: int, lbo: int, sbo: int, window: int
+) -> None:
     """Write a (rows, K) 16-bit K-major matrix into `image` (bytes at window address `window`..)
     at `base` in the canonical layout of the descriptor mode."""
     bits = mat.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF
@@ -81,7 +89,9 @@ def fragment_to_matrix(frag: torch.Tensor, n: int) -> torch.Tensor:
     for t in range(128):
         w, lane = divmod(t, 32)
         for i in range(n // 2):
-            D[16 * w + lane // 4 + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane % 4) + (i & 1)] = frag[t, i]
+            D[16 * w + lane // 4 + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane % 4) + (i & 1)] = (
+                frag[t, i]
+            )
     return D
 
 
@@ -90,13 +100,23 @@ def frag_from_matrix(D: torch.Tensor, n: int) -> torch.Tensor:
     for t in range(128):
         w, lane = divmod(t, 32)
         for i in range(n // 2):
-            out[t, i] = D[16 * w + lane // 4 + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane % 4) + (i & 1)]
+            out[t, i] = D[
+                16 * w + lane // 4 + 8 * ((i >> 1) & 1), 8 * (i >> 2) + 2 * (lane % 4) + (i & 1)
+            ]
     return out
 
 
 # ------------------------------------------------------------------ wgmma.mma_async
-@pytest.mark.parametrize("mode,n,dt", [(1, 128, torch.bfloat16), (2, 64, torch.float16), (3, 32, torch.bfloat16),
-                                       (0, 16, torch.float16), (0, 256, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "mode,n,dt",
+    [
+        (1, 128, torch.bfloat16),
+        (2, 64, torch.float16),
+        (3, 32, torch.bfloat16),
+        (0, 16, torch.float16),
+        (0, 256, torch.bfloat16),
+    ],
+)
 def test_wgmma_descriptors_swizzle_and_fragments(emu, mode, n, dt):
     emu.configure("random", 1)
     window = emu.hopper_smem_base()
@@ -119,16 +139,22 @@ def test_wgmma_descriptors_swizzle_and_fragments(emu, mode, n, dt):
         ks = slice(koff // 2, koff // 2 + 16)
     else:
         place_k_major(image, a_base, A, 0, 128, 256, window)
-        place_k_major(image, b_base, B, 0, (n // 8) * 128, 128, window)  # K-adjacent cores far apart
+        place_k_major(
+            image, b_base, B, 0, (n // 8) * 128, 128, window
+        )  # K-adjacent cores far apart
         da, db = descriptor(a_base, 128, 256, 0), descriptor(b_base, (n // 8) * 128, 128, 0)
         ks = slice(0, 16)
     D0 = torch.randn(64, n, generator=gen)
     want = A[:, ks].float() @ B[:, ks].float().T
     for scale_d, repeat in [(True, 1), (False, 1), (True, 2)]:
-        out = emu.probe_wgmma(image, da, db, n, dt == torch.bfloat16, scale_d, repeat, frag_from_matrix(D0, n))
+        out = emu.probe_wgmma(
+            image, da, db, n, dt == torch.bfloat16, scale_d, repeat, frag_from_matrix(D0, n)
+        )
         D = fragment_to_matrix(out, n)
         ref = (D0 if scale_d else 0) + repeat * want
-        torch.testing.assert_close(D, ref, rtol=1e-5, atol=1e-4, msg=f"scale_d={scale_d} repeat={repeat}")
+        torch.testing.assert_close(
+            D, ref, rtol=1e-5, atol=1e-4, msg=f"scale_d={scale_d} repeat={repeat}"
+        )
 
 
 def test_wgmma_misuse_is_reported(emu):
@@ -147,9 +173,10 @@ def test_wgmma_misuse_is_reported(emu):
 def test_mbarrier_phase_and_tx_count(emu):
     emu.configure("forward", 0)
     INIT, ARRIVE, ARRIVE_TX, COMPLETE_TX, TEST, EXPECT_TX = range(6)
+    # fmt: off
     script = [
         INIT, 2,
-        TEST, 0, TEST, 1,            # phase 0 in progress; the "previous" phase (parity 1) counts as done
+        TEST, 0, TEST, 1,            # phase 0 in progress; "previous" parity 1 counts as done
         ARRIVE, 0, TEST, 0,          # 1 of 2 arrivals
         ARRIVE_TX, 100, TEST, 0,     # arrivals done, but 100 tx bytes pending
         COMPLETE_TX, 60, TEST, 0,
@@ -158,6 +185,7 @@ def test_mbarrier_phase_and_tx_count(emu):
         EXPECT_TX, 50, ARRIVE, 0, TEST, 1,  # tx back to 0, one arrival left
         ARRIVE, 0, TEST, 1, TEST, 0,  # phase 1 completes: parity 1 done, parity 0 (phase 2) not
     ]
+    # fmt: on
     assert emu.probe_mbar(script) == [0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0]
     with pytest.raises(RuntimeError, match="not initialized"):
         emu.probe_mbar([ARRIVE, 0])
@@ -172,13 +200,16 @@ def test_mbarrier_wait_that_never_completes_is_a_deadlock(emu):
 
 
 # ------------------------------------------------------------------ cp.async.bulk.tensor
-@pytest.mark.parametrize("swz,box,coords", [
-    (128, (64, 16, 1), (0, 0, 0)),
-    (128, (64, 16, 2), (40, 27, 1)),   # crosses the end of K, of the rows and of the batch
-    (64, (32, 8, 1), (-8, -3, 0)),     # negative coordinates: zero fill before the start
-    (32, (16, 8, 1), (8, 5, 2)),
-    (0, (24, 5, 2), (3 * 8, 30, 0)),
-])
+@pytest.mark.parametrize(
+    "swz,box,coords",
+    [
+        (128, (64, 16, 1), (0, 0, 0)),
+        (128, (64, 16, 2), (40, 27, 1)),  # crosses the end of K, of the rows and of the batch
+        (64, (32, 8, 1), (-8, -3, 0)),  # negative coordinates: zero fill before the start
+        (32, (16, 8, 1), (8, 5, 2)),
+        (0, (24, 5, 2), (3 * 8, 30, 0)),
+    ],
+)
 def test_tma_box_zero_fill_and_swizzle(emu, sched, swz, box, coords):
     gen = torch.Generator().manual_seed(20)
     big = torch.randn(3, 35, 104, generator=gen).to(torch.bfloat16)
@@ -216,18 +247,26 @@ def _check_sym(out: torch.Tensor, ref: torch.Tensor, dt: torch.dtype, what: str)
     assert not out.isnan().any(), f"{what}: NaN (an element was not written or read poisoned smem)"
     assert torch.equal(out, out.mT), f"{what}: output not exactly symmetric"
     tol = 1e-2 if dt == torch.bfloat16 else 2e-3
-    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * ref.abs().max().item() + 1e-6,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(
+        out.float(),
+        ref,
+        rtol=tol,
+        atol=tol * ref.abs().max().item() + 1e-6,
+        msg=lambda m: f"{what}: {m}",
+    )
 
 
-@pytest.mark.parametrize("b,m,k,tile_n", [
-    (1, 1, 8, 0),        # one element
-    (7, 37, 40, 0),      # batch 7, k < one stage (64)
-    (1, 130, 72, 0),     # m just past one tile
-    (2, 200, 328, 128),  # k over 4 stages: the ring wraps; 3 blocks walk 6 items
-    (1, 300, 24, 256),   # 256-wide macro tiles; one row half lies below the matrix
-    (3, 129, 264, 0),    # 9 items over 3 persistent blocks, 5 k-blocks each
-])
+@pytest.mark.parametrize(
+    "b,m,k,tile_n",
+    [
+        (1, 1, 8, 0),  # one element
+        (7, 37, 40, 0),  # batch 7, k < one stage (64)
+        (1, 130, 72, 0),  # m just past one tile
+        (2, 200, 328, 128),  # k over 4 stages: the ring wraps; 3 blocks walk 6 items
+        (1, 300, 24, 256),  # 256-wide macro tiles; one row half lies below the matrix
+        (3, 129, 264, 0),  # 9 items over 3 persistent blocks, 5 k-blocks each
+    ],
+)
 def test_sym_gemm_kernel_matches_torch(emu, sched, b, m, k, tile_n):
     emu.set_sm_count(3)
     gen = torch.Generator().manual_seed(30 + m)
@@ -242,7 +281,9 @@ def test_sym_gemm_kernel_matches_torch(emu, sched, b, m, k, tile_n):
         if m == k or m <= 64:
             A = out / out.float().abs().amax().clamp_min(1e-3).to(dt)
             poly = emu.sym_gemm(A, -4.7750, 3.4445, A, tile_n)
-            _check_sym(poly, 3.4445 * A.float() - 4.7750 * (A.float() @ A.float()), dt, f"bA+cA^2 {dt}")
+            _check_sym(
+                poly, 3.4445 * A.float() - 4.7750 * (A.float() @ A.float()), dt, f"bA+cA^2 {dt}"
+            )
 
 
 def test_sym_gemm_awkward_layouts(emu):
@@ -255,7 +296,13 @@ def test_sym_gemm_awkward_layouts(emu):
     X2 = torch.randn(45, 16, generator=gen).to(torch.float16)  # 2-D input
     out2 = emu.sym_gemm(X2, 0.25, 0.0, None, 0)
     _check_sym(out2, 0.25 * X2.float() @ X2.float().T, torch.float16, "2-D")
-    empty = emu.sym_gemm(torch.zeros(2, 5, 0, dtype=torch.bfloat16), 1.0, 0.5, torch.ones(2, 5, 5, dtype=torch.bfloat16), 0)
+    empty = emu.sym_gemm(
+        torch.zeros(2, 5, 0, dtype=torch.bfloat16),
+        1.0,
+        0.5,
+        torch.ones(2, 5, 5, dtype=torch.bfloat16),
+        0,
+    )
     assert torch.equal(empty, torch.full((2, 5, 5), 0.5, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="tile_n"):
         emu.sym_gemm(X2, 1.0, 0.0, None, 64)
