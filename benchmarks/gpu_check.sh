@@ -7,6 +7,8 @@
 #   3. compute-sanitizer memcheck + racecheck on one small case of every kernel
 #   4. benchmarks (Muon step GPT-2-small and 1B-class, symmetric kernel vs cuBLAS, bandwidth);
 #      prints a short table last, JSON to benchmarks/results/ and $RESULTS_DIR
+#   5. on an sm_90 GPU: the Hopper sym_gemm (TMA + wgmma) vs cuBLAS, m in {512 ... 8192}, k in
+#      {m, 4m}, fp16/bf16, plus the full step with it off / opted in (benchmarks/bench_sym_gemm.py)
 # Exit status: 0 all passed; 3 no GPU (after the build step); else the failing step's status.
 #   benchmarks/gpu_check.sh            # everything
 #   GPU_CHECK_QUICK=1 benchmarks/gpu_check.sh   # skip torch.compile baselines
@@ -87,4 +89,15 @@ quick=()
 brc=${PIPESTATUS[0]}
 record bench "$([[ $brc -eq 0 ]] && echo ok || echo "FAILED (exit $brc)")"
 [[ $brc -ne 0 ]] && overall=1
+
+# ---- 5. Hopper symmetric GEMM ------------------------------------------------------------------
+if "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.get_device_capability() == (9, 0) else 1)"; then
+    note "sym_gemm (sm_90a TMA + wgmma) vs cuBLAS"
+    timeout 420 "$PY" benchmarks/bench_sym_gemm.py --out-dir "$ROOT/benchmarks/results" 2>&1 | tee "$LOG_DIR/gpu_check_sym_gemm.log"
+    src=${PIPESTATUS[0]}
+    record "bench sym_gemm" "$([[ $src -eq 0 ]] && echo ok || echo "FAILED (exit $src)")"
+    [[ $src -ne 0 ]] && overall=1
+else
+    record "bench sym_gemm" "skipped (not an sm_90 GPU)"
+fi
 finish "$overall"

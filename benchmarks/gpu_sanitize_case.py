@@ -37,6 +37,10 @@ def main() -> int:
     dbg.syrk(torch.randn(2, 130, 33, device=dev).half(), 1.0, 0.0, None)
     a, bt = torch.randn(16, 16, device=dev), torch.randn(8, 16, device=dev)
     dbg.mma_probe(a.bfloat16(), bt.bfloat16())
+    if torch.cuda.get_device_capability() == (9, 0):  # the sm_90a TMA + wgmma kernel
+        xs = torch.randn(2, 130, 40, device=dev).half()
+        A = dbg.sym_gemm(xs, 0.01, 0.0, None)
+        dbg.sym_gemm(A, 2.0315, -4.775, A)
     torch.cuda.synchronize()
     print("gpu_sanitize_case: ok")
     return 0

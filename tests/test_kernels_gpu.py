@@ -147,6 +147,50 @@ def test_symmetric_kernel(gen, m, k):
     _close(out2, ref2, torch.bfloat16, "syrk fused")
 
 
+def _hopper() -> bool:
+    return torch.cuda.get_device_capability() == (9, 0)
+
+
+@pytest.mark.parametrize("b,m,k", [(1, 1, 8), (7, 37, 40), (3, 130, 72), (2, 200, 328),
+                                   (1, 768, 3072), (2, 1000, 1000), (1, 2048, 520)])
+def test_hopper_sym_gemm(gen, b, m, k):
+    """The sm_90a TMA + wgmma kernel against fp32 math on fresh data, both tile shapes."""
+    if not _hopper():
+        pytest.skip("the TMA + wgmma kernel needs an sm_90 GPU")
+    dbg = torch.ops.speedtronic_debug
+    for dt in (torch.bfloat16, torch.float16):
+        X = _rand((b, m, k), gen, dt, scale=k ** -0.5)
+        for tile_n in (128, 256):
+            _poison_allocator()
+            out = dbg.sym_gemm(X, 1.0, 0.0, None, tile_n)
+            torch.cuda.synchronize()
+            assert torch.equal(out, out.mT), f"{dt} tile {tile_n}: not exactly symmetric"
+            _close(out, torch.bmm(X.float(), X.float().mT), dt, f"sym_gemm {dt} tile {tile_n}")
+            A = (out.float() / out.float().abs().amax()).to(dt)
+            poly = dbg.sym_gemm(A, 2.0315, -4.775, A, tile_n)  # b A + c A A
+            ref = -4.775 * A.float() + 2.0315 * torch.bmm(A.float(), A.float())
+            assert torch.equal(poly, poly.mT)
+            _close(poly, ref, dt, f"sym_gemm poly {dt} tile {tile_n}")
+
+
+def test_hopper_sym_gemm_matches_the_emulation(gen):
+    """The same input through the GPU kernel and its CPU emulation (same source)."""
+    if not _hopper():
+        pytest.skip("the TMA + wgmma kernel needs an sm_90 GPU")
+    X = _rand((2, 150, 96), gen, torch.bfloat16)
+    hw = torch.ops.speedtronic_debug.sym_gemm(X, 1.0, 0.0, None, 0)
+    try:
+        spec = importlib.util.spec_from_file_location(
+            "emu_build", Path(__file__).parent / "cuda_emulation" / "emu_build.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        emu = mod.load()
+    except Exception as exc:  # noqa: BLE001 - no g++ on the GPU image: say so
+        pytest.skip(f"emulation not buildable here: {exc}")
+    emulated = emu.sym_gemm(X.cpu(), 1.0, 0.0, None, 0)
+    _close(hw.cpu(), emulated, torch.bfloat16, "hardware vs emulation")
+
+
 @pytest.mark.parametrize("shape", [(768, 3072), (3072, 768), (4, 1024, 1024), (2, 512, 2048)])
 def test_newton_schulz_on_cuda_every_method_against_float64(gen, shape):
     """NS on CUDA is cuBLAS driven by the same Python body as on the CPU: fp16 (the auto dtype)

@@ -129,3 +129,20 @@ def test_fp32_never_looks_for_the_kernel(setup):
     setup(k, kernel_ms=0.1)
     _run(torch.float32)
     assert k.calls == 0
+
+
+def test_gpu_benchmark_plans_the_issue_table_without_a_gpu(monkeypatch, capsys):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "benchmarks" / "bench_sym_gemm.py"
+    spec = importlib.util.spec_from_file_location("bench_sym_gemm", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.plan()
+    xxt = {(r["dtype"], r["m"], r["k"]) for r in rows if r["op"] == "xxt"}
+    assert xxt == {(d, m, k) for d in ("float16", "bfloat16")
+                   for m in (512, 768, 1024, 2048, 4096, 8192) for k in (m, 4 * m)}
+    monkeypatch.setattr(sys, "argv", ["bench_sym_gemm.py", "--dry-run"])
+    assert mod.main() == 0 and "36 rows planned" in capsys.readouterr().out
