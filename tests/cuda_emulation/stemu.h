@@ -9,12 +9,14 @@
 // __ballot/__any/__all_sync, atomics, static __shared__ and dynamic shared memory (poisoned with
 // 0xFF bytes per block and followed by a guard page), mma.sync.m16n8k16 (f16/bf16 -> f32)
 // rebuilt from the PTX ISA fragment tables, __half/__nv_bfloat16 conversions (round to nearest
-// even). Every misuse that hardware would answer with a hang or an undefined value raises
+// even), and the Hopper instructions of csrc/kernels/hopper.cuh (mbarrier, cp.async.bulk.tensor,
+// wgmma; see the "Hopper" section). Every misuse that hardware would answer with a hang or an undefined value raises
 // stemu::Error (surfacing as a Python RuntimeError in the tests): deadlock, divergent barrier,
 // exit while others wait at a barrier, a warp collective whose lanes are at different call
 // sites, a shuffle that reads an exited lane, mma with a partial warp.
 //
-// Not covered (see csrc/README.md): performance, the memory model across blocks, async copies.
+// Not covered (see csrc/README.md): performance, the memory model across blocks, cp.async
+// (the pre-Hopper async copy), proxy fences.
 // This file is test-only and is compiled into one translation unit (tests/cuda_emulation/binding.cpp).
 #pragma once
 #define STEMU_ACTIVE 1
