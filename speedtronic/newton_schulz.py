@@ -227,17 +227,18 @@ def _sym_disable(exc: BaseException) -> None:
 def _sym_or_cublas(key: str, X: Tensor, cublas: Callable[[], Tensor],
                    kernel_call: Callable[[Callable[..., Tensor]], Tensor]) -> Tensor:
     """cuBLAS, unless this shape measured the Hopper kernel faster (and correct) on this GPU."""
+    op = _sym_kernel()  # first: by default this is one environment lookup
+    if op is None or key in _sym_state["rejected"]:  # type: ignore[operator]
+        return cublas()
     from . import autotune
 
     dispatch = autotune.active_dispatch()
-    if (not dispatch.enabled or X.device.type != dispatch.device_type
-            or X.dtype not in _SYM_TOL or key in _sym_state["rejected"]):  # type: ignore[operator]
+    if not dispatch.enabled or X.device.type != dispatch.device_type:
         return cublas()
     if X.device.type == "cuda" and torch.cuda.get_device_capability(X.device) != (9, 0):
         return cublas()
-    op = _sym_kernel()
-    if op is None:
-        return cublas()
+    if key not in dispatch.entries and autotune._capturing():
+        return cublas()  # no checks or timing inside a CUDA-graph capture
 
     def kernel() -> Tensor:
         try:

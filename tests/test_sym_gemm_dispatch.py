@@ -124,6 +124,14 @@ def test_environment_switch_turns_it_off(setup):
     assert k.calls == 0
 
 
+def test_nothing_is_checked_or_timed_inside_a_graph_capture(setup, monkeypatch):
+    k = FakeKernel()
+    d = setup(k, kernel_ms=0.1)
+    monkeypatch.setattr(autotune, "_capturing", lambda: True)
+    _run()
+    assert k.calls == 0 and _choices(d) == {}
+
+
 def test_fp32_never_looks_for_the_kernel(setup):
     k = FakeKernel()
     setup(k, kernel_ms=0.1)
