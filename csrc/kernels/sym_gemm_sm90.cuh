@@ -57,6 +57,11 @@ struct SgItem {
   bool diag;
 };
 
+template <class T>
+struct alignas(4) SgPair {
+  T lo, hi;
+};
+
 // Work item -> (matrix, rows, columns). Macro tile t of the lower triangle: I >= J.
 template <int BN>
 __device__ __forceinline__ SgItem sg_item(const SymGemmParams& p, int64_t w) {
@@ -162,20 +167,33 @@ __global__ void __launch_bounds__(kSgThreads, 1) sym_gemm_sm90_kernel(const __gr
     if (lane == 0) sm90::mbar_arrive(empty(prev));
 
     // Epilogue: alpha acc + beta C in fp32, rounded once; (r, c) with c <= r and its mirror.
+    // A thread holds column pairs (c, c + 1), c even: one 4-byte store when both are kept.
     T* out = static_cast<T*>(p.out) + it.b * p.out_bs;
     const T* C = p.C ? static_cast<const T*>(p.C) + it.b * p.c_bs : nullptr;
+    const bool vec = p.ldo % 2 == 0 && reinterpret_cast<uintptr_t>(out) % 4 == 0;
     const int rbase = it.row0 + cw * 64 + warp * 16 + lane / 4;
     const int cbase = it.col0 + 2 * (lane % 4);
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
+    for (int i = 0; i < BN / 2; i += 2) {
       const int r = rbase + 8 * ((i >> 1) & 1);
-      const int c = cbase + 8 * (i >> 2) + (i & 1);
+      const int c = cbase + 8 * (i >> 2);
       if (r < p.m && c <= r) {
-        float v = p.alpha * acc[i];
-        if (C) v += p.beta * to_f32(C[static_cast<int64_t>(r) * p.ldc + c]);
-        const T o = from_f32<T>(v);
-        out[static_cast<int64_t>(r) * p.ldo + c] = o;
-        if (c < r) out[static_cast<int64_t>(c) * p.ldo + r] = o;
+        const bool two = c + 1 <= r;  // then c + 1 < m as well
+        float v0 = p.alpha * acc[i], v1 = p.alpha * acc[i + 1];
+        if (C) {
+          v0 += p.beta * to_f32(C[static_cast<int64_t>(r) * p.ldc + c]);
+          if (two) v1 += p.beta * to_f32(C[static_cast<int64_t>(r) * p.ldc + c + 1]);
+        }
+        const T o0 = from_f32<T>(v0), o1 = from_f32<T>(v1);
+        T* row = out + static_cast<int64_t>(r) * p.ldo + c;
+        if (two && vec) {
+          *reinterpret_cast<SgPair<T>*>(row) = SgPair<T>{o0, o1};
+        } else {
+          row[0] = o0;
+          if (two) row[1] = o1;
+        }
+        if (c < r) out[static_cast<int64_t>(c) * p.ldo + r] = o0;
+        if (c + 1 < r) out[static_cast<int64_t>(c + 1) * p.ldo + r] = o1;
       }
     }
   }
