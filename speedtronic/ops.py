@@ -82,9 +82,15 @@ _fallback_logged: set[tuple[str, tuple[str, ...]]] = set()
 def kernel_or_fallback(name: str, device: torch.device, dtypes: Sequence[torch.dtype]) -> Callable:
     """The op ``name``, or its PyTorch implementation when a CUDA kernel would be asked for a
     dtype it lacks (float64 params or ``ns_dtype="fp64"``): every documented option works on
-    every device, at the fallback's speed, with one log line per op and dtype combination."""
+    every device, at the fallback's speed, with one log line per op and dtype combination.
+
+    Off CUDA and outside ``torch.compile`` it returns the Python body itself: the op would run
+    the same body after the dispatcher, whose first custom-op call imports ``torch._dynamo``
+    (0.75 s of a short CPU run)."""
     op = _OPS_BY_NAME[name]
-    if torch.device(device).type != "cuda" or all(d in CUDA_KERNEL_DTYPES for d in dtypes):
+    if torch.device(device).type != "cuda":
+        return op if torch.compiler.is_compiling() else _PYTHON_BODIES[name]
+    if all(d in CUDA_KERNEL_DTYPES for d in dtypes):
         return op
     tag = (name, tuple(str(d).removeprefix("torch.") for d in dtypes))
     if tag not in _fallback_logged:
@@ -151,6 +157,12 @@ def newton_schulz(G: Tensor, steps: int = 5, coefficients: Sequence[float] = QUI
     (cuBLAS on CUDA): there is no separate CUDA kernel to drift from it
     (:mod:`speedtronic.newton_schulz` has the math).
     """
+    return _newton_schulz_impl(G, steps, coefficients, eps, compute_dtype, method, normalized)
+
+
+def _newton_schulz_impl(G: Tensor, steps: int = 5, coefficients: Sequence[float] = QUINTIC,
+                        eps: float = 1e-7, compute_dtype: torch.dtype | None = None,
+                        method: str = "auto", normalized: bool = False) -> Tensor:
     _check_ns_args(G, steps, coefficients, method)
     return _ns.orthogonalize(G, steps, coefficients, eps, compute_dtype, method, normalized)
 
@@ -471,3 +483,6 @@ _PYTORCH_IMPLS: dict[str, Callable] = {
     "muon_post_update_": _muon_post_impl,
     "cautious_adamw_step_": _adamw_impl,
 }
+
+# Every op's Python body, called directly off CUDA (see kernel_or_fallback).
+_PYTHON_BODIES: dict[str, Callable] = {**_PYTORCH_IMPLS, "newton_schulz": _newton_schulz_impl}

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -140,8 +142,32 @@ def test_dtypes_the_cuda_kernels_lack_run_the_pytorch_implementation(caplog):
                for r in caplog.records) == 1
     assert ops.kernel_or_fallback("muon_post_update_", cuda,
                                   [torch.float32, torch.float16]) is ops.muon_post_update_
+    # Off CUDA, eager: the Python body without the dispatcher (no torch._dynamo import).
     assert ops.kernel_or_fallback("muon_post_update_", torch.device("cpu"),
-                                  [torch.float64]) is ops.muon_post_update_
+                                  [torch.float64]) is ops._muon_post_impl
+
+
+def test_eager_cpu_training_never_imports_torch_dynamo():
+    """torch imports torch._dynamo (0.75 s) on the first custom-op call and the first call of
+    Optimizer methods it decorates; eager CPU training must not pay for it."""
+    code = """
+import sys, torch
+from torch import nn
+from speedtronic.config import OptimizerConfig
+from speedtronic.optim import build_optimizer
+m = nn.Sequential(nn.Embedding(20, 16), nn.Linear(16, 32), nn.Linear(32, 20))
+for cfg in (OptimizerConfig(name="muon", cautious=True, muon_plus=True), OptimizerConfig()):
+    opt = build_optimizer(m, cfg)
+    for _ in range(2):
+        opt.zero_grad()
+        m(torch.randint(0, 20, (2, 4))).sum().backward()
+        opt.step()
+    opt.load_state_dict(opt.state_dict())
+print("torch._dynamo" in sys.modules)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False", out.stderr
 
 
 @pytest.mark.parametrize("ns_dtype", ["fp16", "fp64"])
@@ -161,7 +187,7 @@ def test_fp16_guard_recomputes_a_non_finite_bucket_in_fp32(monkeypatch, caplog):
     from speedtronic.optim import Muon
     from speedtronic.optim import muon as muon_mod
 
-    real = ops.newton_schulz
+    real = ops._PYTHON_BODIES["newton_schulz"]  # what Muon calls on CPU
     seen: list[torch.dtype] = []
 
     def flaky(G, steps, coeffs, eps, compute_dtype, method, normalized):
@@ -169,7 +195,7 @@ def test_fp16_guard_recomputes_a_non_finite_bucket_in_fp32(monkeypatch, caplog):
         out = real(G, steps, coeffs, eps, compute_dtype, method, normalized)
         return out.fill_(float("nan")) if compute_dtype == torch.float16 else out
 
-    monkeypatch.setattr(ops, "newton_schulz", flaky)
+    monkeypatch.setitem(ops._PYTHON_BODIES, "newton_schulz", flaky)
     monkeypatch.setattr(muon_mod, "_fp16_guard_logged", False)
     torch.manual_seed(0)
     w = torch.nn.Parameter(torch.randn(16, 48))

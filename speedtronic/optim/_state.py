@@ -21,6 +21,44 @@ def run_closure(closure: Any) -> Any:
         return closure()
 
 
+def _undecorated(name: str) -> Any:
+    method = getattr(torch.optim.Optimizer, name)
+    return getattr(method, "__wrapped__", method)
+
+
+_EAGER_METHODS = {name: _undecorated(name) for name in
+                  ("add_param_group", "zero_grad", "state_dict", "load_state_dict")}
+
+
+class EagerMethodsMixin:
+    """Skip a 0.75 s import that eager training never uses.
+
+    torch wraps these ``Optimizer`` methods in ``torch._disable_dynamo``, whose first call
+    imports ``torch._dynamo``: 0.75 s (``python -X importtime``), a twentieth of a 150-step CPU
+    run (benchmarks/results/short_run_cpu.md). Outside ``torch.compile`` nothing needs it, so
+    these call torch's undecorated methods; while compiling, the decorated ones."""
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling():
+            return super().add_param_group(param_group)  # type: ignore[misc]
+        return _EAGER_METHODS["add_param_group"](self, param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if torch.compiler.is_compiling():
+            return super().zero_grad(set_to_none)  # type: ignore[misc]
+        return _EAGER_METHODS["zero_grad"](self, set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        if torch.compiler.is_compiling():
+            return super().state_dict()  # type: ignore[misc]
+        return _EAGER_METHODS["state_dict"](self)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if torch.compiler.is_compiling():
+            return super().load_state_dict(state_dict)  # type: ignore[misc]
+        return _EAGER_METHODS["load_state_dict"](self, state_dict)
+
+
 FP32_STATE_KEYS = frozenset({"momentum_buffer"})
 """State keys that are always float32 regardless of the parameter dtype."""
 

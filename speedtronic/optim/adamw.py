@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 
 from .. import ops
-from ._state import run_closure
+from ._state import EagerMethodsMixin, run_closure
 
 __all__ = ["AdamW", "adamw_step", "ADAMW_DEFAULTS", "fused_supported"]
 
@@ -130,7 +130,7 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
                                  bool(group["cautious_rescale"]))
 
 
-class AdamW(torch.optim.Optimizer):
+class AdamW(EagerMethodsMixin, torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with an optional cautious mask.
 
     ``cautious=False`` runs torch's own fused kernel when available (``fused=None``), else the

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..config import OptimizerConfig
-from ._state import Fp32StateMixin, run_closure
+from ._state import EagerMethodsMixin, Fp32StateMixin, run_closure
 from .adamw import ADAMW_DEFAULTS, adamw_step, fused_supported
 from .adamw import _check_group as _check_adamw_group
 from .muon import MUON_DEFAULTS, muon_step
@@ -32,7 +32,7 @@ logger = logging.getLogger("speedtronic.optim")
 _KIND_DEFAULTS = {"muon": MUON_DEFAULTS, "adamw": ADAMW_DEFAULTS}
 
 
-class HybridOptimizer(Fp32StateMixin, torch.optim.Optimizer):
+class HybridOptimizer(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
     """Muon and AdamW param groups in one optimizer.
 
     Args:

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ._state import Fp32StateMixin, run_closure
+from ._state import EagerMethodsMixin, Fp32StateMixin, run_closure
 
 logger = logging.getLogger("speedtronic.optim")
 
@@ -245,7 +245,8 @@ def _bucket_step(key: tuple, items: list[tuple[dict, Tensor, Tensor, Tensor]]) -
                   float(eps), compute)                                           # (b, m, n)
     flat = ops.resolve_coefficients(coeffs, steps)
     # The pre-pass already divided each matrix by ||.||_F + eps: NS skips its own normalization.
-    orth = ops.newton_schulz(stacked, int(steps), flat, float(eps), compute, "auto", True)
+    newton_schulz = ops.kernel_or_fallback("newton_schulz", device, [])
+    orth = newton_schulz(stacked, int(steps), flat, float(eps), compute, "auto", True)
     # The fp16 guard reads one flag back (a host sync per fp16 bucket); it is skipped while
     # torch.compile traces or a CUDA graph captures, where a data-dependent branch cannot run.
     if compute == torch.float16 and _can_sync() and not bool(torch.isfinite(orth).all()):
@@ -280,7 +281,8 @@ def _recompute_fp32(stacked: Tensor, steps: int, flat: list[float], eps: float,
     :mod:`speedtronic.newton_schulz`), so a non-finite result means a non-finite gradient or a
     broken assumption; either way this bucket is redone in fp32, and it is said once."""
     global _fp16_guard_logged
-    orth = ops.newton_schulz(stacked.float(), steps, flat, eps, torch.float32, "auto", True)
+    newton_schulz = ops.kernel_or_fallback("newton_schulz", stacked.device, [])
+    orth = newton_schulz(stacked.float(), steps, flat, eps, torch.float32, "auto", True)
     if not _fp16_guard_logged:
         _fp16_guard_logged = True
         finite = bool(torch.isfinite(orth).all())
@@ -290,7 +292,7 @@ def _recompute_fp32(stacked: Tensor, steps: int, flat: list[float], eps: float,
     return orth
 
 
-class Muon(Fp32StateMixin, torch.optim.Optimizer):
+class Muon(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
     """Muon with every ``torch.optim.Muon`` argument (same names, meaning and defaults), plus:
 
     Args:
