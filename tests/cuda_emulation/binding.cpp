@@ -162,6 +162,67 @@ std::vector<int64_t> probe_mbar(std::vector<int64_t> script) {
   return res;
 }
 
+// A two-stage TMA -> wgmma pipeline (one producer thread, one consumer warpgroup) computing
+// D (64 x 128) = X[0:64] X[0:128]^T over k = 64 nk, X (128, k) bf16. mode 0: correct; 1: the
+// consumer hands a stage back before its wgmma completed; 2: it never waits on the full
+// barrier. The emulator must make 1 and 2 visible (wrong result or an error).
+__global__ void probe_pipeline_kernel(const __grid_constant__ sm90::TensorMap map, int nk, int mode, float* out) {
+  ST_DYNAMIC_SMEM(uint8_t, sm);
+  const uint32_t base = (sm90::smem_addr(sm) + 1023u) & ~1023u;
+  const uint32_t bars = base + 2 * 16384;
+  auto full = [&](int s) { return bars + 8u * s; };
+  auto empty = [&](int s) { return bars + 16u + 8u * s; };
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < 2; ++s) {
+      sm90::mbar_init(full(s), 1);
+      sm90::mbar_init(empty(s), 4);
+    }
+    sm90::fence_barrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x < 128) {
+    if (threadIdx.x != 0) return;
+    for (int kb = 0; kb < nk; ++kb) {
+      const int s = kb % 2;
+      sm90::mbar_wait(empty(s), ((kb / 2) & 1) ^ 1u);
+      sm90::mbar_arrive_expect_tx(full(s), 16384);
+      sm90::tma_load_3d(base + 16384u * s, &map, kb * 64, 0, 0, full(s));
+    }
+    return;
+  }
+  float acc[64];
+  const int lane = threadIdx.x % 32;
+  for (int kb = 0; kb < nk; ++kb) {
+    const int s = kb % 2;
+    if (mode != 2) sm90::mbar_wait(full(s), (kb / 2) & 1);
+    const uint32_t tile = base + 16384u * s;
+    sm90::wgmma_fence();
+    for (int kk = 0; kk < 4; ++kk) {
+      sm90::wgmma_m64k16<__nv_bfloat16, 128>(acc, sm90::desc_k_major_sw128(tile + 32u * kk),
+                                             sm90::desc_k_major_sw128(tile + 32u * kk), kb > 0 || kk > 0);
+    }
+    sm90::wgmma_commit();
+    if (mode == 1 && lane == 0) sm90::mbar_arrive(empty(s));
+    sm90::wgmma_wait<0>(acc);
+    if (mode != 1 && lane == 0) sm90::mbar_arrive(empty(s));
+  }
+  for (int i = 0; i < 64; ++i) out[(threadIdx.x - 128) * 64 + i] = acc[i];
+}
+
+at::Tensor probe_pipeline(const at::Tensor& X_, int64_t mode) {
+  at::Tensor X = X_.contiguous();
+  TORCH_CHECK_VALUE(X.scalar_type() == at::kBFloat16 && X.dim() == 2 && X.size(0) == 128 && X.size(1) % 64 == 0,
+                    "probe_pipeline: X must be (128, 64 nk) bfloat16");
+  const uint64_t dims[3] = {static_cast<uint64_t>(X.size(1)), 128, 1};
+  const uint64_t strides[2] = {static_cast<uint64_t>(X.size(1)) * 2, static_cast<uint64_t>(X.size(1)) * 256};
+  const uint32_t box[3] = {64, 128, 1};
+  sm90::TensorMap map = sm90::make_tensor_map_3d<__nv_bfloat16>(X.data_ptr(), dims, strides, box);
+  at::Tensor out = at::empty({128, 64}, at::kFloat);
+  ST_LAUNCH(dim3(1), dim3(256), 2 * 16384 + 1024 + 64, nullptr, probe_pipeline_kernel)(
+      map, static_cast<int>(X.size(1) / 64), static_cast<int>(mode), out.data_ptr<float>());
+  return out;
+}
+
 // Misuse the Hopper emulation must report (or, for early_read, poison).
 __global__ void bug_hopper(int which, float* out) {
   ST_DYNAMIC_SMEM(uint8_t, sm);
@@ -262,6 +323,8 @@ TORCH_LIBRARY(speedtronic_emu, m) {
         });
   m.def("probe_mbar(int[] script) -> int[]",
         [](std::vector<int64_t> s) { return guarded([&] { return probe_mbar(s); }); });
+  m.def("probe_pipeline(Tensor X, int mode) -> Tensor",
+        [](const at::Tensor& X, int64_t mode) { return guarded([&] { return probe_pipeline(X, mode); }); });
   m.def("run_hopper_bug(str which) -> Tensor",
         [](const std::string& w) { return guarded([&] { return run_hopper_bug(w); }); });
   m.def("stats() -> int[]", &stats);

@@ -241,6 +241,27 @@ def test_tensor_map_encoding_checks(emu):
         emu.probe_tma(G, [128, 8, 1], [0, 0, 0], 128, 1024)  # 256-byte inner box > 128B span
 
 
+# ------------------------------------------------------------------ pipeline hazards
+def test_emulator_exposes_pipeline_hazards(emu):
+    """A 2-stage TMA -> wgmma ring: right under every schedule; a stage handed back before its
+    wgmma completed, or consumed without waiting on its mbarrier, shows up under some schedule."""
+    gen = torch.Generator().manual_seed(50)
+    X = torch.randn(128, 64 * 5, generator=gen).to(torch.bfloat16)
+    ref = X[:64].float() @ X.float().T
+
+    def run(mode: int, schedule: str) -> bool:
+        emu.configure(schedule, 11)
+        try:
+            D = fragment_to_matrix(emu.probe_pipeline(X, mode), 128)
+        except RuntimeError:
+            return False
+        return torch.allclose(D, ref, rtol=1e-4, atol=1e-3)
+
+    assert all(run(0, s) for s in SCHEDULES)
+    assert not all(run(1, s) for s in SCHEDULES), "early release went unnoticed"
+    assert not all(run(2, s) for s in SCHEDULES), "a missing mbarrier wait went unnoticed"
+
+
 # ------------------------------------------------------------------ the kernel
 def _check_sym(out: torch.Tensor, ref: torch.Tensor, dt: torch.dtype, what: str) -> None:
     assert out.dtype == dt and out.shape == ref.shape, what
