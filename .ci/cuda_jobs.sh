@@ -54,9 +54,18 @@ for arch in 80 90; do
 done
 
 echo "ci[cuda]: nvcc sm_90a csrc/sym_gemm_sm90.cu"
-"$NVCC" -std=c++17 -O3 -c csrc/sym_gemm_sm90.cu -o "$WORK/sym_gemm_sm90a.o" -Icsrc \
-    -gencode "arch=compute_90a,code=sm_90a" \
-    -Xptxas -warn-spills,-warn-lmem-usage --Werror all-warnings
+if ! "$NVCC" -std=c++17 -O3 -c csrc/sym_gemm_sm90.cu -o "$WORK/sym_gemm_sm90a.o" -Icsrc \
+        -gencode "arch=compute_90a,code=sm_90a" \
+        -Xptxas -v,-warn-spills,-warn-lmem-usage --Werror all-warnings 2>"$WORK/sym_gemm_sm90a.ptxas"; then
+    cat "$WORK/sym_gemm_sm90a.ptxas" >&2
+    echo "ci: FAILED: nvcc sm_90a csrc/sym_gemm_sm90.cu" >&2
+    exit 1
+fi
+# ptxas reports wgmma it had to serialize (a large, silent slowdown) as info, not as a warning.
+if grep -i "serializ" "$WORK/sym_gemm_sm90a.ptxas"; then
+    echo "ci: FAILED: ptxas serialized wgmma in csrc/sym_gemm_sm90.cu (see above)" >&2
+    exit 1
+fi
 "$NVBIN/cuobjdump" --dump-sass "$WORK/sym_gemm_sm90a.o" >"$WORK/sym_gemm_sm90a.sass"
 kernels="$(grep -o 'Function : [^ ]*sym_gemm_sm90_kernel[^ ]*' "$WORK/sym_gemm_sm90a.sass" | awk '{print $3}' || true)"
 count=0
