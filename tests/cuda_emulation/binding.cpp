@@ -92,6 +92,37 @@ at::Tensor probe_wgmma(const at::Tensor& image, int64_t da, int64_t db, int64_t 
   return out;
 }
 
+// wait_group(N): two committed groups (D1 = A B, then D2 = 2 A B, N = 16); after
+// wait_group(1) only the older is complete. out[t] = {D1[0], D2[0]} after wait(1), after wait(0).
+__global__ void probe_wgmma_groups_kernel(const uint8_t* image, int64_t bytes, uint64_t da, uint64_t db,
+                                          float* out) {
+  ST_DYNAMIC_SMEM(uint8_t, sm);
+  for (int64_t i = threadIdx.x; i < bytes; i += blockDim.x) sm[i] = image[i];
+  __syncthreads();
+  float d1[8], d2[8];
+  sm90::wgmma_fence();
+  stemu::hopper::wgmma_issue(d1, 16, da, db, false, true);
+  sm90::wgmma_commit();
+  stemu::hopper::wgmma_issue(d2, 16, da, db, false, true);
+  stemu::hopper::wgmma_issue(d2, 16, da, db, true, true);
+  sm90::wgmma_commit();
+  sm90::wgmma_wait<1>(d1);
+  out[threadIdx.x * 4 + 0] = d1[0];
+  out[threadIdx.x * 4 + 1] = d2[0];
+  sm90::wgmma_wait<0>(d2);
+  out[threadIdx.x * 4 + 2] = d1[0];
+  out[threadIdx.x * 4 + 3] = d2[0];
+}
+
+at::Tensor probe_wgmma_groups(const at::Tensor& image, int64_t da, int64_t db) {
+  at::Tensor img = image.contiguous();
+  at::Tensor out = at::empty({128, 4}, at::kFloat);
+  ST_LAUNCH(dim3(1), dim3(128), static_cast<size_t>(img.numel()), nullptr, probe_wgmma_groups_kernel)(
+      img.data_ptr<uint8_t>(), img.numel(), static_cast<uint64_t>(da), static_cast<uint64_t>(db),
+      out.data_ptr<float>());
+  return out;
+}
+
 // One bulk tensor copy of the box at `coords` of the 3-D tensor G (16-bit, strided) into smem at
 // window address `dst`, through an mbarrier; returns the box's bytes as they landed.
 __global__ void probe_tma_kernel(const __grid_constant__ sm90::TensorMap map, uint32_t dst, int c0, int c1, int c2,
@@ -317,6 +348,8 @@ TORCH_LIBRARY(speedtronic_emu, m) {
         [](const at::Tensor& im, int64_t da, int64_t db, int64_t n, bool bf, bool sd, int64_t rep, const at::Tensor& d) {
           return guarded([&] { return probe_wgmma(im, da, db, n, bf, sd, rep, d); });
         });
+  m.def("probe_wgmma_groups(Tensor image, int da, int db) -> Tensor",
+        [](const at::Tensor& im, int64_t da, int64_t db) { return guarded([&] { return probe_wgmma_groups(im, da, db); }); });
   m.def("probe_tma(Tensor G, int[] box, int[] coords, int swizzle, int dst) -> Tensor",
         [](const at::Tensor& G, std::vector<int64_t> box, std::vector<int64_t> co, int64_t sw, int64_t dst) {
           return guarded([&] { return probe_tma(G, box, co, sw, dst); });

@@ -157,6 +157,25 @@ def test_wgmma_descriptors_swizzle_and_fragments(emu, mode, n, dt):
         )
 
 
+def test_wgmma_wait_group_completes_all_but_the_newest_n(emu, sched):
+    """wait_group(1) with two committed groups completes the older only (the newer's registers
+    still read NaN here: undefined on hardware); wait_group(0) completes both."""
+    window = emu.hopper_smem_base()
+    gen = torch.Generator().manual_seed(60)
+    A = torch.randn(64, 16, generator=gen).to(torch.bfloat16)
+    B = torch.randn(16, 16, generator=gen).to(torch.bfloat16)
+    image = torch.zeros(8192, dtype=torch.uint8)
+    place_k_major(image, 1024, A, 0, 128, 256, window)
+    place_k_major(image, 4096, B, 0, 128, 256, window)
+    out = emu.probe_wgmma_groups(image, descriptor(1024, 128, 256, 0), descriptor(4096, 128, 256, 0))
+    D = A.float() @ B.float().T
+    first = torch.tensor([D[16 * (t // 32) + (t % 32) // 4, 2 * (t % 4)].item() for t in range(128)])
+    torch.testing.assert_close(out[:, 0], first, rtol=1e-5, atol=1e-5)
+    assert out[:, 1].isnan().all()
+    torch.testing.assert_close(out[:, 2], first, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[:, 3], 2 * first, rtol=1e-5, atol=1e-5)
+
+
 def test_wgmma_misuse_is_reported(emu):
     emu.configure("forward", 0)
     with pytest.raises(RuntimeError, match="wgmma.fence"):
