@@ -167,9 +167,13 @@ def test_wgmma_wait_group_completes_all_but_the_newest_n(emu, sched):
     image = torch.zeros(8192, dtype=torch.uint8)
     place_k_major(image, 1024, A, 0, 128, 256, window)
     place_k_major(image, 4096, B, 0, 128, 256, window)
-    out = emu.probe_wgmma_groups(image, descriptor(1024, 128, 256, 0), descriptor(4096, 128, 256, 0))
+    out = emu.probe_wgmma_groups(
+        image, descriptor(1024, 128, 256, 0), descriptor(4096, 128, 256, 0)
+    )
     D = A.float() @ B.float().T
-    first = torch.tensor([D[16 * (t // 32) + (t % 32) // 4, 2 * (t % 4)].item() for t in range(128)])
+    first = torch.tensor(
+        [D[16 * (t // 32) + (t % 32) // 4, 2 * (t % 4)].item() for t in range(128)]
+    )
     torch.testing.assert_close(out[:, 0], first, rtol=1e-5, atol=1e-5)
     assert out[:, 1].isnan().all()
     torch.testing.assert_close(out[:, 2], first, rtol=1e-5, atol=1e-5)
