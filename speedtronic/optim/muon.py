@@ -59,7 +59,13 @@ NS_MAX_BATCH_NUMEL = 1 << 22
 8 MiB of fp16 stack), so the step's temporaries stay near torch.optim.Muon's, which holds one
 matrix at a time. Measured on GPT-2 small (benchmarks/results/step_memory_cpu.md): the old
 bound of 32 Mi elements (the 48 x 768^2 bank in one call) peaked 12x above torch's temporaries.
-A matrix larger than the bound is a bucket of its own."""
+A matrix larger than the bound is a bucket of its own. Within a step the bound also shrinks to
+the largest matrix of that step (never below :data:`NS_MIN_BATCH_NUMEL`): torch's peak is set by
+its largest matrix, so a bucket no bigger than that keeps ours next to it."""
+
+NS_MIN_BATCH_NUMEL = 1 << 20
+"""Floor of the per-step bucket bound (1 Mi elements, 2 MiB of fp16): models made only of small
+matrices still batch them (launches grow with distinct shapes, not with parameters)."""
 
 _NS_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16,
               "fp32": torch.float32, "fp64": torch.float64}
@@ -221,8 +227,13 @@ def muon_step(state: dict, groups: Iterable[dict[str, Any]]) -> None:
                    coeffs if isinstance(coeffs, str) else tuple(coeffs), group["eps"],
                    group["ns_dtype"], group["momentum"], group["nesterov"])
             buckets[key].append((group, p, g, buf))
+    largest = 0  # a plain loop: torch.compile cannot trace max() over a generator
+    for bucket in buckets.values():
+        for item in bucket:
+            largest = max(largest, item[1].numel())
+    bound = min(NS_MAX_BATCH_NUMEL, max(NS_MIN_BATCH_NUMEL, largest))
     for key, bucket in buckets.items():
-        for items in _split(bucket, NS_MAX_BATCH_NUMEL):
+        for items in _split(bucket, bound):
             _bucket_step(key, items)
     for work, block in writebacks:                                # transposed_split copies
         block.copy_(work.mT)

@@ -50,9 +50,10 @@ _EMBEDDING_NAMES = frozenset({
     # Learned tokens and position tables of vision transformers (timm's names).
     "pos_embed", "cls_token", "reg_token", "dist_token", "mask_token",
 })
-# Fused projections of known libraries whose row layout is known: (module prefix, class name of
-# the owner, attribute name of the Linear, K). timm's Attention reshapes qkv's output as
-# (3, heads, head_dim), so its rows are [Q; K; V] blocks.
+# Fused projections of known libraries whose row layout is known: (module prefix, suffix of the
+# owner's class name, attribute name of the Linear, K). timm's attention classes (Attention,
+# Swin's WindowAttention, EvaAttention, ...) reshape qkv's output as (3, heads, head_dim), so its
+# rows are [Q; K; V] blocks.
 _KNOWN_FUSED = (("timm.", "Attention", "qkv", 3),)
 
 
@@ -247,7 +248,7 @@ def _known_fused(regs: list[tuple[str, nn.Module, str]], modules: dict[str, nn.M
         parent_path, _, attr = mod_path.rpartition(".")
         parent = modules.get(parent_path)
         for prefix, cls, name, k in _KNOWN_FUSED:
-            if attr == name and parent is not None and type(parent).__name__ == cls \
+            if attr == name and parent is not None and type(parent).__name__.endswith(cls) \
                     and type(parent).__module__.startswith(prefix) and mod.out_features % k == 0:
                 return k
     return None

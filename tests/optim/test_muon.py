@@ -117,6 +117,26 @@ def test_one_newton_schulz_call_per_distinct_shape(monkeypatch) -> None:
     assert sorted(calls) == sorted([(3, 16, 16), (1, 24, 16), (1, 16, 24)])
 
 
+def test_buckets_are_no_bigger_than_the_largest_matrix(monkeypatch) -> None:
+    """torch's step peaks with its largest matrix; ours batches same-shape matrices only up to
+    that size, so its temporaries stay next to torch's (step_memory_cpu.md)."""
+    calls: list[tuple[int, ...]] = []
+    real = ops._PYTHON_BODIES["newton_schulz"]
+
+    def counting(G, *args, **kwargs):
+        calls.append(tuple(G.shape))
+        return real(G, *args, **kwargs)
+
+    monkeypatch.setitem(ops._PYTHON_BODIES, "newton_schulz", counting)
+    monkeypatch.setattr(muon_mod, "NS_MIN_BATCH_NUMEL", 1)
+    params = [nn.Parameter(torch.randn(16, 16)) for _ in range(8)]
+    params.append(nn.Parameter(torch.randn(16, 64)))              # the largest: 4 x 16^2
+    for p in params:
+        p.grad = torch.randn_like(p)
+    Muon(params, lr=0.02).step()
+    assert sorted(calls) == [(1, 16, 64), (4, 16, 16), (4, 16, 16)]
+
+
 def test_groups_keep_their_own_lr() -> None:
     init, grads = _setup(steps=2)
     together, _ = _run(lambda ps: Muon([{"params": ps[:3]}, {"params": ps[3:], "lr": 0.005}],
