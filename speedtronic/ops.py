@@ -484,5 +484,8 @@ _PYTORCH_IMPLS: dict[str, Callable] = {
     "cautious_adamw_step_": _adamw_impl,
 }
 
-# Every op's Python body, called directly off CUDA (see kernel_or_fallback).
-_PYTHON_BODIES: dict[str, Callable] = {**_PYTORCH_IMPLS, "newton_schulz": _newton_schulz_impl}
+# Every op's Python body, called directly off CUDA (see kernel_or_fallback); under no_grad, as
+# the dispatcher runs a custom op's body (so it may update leaf parameters in place).
+_PYTHON_BODIES: dict[str, Callable] = {
+    name: torch.no_grad()(fn)
+    for name, fn in {**_PYTORCH_IMPLS, "newton_schulz": _newton_schulz_impl}.items()}

@@ -142,9 +142,14 @@ def test_dtypes_the_cuda_kernels_lack_run_the_pytorch_implementation(caplog):
                for r in caplog.records) == 1
     assert ops.kernel_or_fallback("muon_post_update_", cuda,
                                   [torch.float32, torch.float16]) is ops.muon_post_update_
-    # Off CUDA, eager: the Python body without the dispatcher (no torch._dynamo import).
-    assert ops.kernel_or_fallback("muon_post_update_", torch.device("cpu"),
-                                  [torch.float64]) is ops._muon_post_impl
+    # Off CUDA, eager: the Python body without the dispatcher (no torch._dynamo import), which
+    # like the op may update leaf parameters that require grad.
+    post = ops.kernel_or_fallback("muon_post_update_", torch.device("cpu"), [torch.float64])
+    assert post is ops._PYTHON_BODIES["muon_post_update_"] and post is not ops.muon_post_update_
+    params = [torch.nn.Parameter(torch.ones(4, 4, dtype=torch.float64))]
+    post(params, torch.ones(1, 4, 4, dtype=torch.float64), [torch.ones(4, 4, dtype=torch.float64)],
+         0.1, 0.0, 1.0, False, 1e-8, False, True)
+    assert torch.allclose(params[0].detach(), torch.full((4, 4), 0.9, dtype=torch.float64))
 
 
 def test_eager_cpu_training_never_imports_torch_dynamo():
