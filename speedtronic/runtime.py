@@ -223,7 +223,9 @@ def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: 
     """
     trainer = build_trainer(config, resume=resume, device=device, hooks=hooks,
                             callbacks=callbacks, model=model, data=data)
-    if plot:
+    # Not beside DataLoader workers: they are forked, and forking while another thread holds an
+    # import lock can leave a child waiting on it forever.
+    if plot and trainer.config.data.num_workers == 0:
         _preload_plotting()
     try:
         result = trainer.fit()

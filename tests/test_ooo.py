@@ -427,7 +427,14 @@ def test_cuda_stream_path_logic_with_fake_streams(monkeypatch) -> None:
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(torch.Tensor, "record_stream",
                         lambda self, s: recorded.append(s.name), raising=False)
+    real_empty_like = torch.empty_like
+
+    def logged_empty_like(*args, **kwargs):
+        log.append(("empty_like", current[0].name))
+        return real_empty_like(*args, **kwargs)
+
     ref, ooo, sched = _pair(TiedLM())
+    monkeypatch.setattr(torch, "empty_like", logged_empty_like)
     sched.mode, sched.streams = "cuda-streams", side
     for i, layer in enumerate(sched._layers):
         for slot in (layer.weight, layer.bias):
@@ -443,6 +450,12 @@ def test_cuda_stream_path_logic_with_fake_streams(monkeypatch) -> None:
     assert sum(1 for e in log if e[0] == "wait_stream" and e[2] == "ambient") == launches
     assert len(recorded) == 2 * launches and "ambient" not in recorded
     assert not [e for e in log if e[0] == "wait_event"]
+    # The result buffers are allocated on the ambient stream, right BEFORE the side stream waits
+    # for it (their earlier users are then ordered before the side stream's writes).
+    assert {e[1] for e in log if e[0] == "empty_like"} == {"ambient"}
+    for i, e in enumerate(log):
+        if e[0] == "wait_stream" and e[2] == "ambient":
+            assert log[i - 1] == ("empty_like", "ambient"), log[i - 3:i + 1]
     # Each backward's fold makes the ambient stream wait for both side streams it used.
     folds = [e for e in log if e[0] == "wait_stream" and e[1] == "ambient"]
     assert {e[2] for e in folds} == {"side0", "side1"} and len(folds) >= 2 * 2

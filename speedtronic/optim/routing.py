@@ -14,11 +14,20 @@ Rules, applied once per parameter *tensor* (tied/shared tensors are seen once):
    embedding.
 4. Hidden matrices go to Muon: 2-D weights of ``nn.Linear`` (and subclasses); Hugging Face
    ``Conv1D`` weights, stored ``(in, out)`` (layout ``transposed``: the lr scale uses the
-   logical ``(out, in)`` shape); ``nn.MultiheadAttention.in_proj_weight`` (layout ``split:3``:
-   Q, K and V orthogonalized as three matrices); any 2-D weight whose parameter or module sets
-   ``_speedtronic_muon_split = K`` (a fused projection of K matrices stacked along dim 0).
-5. Everything else (norm gains, biases, conv kernels, raw ``nn.Parameter`` tensors) goes to
-   AdamW; give the owning module ``_speedtronic_optimizer_role = "muon"`` to change that.
+   logical ``(out, in)`` shape); ``nn.MultiheadAttention.in_proj_weight`` and the fused ``qkv``
+   Linear of the timm attention classes in ``_KNOWN_FUSED`` (layout ``split:3``: Q, K and V
+   orthogonalized as three matrices); GPT-2's fused ``c_attn`` Conv1D (layout
+   ``transposed_split:3``: its column blocks); any 2-D weight whose parameter or module sets
+   ``_speedtronic_muon_split = K`` (K matrices stacked along the output dimension); pointwise
+   (1x1, ungrouped) convolution weights, a Linear over channels (layout ``flatten``: viewed as
+   ``(out, in)``).
+5. Convolution kernels larger than 1x1 go to Muon flattened to ``(out, in*kh*kw)`` only when
+   asked (``muon_conv=True``; config ``optimizer.muon_conv``): common practice for CNNs, but it
+   changes what a kernel's update means. Grouped and depthwise convolutions (independent small
+   filters, not one map), transposed convolutions and input convolutions (at most 4 input
+   channels: they read pixels as an embedding reads tokens) stay on AdamW.
+6. Everything else (norm gains, biases, raw ``nn.Parameter`` tensors) goes to AdamW; give the
+   owning module ``_speedtronic_optimizer_role = "muon"`` to change that.
 
 AdamW params are split into decay / no-decay: tensors with fewer than 2 dims (biases, norm
 gains) and embeddings/heads do not decay unless ``decay_norms_and_biases`` /
@@ -50,11 +59,17 @@ _EMBEDDING_NAMES = frozenset({
     # Learned tokens and position tables of vision transformers (timm's names).
     "pos_embed", "cls_token", "reg_token", "dist_token", "mask_token",
 })
-# Fused projections of known libraries whose row layout is known: (module prefix, suffix of the
-# owner's class name, attribute name of the Linear, K). timm's attention classes (Attention,
-# Swin's WindowAttention, EvaAttention, ...) reshape qkv's output as (3, heads, head_dim), so its
-# rows are [Q; K; V] blocks.
-_KNOWN_FUSED = (("timm.", "Attention", "qkv", 3),)
+# Fused projections whose row layout was read in the library's source: (module, class of the
+# owner, attribute name of the Linear, K). These timm classes reshape qkv's output as
+# (3, heads, head_dim), so its rows are [Q; K; V] blocks. Not every timm "Attention" does: TinyViT
+# lays qkv out per head, so classes are listed, not matched by name.
+_KNOWN_FUSED = (
+    ("timm.layers.attention", "Attention", "qkv", 3),
+    ("timm.layers.attention", "AttentionRope", "qkv", 3),
+    ("timm.models.vision_transformer", "Attention", "qkv", 3),
+    ("timm.models.swin_transformer", "WindowAttention", "qkv", 3),
+    ("timm.models.eva", "EvaAttention", "qkv", 3),
+)
 
 
 @dataclass
@@ -68,8 +83,8 @@ class ParameterRoutes:
     reasons: dict[str, str] = field(default_factory=dict)
     """Parameter name -> why it went where it went (e.g. ``"adamw: embedding"``)."""
     layouts: dict[str, str] = field(default_factory=dict)
-    """Muon parameter name -> ``"matrix"``, ``"transposed"``, ``"flatten"`` or ``"split:K"``
-    (see :func:`speedtronic.optim.parse_layout`)."""
+    """Muon parameter name -> ``"matrix"``, ``"transposed"``, ``"flatten"``, ``"split:K"`` or
+    ``"transposed_split:K"`` (see :func:`speedtronic.optim.parse_layout`)."""
     hidden_unrouted: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
     """AdamW tensors that are not embeddings or heads but Muon could have taken: 2-D matrices,
     and convolution kernels left off by ``muon_conv=False``."""
@@ -107,7 +122,9 @@ def _vocab_size(model: nn.Module) -> int | None:
 
 
 def _named_like_head(mod_path: str, mod: nn.Module, leaf: str) -> bool:
-    return bool((set(mod_path.split(".")) | {leaf}) & _HEAD_NAMES)
+    # "fc" only on the root model: torchvision's classifier head (ResNet, RegNet, Inception),
+    # while many models also name hidden layers fc.
+    return bool((set(mod_path.split(".")) | {leaf}) & _HEAD_NAMES) or mod_path == "fc"
 
 
 def _named_like_embedding(mod_path: str, mod: nn.Module, leaf: str) -> bool:
@@ -184,7 +201,7 @@ def route_parameters(model: nn.Module, *, decay_embeddings: bool = False,
         embedding_like = is_embedding or is_head
         linear_weight = any(isinstance(mod, nn.Linear) and leaf == "weight"
                             for _, mod, leaf in owners[key])
-        layout, kind = _muon_layout(p, owners[key], muon_conv or role == "muon", modules)
+        layout, kind = _muon_layout(p, owners[key], muon_conv, modules, forced=role == "muon")
         matrix = p.ndim == 2 and p.is_floating_point()
         conv = _conv_kind(p, owners[key])
 
@@ -225,6 +242,13 @@ def route_parameters(model: nn.Module, *, decay_embeddings: bool = False,
 
 
 _CONV_OPT_IN = "conv kernel (optimizer.muon_conv: true flattens it onto Muon)"
+_CONV_INPUT = "input conv (reads raw image channels)"
+
+
+_INPUT_CHANNELS = 4
+"""A convolution reading at most this many channels reads raw pixels (gray, RGB, RGBA): it is the
+model's input layer (ResNet's ``conv1``, EfficientNet's ``conv_stem``, a ViT's patchify conv),
+which stays on AdamW like an embedding."""
 
 
 def _conv_kind(p: nn.Parameter, regs: list[tuple[str, nn.Module, str]]) -> str | None:
@@ -236,6 +260,8 @@ def _conv_kind(p: nn.Parameter, regs: list[tuple[str, nn.Module, str]]) -> str |
             return "transposed convolution kernel"
         if mod.groups > 1:
             return "grouped/depthwise conv (independent filters, not one map)"
+        if mod.in_channels <= _INPUT_CHANNELS:
+            return _CONV_INPUT
         return _CONV_OPT_IN
     return None
 
@@ -247,9 +273,9 @@ def _known_fused(regs: list[tuple[str, nn.Module, str]], modules: dict[str, nn.M
             continue
         parent_path, _, attr = mod_path.rpartition(".")
         parent = modules.get(parent_path)
-        for prefix, cls, name, k in _KNOWN_FUSED:
-            if attr == name and parent is not None and type(parent).__name__.endswith(cls) \
-                    and type(parent).__module__.startswith(prefix) and mod.out_features % k == 0:
+        for module, cls, name, k in _KNOWN_FUSED:
+            if attr == name and parent is not None and type(parent).__name__ == cls \
+                    and type(parent).__module__ == module and mod.out_features % k == 0:
                 return k
     return None
 
@@ -258,30 +284,32 @@ def _known_fused_conv1d(p: nn.Parameter, regs: list[tuple[str, nn.Module, str]],
                         modules: dict[str, nn.Module]) -> int | None:
     """GPT-2's attention keeps Q, K, V (K, V for cross-attention) side by side in one Conv1D
     ``c_attn`` of shape ``(d, K d)``, and Hugging Face splits its output into equal blocks of
-    ``d``. Recognized by the owner's class (``transformers`` ``...GPT2Attention``) and the
-    attribute name."""
+    ``d``. Recognized by the owner's class (``transformers``' ``GPT2Attention`` or a subclass,
+    e.g. ``GPT2SdpaAttention`` in transformers 4.4x) and the attribute name."""
     for mod_path, _, leaf in regs:
         parent_path, _, attr = mod_path.rpartition(".")
         parent = modules.get(parent_path)
         if leaf == "weight" and attr == "c_attn" and parent is not None \
-                and type(parent).__name__.endswith("GPT2Attention") \
-                and type(parent).__module__.startswith("transformers.") \
+                and any(t.__name__ == "GPT2Attention" and t.__module__.startswith("transformers.")
+                        for t in type(parent).__mro__) \
                 and p.shape[1] > p.shape[0] and p.shape[1] % p.shape[0] == 0:
             return p.shape[1] // p.shape[0]
     return None
 
 
 def _muon_layout(p: nn.Parameter, regs: list[tuple[str, nn.Module, str]],
-                 muon_conv: bool = False, modules: dict[str, nn.Module] | None = None
-                 ) -> tuple[str, str | None]:
-    """(layout, what it is) for a tensor Muon can take beyond plain ``nn.Linear`` weights."""
+                 muon_conv: bool = False, modules: dict[str, nn.Module] | None = None,
+                 forced: bool = False) -> tuple[str, str | None]:
+    """(layout, what it is) for a tensor Muon can take beyond plain ``nn.Linear`` weights;
+    ``forced``: a ``"muon"`` role, which also takes input convs and larger kernels."""
     for _, mod, leaf in regs:
         if isinstance(mod, nn.modules.conv._ConvNd) and leaf == "weight" and p.ndim >= 3 \
-                and not mod.transposed and mod.groups == 1:
+                and not mod.transposed and mod.groups == 1 \
+                and (mod.in_channels > _INPUT_CHANNELS or forced):
             if all(k == 1 for k in p.shape[2:]):
                 return "flatten", "pointwise (1x1) conv, a Linear over channels"
-            if muon_conv:
-                return "flatten", "conv kernel flattened to (out, in*k) (muon_conv)"
+            if muon_conv or forced:
+                return "flatten", "conv kernel flattened to (out, in*k)"
         split = getattr(p, SPLIT_ATTRIBUTE, None) or (
             getattr(mod, SPLIT_ATTRIBUTE, None) if leaf == "weight" else None)
         conv1d = type(mod).__name__ == "Conv1D" and leaf == "weight" and p.ndim == 2

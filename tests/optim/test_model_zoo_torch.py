@@ -96,3 +96,48 @@ def test_flatten_layout_refuses_channels_last_with_a_clear_error():
     p.grad = torch.randn_like(p)
     with pytest.raises(RuntimeError, match="contiguous"):
         Muon([{"params": [p], "layout": "flatten"}], lr=0.1).step()
+
+
+class ResNetLike(nn.Module):
+    """No helpful names: the input conv is found by its 3 input channels."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 7, stride=2, padding=3)
+        self.conv2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.fc = nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.fc(self.conv2(torch.relu(self.conv1(x))).mean(dim=(2, 3)))
+
+
+def test_the_input_conv_stays_on_adamw_even_with_muon_conv():
+    routes = route_parameters(ResNetLike(), muon_conv=True)
+    assert routes.layouts == {"conv2.weight": "flatten"}
+    assert "input conv" in routes.reasons["conv1.weight"]
+    assert "embedding/head" in routes.reasons["fc.weight"]  # torchvision's classifier name
+    assert not routes.hidden_unrouted
+
+
+def test_known_fused_layouts_are_matched_by_class_not_by_name():
+    def owner(module: str, name: str) -> type:
+        return type(name, (nn.Module,), {"__module__": module})
+
+    def routed(cls: type, attr: str, layer: nn.Module) -> str:
+        parent = cls()
+        setattr(parent, attr, layer)
+        return route_parameters(nn.Sequential(parent)).layouts[f"0.{attr}.weight"]
+
+    timm_attention = owner("timm.layers.attention", "Attention")
+    tiny_vit_attention = owner("timm.models.tiny_vit", "Attention")  # qkv laid out per head
+    assert routed(timm_attention, "qkv", nn.Linear(16, 48)) == "split:3"
+    assert routed(tiny_vit_attention, "qkv", nn.Linear(16, 48)) == "matrix"
+
+    class Conv1D(nn.Module):  # Hugging Face's layer, recognized by its class name
+        def __init__(self, nf: int, nx: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(nx, nf))
+
+    gpt2 = owner("transformers.models.gpt2.modeling_gpt2", "GPT2Attention")
+    sdpa = type("GPT2SdpaAttention", (gpt2,), {"__module__": gpt2.__module__})  # 4.4x subclass
+    assert routed(sdpa, "c_attn", Conv1D(48, 16)) == "transposed_split:3"

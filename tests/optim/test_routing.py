@@ -131,7 +131,7 @@ def test_odd_model_partition() -> None:
     routes = _check_partition(model)
     assert _names(routes.muon) == ["nested.a.b.weight", "shared.weight"]
     reasons = routes.reasons
-    assert reasons["conv.weight"].startswith("adamw: conv kernel")
+    assert reasons["conv.weight"].startswith("adamw: input conv")  # 3 channels: reads pixels
     assert "(decay)" in reasons["conv.weight"]
     assert "no decay" in reasons["bias_only"] and "no decay" in reasons["conv.bias"]
     assert reasons["raw"].startswith("adamw: 2-D tensor not owned by nn.Linear")
