@@ -9,6 +9,10 @@
 #      prints a short table last, JSON to benchmarks/results/ and $RESULTS_DIR
 #   5. on an sm_90 GPU: the Hopper sym_gemm (TMA + wgmma) vs cuBLAS, m in {512 ... 8192}, k in
 #      {m, 4m}, fp16/bf16, plus the full step with it off / opted in (benchmarks/bench_sym_gemm.py)
+#   6. trainer vs a hand-written loop on a GPT-2-small-class model, eager and compiled
+#      (benchmarks/bench_trainer.py --device cuda)
+#   7. one `speedtronic train` run of configs/gpt2_small_gpu.yaml (Muon, bf16): tok/s and MFU
+# Run it with the device tool's full 600 s: steps 1-5 took ~3 min on 2026-11-30; 6-7 add ~4.
 # Exit status: 0 all passed; 3 no GPU (after the build step); else the failing step's status.
 #   benchmarks/gpu_check.sh            # everything
 #   GPU_CHECK_QUICK=1 benchmarks/gpu_check.sh   # skip torch.compile baselines
@@ -100,4 +104,20 @@ if "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.get_device_capability() 
 else
     record "bench sym_gemm" "skipped (not an sm_90 GPU)"
 fi
+
+# ---- 6. trainer vs a hand-written loop, eager and compiled ------------------------------------
+note "trainer vs hand loop (GPT-2-small class, bf16, hybrid Muon; eager and compiled)"
+timeout 240 "$PY" benchmarks/bench_trainer.py --device cuda --steps 30 --repeats 2 2>&1 | tail -8 | tee "$LOG_DIR/gpu_check_trainer.log"
+trc=${PIPESTATUS[0]}
+record "bench trainer" "$([[ $trc -eq 0 ]] && echo ok || echo "FAILED (exit $trc)")"
+[[ -n "${RESULTS_DIR:-}" ]] && cp -f "$ROOT"/benchmarks/results/bench_trainer_cuda.* "$RESULTS_DIR"/ 2>/dev/null
+
+# ---- 7. one `speedtronic train` run: tokens/s and MFU ------------------------------------------
+note "speedtronic train configs/gpt2_small_gpu.yaml"
+timeout 150 "$PY" -m speedtronic train --config configs/gpt2_small_gpu.yaml \
+    --set run.output_dir="$LOG_DIR/gpu_check_runs" > "$LOG_DIR/gpu_check_train.log" 2>&1
+xrc=$?
+grep -E "step (25|300)/|eval step 300|summary|ooo|compile|cuda kernels" "$LOG_DIR/gpu_check_train.log" | tail -8
+record "train gpt2-small" "$([[ $xrc -eq 0 ]] && echo "ok: $(grep -o 'median [0-9.]* model TFLOP/s[^|]*' "$LOG_DIR/gpu_check_train.log" | tail -1)" || echo "FAILED (exit $xrc)")"
+[[ $xrc -ne 0 ]] && overall=1
 finish "$overall"
