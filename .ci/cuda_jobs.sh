@@ -108,6 +108,10 @@ assert torch._C._dispatch_has_kernel_for_dispatch_key("speedtronic_debug::sym_ge
     "the sm_90a sym_gemm object was not linked in"
 assert st.imported and "sm_80" in st.so_arches and "sm_90" in st.so_arches, st
 assert torch.ops.speedtronic_debug.arch_list() != ""
+assert torch._C._dispatch_has_kernel_for_dispatch_key("speedtronic_debug::poly_lt", "CUDA")
+lt = torch.ops.speedtronic_debug.cublaslt_status()
+assert lt == "ok", f"poly_lt cannot bind torch's cuBLASLt: {lt}"
+print("ci[cuda]: poly_lt binds torch's cuBLASLt")
 print(f"ci[cuda]: all {len(ops.CUDA_KERNEL_OPS)} kernel ops are registered; arches {st.so_arches}")
 EOF
 )

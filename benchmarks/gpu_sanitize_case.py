@@ -35,6 +35,8 @@ def main() -> int:
     sp.muon_post_update_(params, orth, grads, 0.02, 0.1, 1.0, True, 1e-8, True, True)
     sp.muon_plus_normalize(torch.randn(2, 130, 7, device=dev).bfloat16(), 1e-8)
     dbg.syrk(torch.randn(2, 130, 33, device=dev).half(), 1.0, 0.0, None)
+    sym = torch.randn(3, 37, 37, device=dev).half()
+    dbg.poly_lt(sym + sym.mT, -4.775, 2.0315)  # cuBLASLt, C != D
     a, bt = torch.randn(16, 16, device=dev), torch.randn(8, 16, device=dev)
     dbg.mma_probe(a.bfloat16(), bt.bfloat16())
     if torch.cuda.get_device_capability() == (9, 0):  # the sm_90a TMA + wgmma kernel

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "cublaslt_poly.h"
 #include "ops_impl.h"
 
 namespace st::glue {
@@ -62,12 +63,19 @@ at::Tensor sym_gemm(const at::Tensor& X, double alpha, double beta, const std::o
   return g::sym_gemm(X, alpha, beta, C, tile_n);
 }
 
+at::Tensor poly_lt(const at::Tensor& A, double b, double c) {
+  OptionalCUDAGuard guard(A.device());
+  return g::poly_lt(A, b, c);
+}
+
 at::Tensor mma_probe(const at::Tensor& A, const at::Tensor& Bt) {
   OptionalCUDAGuard guard(A.device());
   return g::mma_probe(A, Bt);
 }
 
 std::string arch_list() { return st::compiled_arch_list(); }
+
+std::string cublaslt_status() { return g::cublaslt_status(); }
 
 }  // namespace
 
@@ -80,18 +88,22 @@ TORCH_LIBRARY_IMPL(speedtronic, CUDA, m) {
 }
 
 // Not part of the public op set: benchmarks and GPU tests reach the symmetric kernel and the
-// mma layout probe through these.
+// mma layout probe through these; Newton-Schulz offers sym_gemm and poly_lt to its per-shape
+// dispatch (speedtronic/newton_schulz.py).
 TORCH_LIBRARY(speedtronic_debug, m) {
   m.def("syrk(Tensor X, float alpha=1.0, float beta=0.0, Tensor? Y=None) -> Tensor");
   m.def("mma_probe(Tensor A, Tensor Bt) -> Tensor");
   m.def("sym_gemm(Tensor X, float alpha=1.0, float beta=0.0, Tensor? C=None, int tile_n=0) -> Tensor");
+  m.def("poly_lt(Tensor A, float b, float c) -> Tensor");
   m.def("arch_list() -> str", &arch_list);
+  m.def("cublaslt_status() -> str", &cublaslt_status);
 }
 
 TORCH_LIBRARY_IMPL(speedtronic_debug, CUDA, m) {
   m.impl("syrk", &syrk);
   m.impl("mma_probe", &mma_probe);
   m.impl("sym_gemm", &sym_gemm);
+  m.impl("poly_lt", &poly_lt);
 }
 
 // `import speedtronic._C` needs a module object; the ops above register at load time.

@@ -34,12 +34,12 @@ and redoes a bucket in fp32 if it is not finite.
 
 from __future__ import annotations
 
-import logging
-import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from .kernel_choice import TOLERANCE_16BIT, MeasuredKernel, debug_op
 
 __all__ = [
     "COEFFICIENT_SCHEDULES",
@@ -175,106 +175,46 @@ def _iter_coefficients(coefficients: Sequence[float], steps: int) -> list[tuple[
     return [tuple(flat[3 * k:3 * k + 3]) for k in range(steps)]
 
 
-# ------------------------------------------------------------------ Hopper symmetric kernel
-# csrc/kernels/sym_gemm_sm90.cuh computes X X^T and b A + c A^2 on lower-triangle tiles only
-# (TMA + wgmma, sm_90a). It is verified in the CPU emulation and by compile/SASS gates only: no
-# GPU has run it, so it is OFF by default (SYM_GEMM_DEFAULT_ON, to be flipped once
-# benchmarks/gpu_check.sh has measured it faster). SPEEDTRONIC_SYM_GEMM=1 opts in; even then a
-# shape uses it only after the per-shape measurement (speedtronic.autotune) found it at least 5%
-# faster than cuBLAS on this GPU, its first result having matched cuBLAS (16-bit tolerance,
-# exactly symmetric). SPEEDTRONIC_SYM_GEMM=0 switches it off whatever the default; any error from
-# it switches the whole family off for the process, with one log line.
-
-logger = logging.getLogger("speedtronic.newton_schulz")
+# ------------------------------------------------------------------ optional GEMM kernels
+# Two families may replace torch's cuBLAS call per shape (speedtronic.kernel_choice: used only
+# where measured faster on this GPU, checked against cuBLAS first, any error switches the family
+# off with one log line):
+# * sym_gemm (csrc/kernels/sym_gemm_sm90.cuh): X X^T and b A + c A^2 on lower-triangle tiles only
+#   (TMA + wgmma, sm_90a). Verified in the CPU emulation and by compile/SASS gates only: no GPU
+#   has run it, so it is OFF by default (SYM_GEMM_DEFAULT_ON); SPEEDTRONIC_SYM_GEMM=1 opts in.
+# * poly_lt (csrc/cublaslt_poly.h): b A + c A^2 as one cuBLASLt call with C != D, without the
+#   copy of A into the output that torch.baddbmm makes before its GEMM. Production cuBLAS, so it
+#   is a candidate by default; SPEEDTRONIC_CUBLASLT=0 switches it off.
 
 SYM_GEMM_ENV = "SPEEDTRONIC_SYM_GEMM"
 SYM_GEMM_DEFAULT_ON = False
 """Whether the Hopper kernel is a candidate when SPEEDTRONIC_SYM_GEMM is unset (not before a GPU
 run has measured it)."""
-_SYM_TOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}  # max |diff| / max |cuBLAS|
-_sym_state: dict[str, object] = {"disabled": None, "rejected": set()}
+CUBLASLT_ENV = "SPEEDTRONIC_CUBLASLT"
 
 
-def _sym_kernel() -> Callable[..., Tensor] | None:
-    """``speedtronic_debug.sym_gemm(X, alpha, beta, C)`` when it may be tried at all."""
-    env = os.environ.get(SYM_GEMM_ENV, "").strip().lower()
-    if env in ("0", "false", "no", "off") or (env == "" and not SYM_GEMM_DEFAULT_ON):
-        return None
-    if _sym_state["disabled"] is not None:
-        return None
-    return _sym_op()
+def _is_hopper(X: Tensor) -> bool:
+    return X.device.type != "cuda" or torch.cuda.get_device_capability(X.device) == (9, 0)
 
 
-def _sym_op() -> Callable[..., Tensor] | None:
-    """The registered op, when the extension is loaded and was built with it."""
-    from . import kernels
-
-    if not kernels.available():
-        return None
-    try:
-        return torch.ops.speedtronic_debug.sym_gemm
-    except (AttributeError, RuntimeError):
-        return None
+SYM_GEMM = MeasuredKernel("sym_gemm (Hopper kernel)", "sym_gemm", SYM_GEMM_ENV,
+                          SYM_GEMM_DEFAULT_ON, debug_op("sym_gemm"), symmetric=True,
+                          device_ok=_is_hopper)
+POLY_LT = MeasuredKernel("poly_lt (cuBLASLt, C != D)", "cublaslt", CUBLASLT_ENV, True,
+                         debug_op("poly_lt"))
 
 
-def _sym_disable(exc: BaseException) -> None:
-    if _sym_state["disabled"] is None:
-        _sym_state["disabled"] = f"{type(exc).__name__}: {exc}"
-        logger.warning("sym_gemm (Hopper kernel) disabled for this process after an error: %s; "
-                       "cuBLAS is used", _sym_state["disabled"])
-
-
-def _sym_or_cublas(key: str, X: Tensor, cublas: Callable[[], Tensor],
-                   kernel_call: Callable[[Callable[..., Tensor]], Tensor]) -> Tensor:
-    """cuBLAS, unless this shape measured the Hopper kernel faster (and correct) on this GPU."""
-    op = _sym_kernel()  # first: by default this is one environment lookup
-    if op is None or key in _sym_state["rejected"]:  # type: ignore[operator]
-        return cublas()
-    from . import autotune
-
-    dispatch = autotune.active_dispatch()
-    if not dispatch.enabled or X.device.type != dispatch.device_type:
-        return cublas()
-    if X.device.type == "cuda" and torch.cuda.get_device_capability(X.device) != (9, 0):
-        return cublas()
-    if key not in dispatch.entries and autotune._capturing():
-        return cublas()  # no checks or timing inside a CUDA-graph capture
-
-    def kernel() -> Tensor:
-        try:
-            return kernel_call(op)
-        except Exception as exc:  # noqa: BLE001 - any failure: the family is off, cuBLAS runs
-            _sym_disable(exc)
-            raise
-
-    if key not in dispatch.entries:  # first sight of this shape: check before timing
-        try:
-            out, ref = kernel(), cublas()
-        except Exception:  # noqa: BLE001 - already logged and disabled
-            return cublas()
-        err = ((out.float() - ref.float()).abs().max()
-               / ref.float().abs().max().clamp_min(1e-30)).item()
-        if not torch.equal(out, out.mT) or not err <= _SYM_TOL[X.dtype]:
-            _sym_state["rejected"].add(key)  # type: ignore[attr-defined]
-            logger.warning("sym_gemm: %s rejected (relative error %.3g, symmetric %s); cuBLAS "
-                           "is used", key, err, torch.equal(out, out.mT))
-            return ref
-    choice = dispatch.choose(key, {"cublas": cublas, "sym_gemm": kernel}, "cublas")
-    if choice == "sym_gemm" and _sym_state["disabled"] is None:
-        try:
-            return kernel()
-        except Exception:  # noqa: BLE001 - logged and disabled in kernel()
-            pass
-    return cublas()
+def _dtype_name(X: Tensor) -> str:
+    return str(X.dtype).removeprefix("torch.")
 
 
 def _xxt(X: Tensor) -> Tensor:
     """``X X^T`` for ``X (b, m, k)``."""
-    if X.dtype not in _SYM_TOL:
+    if X.dtype not in TOLERANCE_16BIT:
         return torch.bmm(X, X.mT)
     b, m, k = X.shape
-    return _sym_or_cublas(f"sym_gemm xxt {b}x{m}x{k} {str(X.dtype).removeprefix('torch.')}", X,
-                          lambda: torch.bmm(X, X.mT), lambda op: op(X, 1.0, 0.0, None))
+    return SYM_GEMM.run(f"sym_gemm xxt {b}x{m}x{k} {_dtype_name(X)}", X,
+                        lambda: torch.bmm(X, X.mT), lambda op: op(X, 1.0, 0.0, None))
 
 
 def _poly(A: Tensor, b: float, c: float) -> Tensor:
@@ -282,13 +222,17 @@ def _poly(A: Tensor, b: float, c: float) -> Tensor:
     if A.device.type == "cpu" and A.dtype in (torch.float32, torch.float64):
         # CPU: a GEMM with beta != 0 is 1.3-1.5x slower than the plain GEMM plus an add.
         return torch.bmm(A, A).mul_(c).add_(A, alpha=b)
-    if A.dtype not in _SYM_TOL:
+    if A.dtype not in TOLERANCE_16BIT:
         return torch.baddbmm(A, A, A, beta=b, alpha=c)  # one rounding of the sum (fp32 acc.)
     n, m = A.shape[0], A.shape[1]
-    return _sym_or_cublas(
-        f"sym_gemm poly {n}x{m} {str(A.dtype).removeprefix('torch.')}", A,
-        lambda: torch.baddbmm(A, A, A, beta=b, alpha=c),  # one rounding of the sum (fp32 acc.)
-        lambda op: op(A, c, b, A))
+
+    def cublas() -> Tensor:  # torch.baddbmm (copies A into the output first), or cuBLASLt
+        return POLY_LT.run(f"poly_lt {n}x{m} {_dtype_name(A)}", A,
+                           lambda: torch.baddbmm(A, A, A, beta=b, alpha=c),
+                           lambda op: op(A, b, c))
+
+    return SYM_GEMM.run(f"sym_gemm poly {n}x{m} {_dtype_name(A)}", A, cublas,
+                        lambda op: op(A, c, b, A))
 
 
 def ns_standard(X: Tensor, coeffs: Sequence[tuple[float, ...]], transpose_out: bool) -> Tensor:

@@ -191,6 +191,23 @@ def test_hopper_sym_gemm_matches_the_emulation(gen):
     _close(hw.cpu(), emulated, torch.bfloat16, "hardware vs emulation")
 
 
+@pytest.mark.parametrize("b,m", [(1, 1), (7, 37), (3, 130), (2, 768), (1, 2048)])
+def test_poly_lt_matches_baddbmm_and_leaves_a_untouched(gen, b, m):
+    """cuBLASLt with C != D: b A + c A A as torch.baddbmm computes it, A not written."""
+    dbg = torch.ops.speedtronic_debug
+    assert dbg.cublaslt_status() == "ok"
+    for dt in (torch.float16, torch.bfloat16):
+        X = _rand((b, m, 2 * m), gen, dt, scale=(2 * m) ** -0.5)
+        A = torch.bmm(X, X.mT)
+        before = A.clone()
+        _poison_allocator()
+        out = dbg.poly_lt(A, -4.775, 2.0315)
+        torch.cuda.synchronize()
+        assert torch.equal(A, before), "poly_lt wrote into A"
+        ref = torch.baddbmm(A.float(), A.float(), A.float(), beta=-4.775, alpha=2.0315)
+        _close(out, ref, dt, f"poly_lt {dt}")
+
+
 @pytest.mark.parametrize("shape", [(768, 3072), (3072, 768), (4, 1024, 1024), (2, 512, 2048)])
 def test_newton_schulz_on_cuda_every_method_against_float64(gen, shape):
     """NS on CUDA is cuBLAS driven by the same Python body as on the CPU: fp16 (the auto dtype)

@@ -11,6 +11,7 @@ import torch
 
 from speedtronic import autotune
 from speedtronic import newton_schulz as ns
+from speedtronic.kernel_choice import MeasuredKernel
 
 
 class FakeKernel:
@@ -34,13 +35,15 @@ class FakeKernel:
 
 @pytest.fixture
 def setup(monkeypatch):
-    monkeypatch.setattr(ns, "_sym_state", {"disabled": None, "rejected": set()})
     monkeypatch.delenv(ns.SYM_GEMM_ENV, raising=False)
+    monkeypatch.setenv(ns.CUBLASLT_ENV, "0")  # this file is about the Hopper family alone
 
     def make(kernel: FakeKernel, kernel_ms: float, env: str | None = "1"):
         if env is not None:
             monkeypatch.setenv(ns.SYM_GEMM_ENV, env)
-        monkeypatch.setattr(ns, "_sym_op", lambda: kernel)
+        family = MeasuredKernel(ns.SYM_GEMM.name, "sym_gemm", ns.SYM_GEMM_ENV,
+                                ns.SYM_GEMM_DEFAULT_ON, lambda: kernel, symmetric=True)
+        monkeypatch.setattr(ns, "SYM_GEMM", family)
 
         def timer(fn):
             before = kernel.calls
@@ -114,7 +117,7 @@ def test_an_error_disables_the_family_with_one_log_line(setup, caplog):
         _run()
     assert k.calls == 1
     assert sum("disabled for this process" in r.getMessage() for r in caplog.records) == 1
-    assert ns._sym_state["disabled"] and out.isfinite().all()
+    assert ns.SYM_GEMM.disabled and out.isfinite().all()
 
 
 def test_environment_switch_turns_it_off(setup):

@@ -1,0 +1,110 @@
+"""The cuBLASLt family of Newton-Schulz (``poly_lt``: b A + c A^2 with C != D, no copy of A),
+on CPU with a fake op and fake timers: a candidate by default, used only where measured faster
+and matching torch.baddbmm first, switched off by the environment or by any error."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from speedtronic import autotune
+from speedtronic import newton_schulz as ns
+from speedtronic.kernel_choice import MeasuredKernel
+
+
+class FakePolyLt:
+    """Stands in for speedtronic_debug.poly_lt(A, b, c) = b A + c A A."""
+
+    def __init__(self, mode: str = "right"):
+        self.mode, self.calls = mode, 0
+
+    def __call__(self, A, b, c):
+        self.calls += 1
+        if self.mode == "raise":
+            raise RuntimeError("poly_lt: cublasLtMatmul failed (cublasStatus 13)")
+        if self.mode == "swapped":  # the classic bug: b and c exchanged
+            b, c = c, b
+        return (b * A.float() + c * (A.float() @ A.float())).to(A.dtype)
+
+
+@pytest.fixture
+def setup(monkeypatch):
+    monkeypatch.delenv(ns.CUBLASLT_ENV, raising=False)
+    monkeypatch.setenv(ns.SYM_GEMM_ENV, "0")
+
+    def make(op: FakePolyLt, op_ms: float, env: str | None = None):
+        if env is not None:
+            monkeypatch.setenv(ns.CUBLASLT_ENV, env)
+        family = MeasuredKernel(ns.POLY_LT.name, "cublaslt", ns.CUBLASLT_ENV, True, lambda: op)
+        monkeypatch.setattr(ns, "POLY_LT", family)
+
+        def timer(fn):
+            before = op.calls
+            fn()
+            return op_ms if op.calls > before else 1.0
+
+        d = autotune.ShapeDispatch(None, timer, enabled=True, device_type="cpu")
+        monkeypatch.setattr(autotune, "_active", d)
+        return d
+
+    return make
+
+
+def _run(dtype=torch.float16):
+    G = torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(0))
+    return ns.orthogonalize(G, 3, list(ns.QUINTIC), 1e-7, dtype, "standard")
+
+
+def _choices(d):
+    return {r["key"]: r["choice"] for r in d.table()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_on_by_default_and_used_where_faster_and_correct(setup, dtype):
+    op = FakePolyLt()
+    d = setup(op, op_ms=0.5)
+    out = _run(dtype)
+    assert _choices(d) == {f"poly_lt 2x16 {str(dtype)[6:]}": "cublaslt"}
+    assert op.calls == 2 + 3  # one check, one timing, then all 3 iterations
+    ref = ns.orthogonalize(torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(0)),
+                           3, list(ns.QUINTIC), 1e-7, torch.float32, "standard")
+    torch.testing.assert_close(out.float(), ref, rtol=0.1, atol=0.1)
+
+
+def test_swapped_coefficients_are_caught_by_the_first_check(setup, caplog):
+    op = FakePolyLt("swapped")
+    d = setup(op, op_ms=0.1)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.newton_schulz"):
+        _run()
+    assert _choices(d) == {} and op.calls == 1
+    assert any("rejected" in r.getMessage() for r in caplog.records)
+
+
+def test_slower_is_not_used(setup):
+    op = FakePolyLt()
+    d = setup(op, op_ms=0.99)
+    _run()
+    assert set(_choices(d).values()) == {"cublas"} and op.calls == 2
+
+
+def test_an_error_switches_the_family_off_once(setup, caplog):
+    op = FakePolyLt("raise")
+    setup(op, op_ms=0.1)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.newton_schulz"):
+        out = _run()
+        _run()
+    assert op.calls == 1 and ns.POLY_LT.disabled and out.isfinite().all()
+    assert sum("disabled for this process" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_environment_switch_turns_it_off(setup):
+    op = FakePolyLt()
+    setup(op, op_ms=0.1, env="0")
+    _run()
+    assert op.calls == 0
+
+
+def test_without_the_extension_there_is_no_candidate():
+    assert ns.POLY_LT.load() is None  # CPU torch: speedtronic._C is not loaded
