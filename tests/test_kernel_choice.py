@@ -8,8 +8,8 @@ import logging
 
 import pytest
 import torch
+from _dispatch_fixtures import counting_dispatch
 
-from speedtronic import autotune
 from speedtronic import newton_schulz as ns
 from speedtronic.kernel_choice import MeasuredKernel
 
@@ -39,15 +39,7 @@ def setup(monkeypatch):
             monkeypatch.setenv(ns.CUBLASLT_ENV, env)
         family = MeasuredKernel(ns.POLY_LT.name, "cublaslt", ns.CUBLASLT_ENV, True, lambda: op)
         monkeypatch.setattr(ns, "POLY_LT", family)
-
-        def timer(fn):
-            before = op.calls
-            fn()
-            return op_ms if op.calls > before else 1.0
-
-        d = autotune.ShapeDispatch(None, timer, enabled=True, device_type="cpu")
-        monkeypatch.setattr(autotune, "_active", d)
-        return d
+        return counting_dispatch(monkeypatch, op, op_ms)
 
     return make
 

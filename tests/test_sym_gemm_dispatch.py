@@ -8,6 +8,7 @@ import logging
 
 import pytest
 import torch
+from _dispatch_fixtures import counting_dispatch
 
 from speedtronic import autotune
 from speedtronic import newton_schulz as ns
@@ -44,15 +45,7 @@ def setup(monkeypatch):
         family = MeasuredKernel(ns.SYM_GEMM.name, "sym_gemm", ns.SYM_GEMM_ENV,
                                 ns.SYM_GEMM_DEFAULT_ON, lambda: kernel, symmetric=True)
         monkeypatch.setattr(ns, "SYM_GEMM", family)
-
-        def timer(fn):
-            before = kernel.calls
-            fn()
-            return kernel_ms if kernel.calls > before else 1.0
-
-        d = autotune.ShapeDispatch(None, timer, enabled=True, device_type="cpu")
-        monkeypatch.setattr(autotune, "_active", d)
-        return d
+        return counting_dispatch(monkeypatch, kernel, kernel_ms)
 
     return make
 
