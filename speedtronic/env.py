@@ -54,7 +54,26 @@ def collect_env() -> dict[str, Any]:
         info[pkg] = _version(pkg)
     info["kernels"] = _kernel_status()
     info["autotune"] = _autotune_table()
+    info["ns_kernels"] = _optional_kernels()
     return info
+
+
+def _optional_kernels() -> dict[str, str]:
+    """Whether each optional Newton-Schulz kernel family may compete (speedtronic.kernel_choice)."""
+    from . import newton_schulz as ns
+
+    out = {}
+    for family in (ns.POLY_LT, ns.SYM_GEMM):
+        if family.disabled is not None:
+            state = f"off after an error: {family.disabled}"
+        elif family.op() is not None:
+            state = "candidate (checked, then timed per shape)"
+        elif family.load() is None:
+            state = "unavailable (the CUDA extension is not loaded)"
+        else:
+            state = f"off ({family.env}={'0' if family.default_on else '1'} to change)"
+        out[family.label] = state
+    return out
 
 
 def _autotune_table() -> dict[str, Any]:

@@ -100,3 +100,23 @@ def test_environment_switch_turns_it_off(setup):
 
 def test_without_the_extension_there_is_no_candidate():
     assert ns.POLY_LT.load() is None  # CPU torch: speedtronic._C is not loaded
+
+
+def test_speedtronic_env_says_which_families_may_compete(monkeypatch):
+    from speedtronic.env import _optional_kernels
+
+    op = FakePolyLt()
+    monkeypatch.delenv(ns.CUBLASLT_ENV, raising=False)
+    monkeypatch.delenv(ns.SYM_GEMM_ENV, raising=False)
+    monkeypatch.setattr(ns, "POLY_LT", MeasuredKernel("lt", "cublaslt", ns.CUBLASLT_ENV, True,
+                                                      lambda: op))
+    monkeypatch.setattr(ns, "SYM_GEMM", MeasuredKernel("sym", "sym_gemm", ns.SYM_GEMM_ENV,
+                                                       False, lambda: op))
+    state = _optional_kernels()
+    assert state["cublaslt"].startswith("candidate")
+    assert state["sym_gemm"] == "off (SPEEDTRONIC_SYM_GEMM=1 to change)"
+    ns.POLY_LT.disable(RuntimeError("boom"))
+    assert _optional_kernels()["cublaslt"] == "off after an error: RuntimeError: boom"
+    monkeypatch.setattr(ns, "POLY_LT", MeasuredKernel("lt", "cublaslt", ns.CUBLASLT_ENV, True,
+                                                      lambda: None))
+    assert _optional_kernels()["cublaslt"].startswith("unavailable")
