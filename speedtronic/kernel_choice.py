@@ -75,13 +75,16 @@ class MeasuredKernel:
         self.device_ok = device_ok
         self.disabled: str | None = None  # why the family was switched off, if it was
         self.rejected: set[str] = set()  # shapes whose first result did not match
+        self._loaded: tuple[Callable[..., Tensor] | None] | None = None  # load(), once
 
     def op(self) -> Callable[..., Tensor] | None:
         """The op when the family may be tried at all (by default: one environment lookup)."""
         env = os.environ.get(self.env, "").strip().lower()
         if env in _OFF or (env == "" and not self.default_on) or self.disabled is not None:
             return None
-        return self.load()
+        if self._loaded is None:  # the extension loads at import: its answer does not change
+            self._loaded = (self.load(),)
+        return self._loaded[0]
 
     def disable(self, exc: BaseException) -> None:
         if self.disabled is None:
