@@ -7,12 +7,11 @@ fails the test, so an element the kernel forgot to write cannot pass."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 import torch
+from _emu_fixtures import load_emulator
 
 import speedtronic.kernels as kernels
 import speedtronic.ops as ops
@@ -180,11 +179,7 @@ def test_hopper_sym_gemm_matches_the_emulation(gen):
     X = _rand((2, 150, 96), gen, torch.bfloat16)
     hw = torch.ops.speedtronic_debug.sym_gemm(X, 1.0, 0.0, None, 0)
     try:
-        spec = importlib.util.spec_from_file_location(
-            "emu_build", Path(__file__).parent / "cuda_emulation" / "emu_build.py")
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        emu = mod.load()
+        emu = load_emulator()
     except Exception as exc:  # noqa: BLE001 - no g++ on the GPU image: say so
         pytest.skip(f"emulation not buildable here: {exc}")
     emulated = emu.sym_gemm(X.cpu(), 1.0, 0.0, None, 0)
@@ -246,11 +241,7 @@ def test_mma_layout_matches_hardware_and_emulation(gen):
         hw = torch.ops.speedtronic_debug.mma_probe(A, Bt)
         torch.testing.assert_close(hw, A.float() @ Bt.float().T, rtol=1e-3, atol=1e-3)
         try:
-            spec = importlib.util.spec_from_file_location(
-                "emu_build", Path(__file__).parent / "cuda_emulation" / "emu_build.py")
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            emu = mod.load()
+            emu = load_emulator()
         except Exception as exc:  # noqa: BLE001 - no g++ on the GPU image: say so
             pytest.skip(f"emulation not buildable here: {exc}")
         emulated = emu.mma_probe(A.cpu(), Bt.cpu())

@@ -9,27 +9,16 @@ zero fill), independently of the C++ emulation."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from _emu_fixtures import load_emulator
 
 SCHEDULES = ("forward", "reverse", "random")
 
 
-def _load_emu():
-    spec = importlib.util.spec_from_file_location(
-        "emu_build", Path(__file__).parent / "emu_build.py"
-    )
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.load()
-
-
 @pytest.fixture(scope="module")
 def emu():
-    return _load_emu()
+    return load_emulator()
 
 
 @pytest.fixture(params=SCHEDULES)

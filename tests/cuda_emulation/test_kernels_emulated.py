@@ -4,11 +4,9 @@ thread schedules. The emulated library is built once per source change (cached, 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
+from _emu_fixtures import load_emulator
 
 import speedtronic.ops as ops
 
@@ -18,17 +16,9 @@ MAX_TENSORS = 24  # st::kMaxTensors: tensors per launch table
 MAX_MATS = 48  # st::kMaxMats: matrices per Muon launch
 
 
-def _load_emu():
-    spec = importlib.util.spec_from_file_location(
-        "emu_build", Path(__file__).parent / "emu_build.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.load()
-
-
 @pytest.fixture(scope="session")
 def emu():
-    return _load_emu()
+    return load_emulator()
 
 
 @pytest.fixture(params=SCHEDULES)
