@@ -24,7 +24,7 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONFIG = """run: {max_steps: 150, device: cpu, seed: 1, name: short, output_dir: %s%s}
-model: {vocab_size: 256, max_seq_len: 128, n_layer: 4, n_head: 4, n_kv_head: 2, d_model: 128}
+model: {vocab_size: 256, max_seq_len: 128, n_layer: 4, n_head: 4, n_kv_head: 2, d_model: 128%s}
 data: {micro_batch_size: 8, target_batch_size: 8}
 precision: {mode: fp32}
 checkpoint: {enabled: false}
@@ -32,13 +32,27 @@ checkpoint: {enabled: false}
 
 
 NO_EVAL = ", eval_every: 0"
+#: 2.0.0's SwiGLU width for d_model 128 (8/3 d rounded to 8); ours rounds to 64, giving 384.
+SAME_WIDTH = ", d_ff: 344"
+
+
+def version(python: str, cwd: Path) -> str:
+    """The speedtronic version ``python`` imports when run from ``cwd``."""
+    out = subprocess.run([python, "-c", "import speedtronic; print(speedtronic.__version__)"],
+                         capture_output=True, text=True, cwd=cwd, timeout=300)
+    if out.returncode != 0:
+        raise SystemExit(f"{python} cannot import speedtronic:\n{out.stderr[-2000:]}")
+    return out.stdout.strip()
 
 
 def run(python: str, config: Path) -> float:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.perf_counter()
+    # cwd outside the checkout: ``python -m`` puts the working directory first on sys.path, so
+    # run from the repository root the 2.0.0 interpreter would import *this* tree's package.
     out = subprocess.run([python, "-m", "speedtronic", "train", "--config", str(config)],
-                         capture_output=True, text=True, env=env, timeout=900)
+                         capture_output=True, text=True, env=env, timeout=900,
+                         cwd=config.parent)
     elapsed = time.perf_counter() - t0
     if out.returncode != 0:
         raise SystemExit(f"{python} failed:\n{out.stderr[-2000:]}")
@@ -51,41 +65,53 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     # "ours, no evals": the same YAML with run.eval_every: 0, to price our evaluations (2.0.0
-    # runs none by default).
-    variants = {"ours": (sys.executable, ""), "ours, no evals": (sys.executable, NO_EVAL),
-                "2.0.0": (args.v200_python, "")}
+    # runs none by default). "ours, d_ff 344": the same model width as 2.0.0's, to separate the
+    # engine from the extra MLP work our default width does.
+    variants = {"ours": (sys.executable, "", ""), "ours, no evals": (sys.executable, NO_EVAL, ""),
+                "ours, d_ff 344": (sys.executable, "", SAME_WIDTH),
+                "2.0.0": (args.v200_python, "", "")}
     times: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as d:
+        versions = {name: version(python, Path(d)) for name, (python, *_) in variants.items()}
+        if versions["2.0.0"] != "2.0.0" or versions["ours"] == "2.0.0":
+            raise SystemExit(f"wrong packages imported: {versions}")
         for i in range(args.repeats):
-            for name, (python, extra) in variants.items():
+            for name, (python, run_extra, model_extra) in variants.items():
                 tag = name.replace(",", "").replace(" ", "-")
                 config = Path(d) / f"{tag}-{i}.yaml"
-                config.write_text(CONFIG % (Path(d) / f"runs-{tag}-{i}", extra))
+                config.write_text(CONFIG % (Path(d) / f"runs-{tag}-{i}", run_extra, model_extra))
                 times[name].append(run(python, config))
                 print(name, f"{times[name][-1]:.2f} s", flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["ours"] / med["2.0.0"]
     ratio_no_eval = med["ours, no evals"] / med["2.0.0"]
+    ratio_same_width = med["ours, d_ff 344"] / med["2.0.0"]
     try:
         load = Path("/proc/loadavg").read_text().split()[:3]
     except OSError:
         load = ["?"]
-    result = {"times_s": times, "median_s": med, "ratio": ratio,
-              "ratio_no_evals": ratio_no_eval, "load_avg_after": load,
+    from bench_data import cpu_flags  # this folder is sys.path[0] when run as a script
+
+    result = {"times_s": times, "cpu": cpu_flags(), "median_s": med, "ratio": ratio,
+              "ratio_no_evals": ratio_no_eval,
+              "ratio_same_width": ratio_same_width, "versions": versions, "load_avg_after": load,
               "machine": platform.processor() or platform.machine(),
               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M"),
               "command": "python benchmarks/bench_short_run.py --v200-python <venv>/bin/python"}
     (RESULTS / "short_run_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# Short CPU run: wall time, ours against speedtronic 2.0.0 (same YAML)", "",
-             f"Command: `{result['command']}`, {result['date']} UTC; {result['machine']}, "
+             f"Command: `{result['command']}`, {result['date']} UTC; {result['machine']} "
+             f"({result['cpu']}), "
              f"Python {result['python']}, torch 2.13.0+cpu for both, OMP_NUM_THREADS=1; "
+             f"speedtronic {versions['ours']} against {versions['2.0.0']} (checked from the "
+             "run directory); "
              f"load average after: {' '.join(load)}", "", "```yaml",
-             (CONFIG % ("<tmp>", "")).strip(), "```", "",
+             (CONFIG % ("<tmp>", "", "")).strip(), "```", "",
              "| CLI | runs (s) | median (s) |", "|---|---|---|"]
     for k, v in times.items():
         lines.append(f"| {k} | {', '.join(f'{x:.2f}' for x in v)} | {med[k]:.2f} |")
     lines += ["", f"Ratio ours / 2.0.0: **{ratio:.2f}x** (the target is <= 0.90x); without our "
-              f"evaluations {ratio_no_eval:.2f}x."]
+              f"evaluations {ratio_no_eval:.2f}x; with 2.0.0's MLP width {ratio_same_width:.2f}x."]
     (RESULTS / "short_run_cpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -12,6 +12,7 @@ Any error a user can cause prints one line ``speedtronic: error: ...`` on stderr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import sys
@@ -235,5 +236,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def console_main() -> None:
+    """The ``speedtronic`` console script and ``python -m speedtronic``: :func:`main`, then exit.
+
+    ``gc.freeze()`` first: the interpreter's final garbage collections walk every object torch
+    created at import, ~0.22 s of each CLI run (``python -c "import torch"``: 1.24 s, with a
+    freeze before exit 1.02 s). Frozen objects are still released by reference counting at
+    shutdown, so files and logs are flushed and closed as usual.
+    """
+    code = main()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -444,10 +444,14 @@ class Trainer:
                     micro_since_log = 0
                     t_log, steps_at_log = time.perf_counter(), self.step
                     tokens_at_log, samples_at_log = self.tokens, self.samples
+                t_pause = time.perf_counter()
                 if (eval_every and self.step % eval_every == 0) or last:
                     self.evaluate()
                 if self.checkpoints is not None and (self.step % ckpt_every == 0 or last):
                     self.save_checkpoint()
+                # Evaluations and checkpoints are not training steps: keep them out of the
+                # interval's ms/step, tokens/s and MFU (an eval once put 93 against 77 ms/step).
+                t_log += time.perf_counter() - t_pause
         finally:
             if self._ooo is not None:
                 self._ooo.close()

@@ -289,3 +289,37 @@ def test_weights_replaced_at_train_end_are_evaluated_and_checkpointed(tmp_path):
     events = [json.loads(line)["event"] for line in
               (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert events[-3:] == ["eval", "checkpoint", "train_end"]
+
+
+def test_evaluation_and_checkpoint_time_is_not_charged_to_step_timing(tmp_path, monkeypatch):
+    """An eval or checkpoint between two log steps leaves ms/step and tokens/s of the training
+    steps alone (a fake clock: every read advances 1 ms, an eval or a save 1000 s)."""
+    import speedtronic.trainer as trainer_module
+    from speedtronic.metrics import read_metrics
+
+    clock = [0.0]
+
+    def fake_perf_counter() -> float:
+        clock[0] += 1e-3
+        return clock[0]
+
+    monkeypatch.setattr(trainer_module.time, "perf_counter", fake_perf_counter)
+    cfg = tiny_config(tmp_path, run={"max_steps": 6, "eval_every": 2},
+                      logging={"every_steps": 2}, checkpoint={"every_steps": 3})
+    trainer = build_trainer(cfg, model=TinyLM(), data=FixedData())
+    for name in ("evaluate", "save_checkpoint"):
+        original = getattr(trainer, name)
+
+        def slow(*args, _original=original, **kwargs):
+            clock[0] += 1000.0
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(trainer, name, slow)
+    trainer.fit()
+    trainer.metrics.close()
+    recs = [r for r in read_metrics(trainer.metrics.path) if r["event"] == "train_step"]
+    assert [r["step"] for r in recs] == [2, 4, 6]
+    assert [r["step"] for r in read_metrics(trainer.metrics.path)
+            if r["event"] == "checkpoint"] == [3, 6]
+    # Intervals 3-4 and 5-6 follow an eval (step 2, 4) and a checkpoint (step 3).
+    assert all(r["step_ms"] < 1000.0 for r in recs), [r["step_ms"] for r in recs]

@@ -87,7 +87,7 @@ def test_gqa_matches_explicit_expand_reference(monkeypatch, use_gqa_kernel):
     attn = ref.Attention(cfg)
     x = torch.randn(2, 10, 64)
     cos, sin = ref.rope_tables(8, 16, cfg.rope_base)
-    got = attn(x, cos[:10], sin[:10])
+    got = attn(x, *ref._full_tables(cos[:10], sin[:10]))  # the model passes full-width tables
     torch.testing.assert_close(got, _naive_attention(attn, x, cos[:10], sin[:10]),
                                atol=1e-5, rtol=1e-4)
 
@@ -183,3 +183,44 @@ def test_compiles_without_graph_breaks():
     torch._dynamo.reset()
     explanation = torch._dynamo.explain(model)(x, y)
     assert explanation.graph_break_count == 0, explanation.break_reasons
+
+
+def test_apply_rope_rotates_each_half_split_pair_by_its_angle():
+    """The three-pass form equals the textbook rotation of (x[i], x[i + hd/2]) by pos * freq_i."""
+    torch.manual_seed(0)
+    hd, T = 8, 6
+    x = torch.randn(2, 3, T, hd, dtype=torch.float64)
+    cos, sin = ref.rope_tables(hd, T, 10_000.0)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    c, s = cos.double(), sin.double()
+    textbook = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)
+    torch.testing.assert_close(ref.apply_rope(x, cos.double(), sin.double()), textbook)
+    # A rotation keeps each pair's length (and position 0 is the identity).
+    got = ref.apply_rope(x, cos.double(), sin.double())
+    torch.testing.assert_close((got[..., :4] ** 2 + got[..., 4:] ** 2), x1 ** 2 + x2 ** 2)
+    torch.testing.assert_close(got[:, :, 0], x[:, :, 0])
+
+
+def test_cpu_rmsnorm_matches_the_composite_definition_and_its_gradients():
+    torch.manual_seed(0)
+    norm = ref.RMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    y = norm(x)
+    assert y.grad_fn is not None and "RMSNormCPU" in type(y.grad_fn).__name__  # the CPU path
+    g = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, norm.weight), g)
+    x_ref = x.detach().clone().requires_grad_()
+    w_ref = norm.weight.detach().clone().requires_grad_()
+    y_ref = x_ref * torch.rsqrt(x_ref.pow(2).mean(-1, keepdim=True) + 1e-5) * w_ref
+    gx_ref, gw_ref = torch.autograd.grad(y_ref, (x_ref, w_ref), g)
+    torch.testing.assert_close(y, y_ref)
+    torch.testing.assert_close(gx, gx_ref)
+    torch.testing.assert_close(gw, gw_ref)
+    # float64 gradcheck of the hand-written backward itself.
+    xd = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    wd = torch.randn(6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, b: ref._RMSNormCPU.apply(a, b, 1e-5), (xd, wd))
+    # Non-fp32 inputs keep the general path.
+    assert "RMSNormCPU" not in type(norm.double()(x.detach().double()).grad_fn).__name__
