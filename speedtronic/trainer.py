@@ -24,6 +24,7 @@ from .config import SpeedtronicConfig
 from .errors import SpeedtronicError
 from .metrics import MetricsLogger, format_step_line
 from .models.loss import extract_loss
+from .ooo_trial import OOOTrial
 from .precision import PrecisionPlan, decide_compile, max_memory_bytes
 
 logger = logging.getLogger("speedtronic.trainer")
@@ -139,6 +140,7 @@ class Trainer:
         self._forward = model
         self._compile_pending = False
         self._ooo = None
+        self._ooo_trial: OOOTrial | None = None
         self._shape_report = None
         self._flops_per_token: float | None = None
         self._peak_tflops: float | None = None
@@ -180,6 +182,13 @@ class Trainer:
             if table:  # "" when the check is off (alignment: none, CPU): print nothing
                 self.metrics.line(table)
         self._ooo = ooo.build_ooo_scheduler(self.model, self.config, self.device)
+        if self._ooo is not None:
+            if self.config.ooo_trial_pairs > 0:
+                self._ooo_trial = OOOTrial(self._ooo, self.device, self.config.ooo_trial_pairs)
+                logger.info("ooo backprop: the first %d steps alternate it on and off; it stays "
+                            "on only where it measures faster", len(self._ooo_trial.plan))
+            else:
+                logger.info("ooo backprop: stays on without a trial (ooo_trial_pairs: 0)")
         self._configure_mfu()
 
     def _configure_mfu(self) -> None:
@@ -278,6 +287,13 @@ class Trainer:
         if self._peak_tflops is not None:
             record["mfu"] = tflops / self._peak_tflops
             self._mfu_history.append(record["mfu"])
+
+    def _end_ooo_trial(self, trial: OOOTrial) -> None:
+        """Record the out-of-order trial's decision; a closed scheduler is dropped."""
+        self._ooo_trial = None
+        self.metrics.emit("ooo_decision", {"step": self.step + 1, **(trial.summary or {})})
+        if not trial.decided:
+            self._ooo = None  # closed by the trial: every Linear has its own forward back
 
     # ----------------------------------------------------------------------------- loop
     def _call(self, method: str, *args: Any) -> None:
@@ -399,6 +415,9 @@ class Trainer:
         grad_norm: torch.Tensor | None = None
         try:
             while self.step < target:
+                trial = self._ooo_trial
+                if trial is not None:
+                    trial.begin_step()
                 for _ in range(self.accumulation_steps):
                     x, y = self._next_batch(it)
                     if self._compile_pending:
@@ -411,6 +430,8 @@ class Trainer:
                 last = self.step + 1 == target
                 log_now = (self.step + 1) % log_every == 0 or last
                 grad_norm = self._clip_and_step(need_norm=log_now)
+                if trial is not None and trial.end_step() is not None:
+                    self._end_ooo_trial(trial)
                 self.step += 1
                 self._call("after_optimizer_step", self.step)
                 if log_now:

@@ -588,9 +588,13 @@ class SpeedtronicConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (same as model.gradient_checkpointing)."""
     ooo_backprop: bool = False
-    """Out-of-order backprop: defer weight gradients to side CUDA streams (opt-in)."""
+    """Out-of-order backprop: defer weight gradients to side CUDA streams (opt-in). It stays on
+    only if a trial at the start of the run measures it faster (see ``ooo_trial_pairs``)."""
     ooo_streams: int = 4
     """Side streams for out-of-order backprop, 1..8."""
+    ooo_trial_pairs: int = 5
+    """With ``ooo_backprop``: the first ``2 * (1 + n)`` steps alternate deferral on and off; it
+    stays on only if its median step is >= 1% shorter. 0 keeps it on without measuring; 0..100."""
 
     def finalize(self) -> SpeedtronicConfig:
         """Fill cross-section defaults, then validate every section. Returns self."""
@@ -611,6 +615,8 @@ class SpeedtronicConfig:
             getattr(self, name).validate(name)
         _check(1 <= self.ooo_streams <= 8, "ooo_streams",
                f"must be in 1..8, got {self.ooo_streams}")
+        _check(0 <= self.ooo_trial_pairs <= 100, "ooo_trial_pairs",
+               f"must be in 0..100, got {self.ooo_trial_pairs}")
         _check(self.data.block_size <= self.model.max_seq_len, "data.block_size",
                f"must be <= model.max_seq_len={self.model.max_seq_len}, got {self.data.block_size}")
         return self

@@ -224,3 +224,22 @@ def test_cpu_rmsnorm_matches_the_composite_definition_and_its_gradients():
     assert torch.autograd.gradcheck(lambda a, b: ref._RMSNormCPU.apply(a, b, 1e-5), (xd, wd))
     # Non-fp32 inputs keep the general path.
     assert "RMSNormCPU" not in type(norm.double()(x.detach().double()).grad_fn).__name__
+
+
+def test_reference_model_compiles_as_one_graph_and_matches_eager():
+    """Under torch.compile the CPU-only RMSNorm Function steps aside (F.rms_norm, which the
+    compiler fuses): one graph, no breaks, the eager loss and gradients."""
+    torch.manual_seed(0)
+    cfg = tiny(n_head=4, n_kv_head=2, d_model=32)
+    model = ref.ReferenceTransformer(cfg)
+    x, y = batch(cfg)
+    loss = model(x, y)
+    loss.backward()
+    eager = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss_c = compiled(x, y)
+    loss_c.backward()
+    torch.testing.assert_close(loss_c, loss, atol=1e-5, rtol=1e-5)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, eager[n], atol=1e-5, rtol=1e-4, msg=n)
