@@ -20,7 +20,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 from torch.utils.checkpoint import checkpoint
 
 from ..config import ConfigError, ModelConfig
@@ -78,7 +77,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., C) -> (..., C)
         if (x.device.type == "cpu" and x.dtype == torch.float32
                 and self.weight.dtype == torch.float32 and not torch.compiler.is_compiling()):
-            return _RMSNormCPU.apply(x, self.weight, self.eps)
+            return _RMSNormCPU.apply(x, self.weight, self.eps)[0]
         if _HAS_RMS_NORM:  # CUDA: one fused kernel; under torch.compile: inductor fuses it
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         xf = x.float()  # mean square in fp32 whatever the activation dtype
@@ -90,32 +89,51 @@ class _RMSNormCPU(torch.autograd.Function):
     """fp32 RMSNorm with a hand-written backward, for eager CPU runs.
 
     On CPU, torch 2.13's ``F.rms_norm`` is composite (pow, mean, add, rsqrt, two muls, and
-    autograd through each of them): 847 us forward + backward at (8, 128, 128), 1 thread,
-    against 474 us here (one reduction for the mean square; backward
-    ``dx = rstd * (g*w - xhat * mean(g*w * xhat))``). The reference model runs nine norms per
-    step, so the CPU quickstart step is ~3.4 ms (4%) shorter. It also keeps less for backward:
-    ``xhat`` and ``rstd`` instead of ``x``, ``xhat`` and ``rstd``.
+    autograd through each of them); this does one reduction for the mean square and computes
+    ``dx = rstd * (g*w - xhat * mean(g*w * xhat))`` directly: 834 -> 499 us forward + backward at
+    (8, 128, 128) on one thread (``benchmarks/results/cpu_layers.md``), nine norms per step of
+    the reference model. Returns ``(y, xhat, rstd)``; the last two are non-differentiable
+    outputs, so that the ``setup_context`` form (which ``torch.func`` needs) can save them.
+    With ``create_graph=True`` the backward recomputes ``rstd`` from ``x`` with differentiable
+    ops, so gradient penalties (double backward) stay exact.
     """
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_()  # (..., 1)
-        rstd = mean_square.div_(x.shape[-1]).add_(eps).rsqrt_()  # (..., 1)
-        xhat = x * rstd  # (..., C)
-        ctx.save_for_backward(xhat, rstd, weight)
-        return xhat * weight
+    generate_vmap_rule = True
 
     @staticmethod
-    @once_differentiable
-    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        xhat, rstd, weight = ctx.saved_tensors
+    def forward(x: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        mean_square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).pow(2) / x.shape[-1]
+        rstd = torch.rsqrt(mean_square + eps)  # (..., 1)
+        xhat = x * rstd  # (..., C)
+        return xhat * weight, xhat, rstd
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, ...]) -> None:
+        x, weight, eps = inputs
+        _, xhat, rstd = output
+        ctx.eps = eps
+        ctx.mark_non_differentiable(xhat, rstd)
+        ctx.save_for_backward(x, xhat, rstd, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor, _grad_xhat: Any,
+                 _grad_rstd: Any) -> tuple[torch.Tensor | None, ...]:
+        x, xhat, rstd, weight = ctx.saved_tensors
+        create_graph = torch.is_grad_enabled()  # True only under backward(create_graph=True)
+        if create_graph:  # the saved rstd / xhat have no graph back to x: rebuild it
+            rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
+            xhat = x * rstd
         grad_x = grad_w = None
         if ctx.needs_input_grad[1]:
-            grad_w = (grad_out * xhat).reshape(-1, xhat.shape[-1]).sum(0)  # (C,)
+            grad_w = (grad_out * xhat).reshape(-1, x.shape[-1]).sum(0)  # (C,)
         if ctx.needs_input_grad[0]:
             grad_xhat = grad_out * weight  # (..., C)
             projection = (grad_xhat * xhat).mean(-1, keepdim=True)  # (..., 1)
-            grad_x = grad_xhat.sub_(xhat * projection).mul_(rstd)
+            if create_graph:
+                grad_x = (grad_xhat - xhat * projection) * rstd
+            else:  # in place: grad_xhat is a temporary no graph keeps
+                grad_x = grad_xhat.sub_(xhat * projection).mul_(rstd)
         return grad_x, grad_w, None
 
 
@@ -131,7 +149,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
     ``cos``/``sin`` are (T, hd/2) (from :func:`rope_tables`) and broadcast over batch and heads.
     """
-    return _rotate(x, *_full_tables(cos, sin))
+    cos_full, sin_signed = _full_tables(cos.to(x.dtype), sin.to(x.dtype))
+    return _rotate(x, cos_full, sin_signed)
 
 
 def _full_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,13 +161,14 @@ def _full_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, to
 def _rotate(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """``x * [cos, cos] + [x2, x1] * [-sin, sin]``: the half-split rotation in three passes.
 
-    The textbook form (four half-width muls, a sub, an add and a cat) took 612 us forward +
-    backward for q at (8, 4, 128, 32) on one CPU thread; this takes 386 us (the model computes
-    the full-width tables once per forward, not per layer).
+    ``cos_full``/``sin_signed`` are the (T, hd) tables of :func:`_full_tables`, in ``x``'s dtype.
+    The textbook form (four half-width muls, a sub, an add and a cat) took 660 us forward +
+    backward for q at (8, 4, 128, 32) on one CPU thread, this 425 us
+    (``benchmarks/results/cpu_layers.md``); on a GPU it is 3 kernels instead of 7.
     """
     half = x.shape[-1] // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (B, H, T, hd)
-    return torch.addcmul(x * cos_full.to(x.dtype), swapped, sin_signed.to(x.dtype))
+    return torch.addcmul(x * cos_full, swapped, sin_signed)
 
 
 class Attention(nn.Module):
@@ -165,14 +185,20 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_head * self.head_dim, cfg.d_model, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos_full: torch.Tensor,
+                sin_signed: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, T, C); ``cos_full``/``sin_signed``: (T, hd) tables from ``_full_tables``."""
         B, T, _ = x.shape
         H, KV, hd = self.n_head, self.n_kv_head, self.head_dim
+        if cos_full.shape[-1] != hd:
+            raise ValueError(f"RoPE tables must be (T, head_dim={hd}) from _full_tables, got "
+                             f"{tuple(cos_full.shape)}")
         q = self.q_proj(x).view(B, T, H, hd).transpose(1, 2)  # (B, H, T, hd)
         k = self.k_proj(x).view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
         v = self.v_proj(x).view(B, T, KV, hd).transpose(1, 2)  # (B, KV, T, hd)
-        q = _rotate(q, cos, sin)  # cos, sin: the full-width tables of _full_tables
-        k = _rotate(k, cos, sin)
+        cos_full, sin_signed = cos_full.to(q.dtype), sin_signed.to(q.dtype)  # once for q and k
+        q = _rotate(q, cos_full, sin_signed)
+        k = _rotate(k, cos_full, sin_signed)
         p = self.dropout if self.training else 0.0
         if KV == H:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)

@@ -218,10 +218,21 @@ def test_cpu_rmsnorm_matches_the_composite_definition_and_its_gradients():
     torch.testing.assert_close(y, y_ref)
     torch.testing.assert_close(gx, gx_ref)
     torch.testing.assert_close(gw, gw_ref)
-    # float64 gradcheck of the hand-written backward itself.
+    # float64 checks of the hand-written backward itself, double backward included (gradient
+    # penalties), and torch.func's transforms.
     xd = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
     wd = torch.randn(6, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: ref._RMSNormCPU.apply(a, b, 1e-5), (xd, wd))
+
+    def fn(a, b):
+        return ref._RMSNormCPU.apply(a, b, 1e-5)[0]
+
+    assert torch.autograd.gradcheck(fn, (xd, wd))
+    assert torch.autograd.gradgradcheck(fn, (xd, wd))
+    composite = lambda a: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-5) * wd  # noqa: E731
+    torch.testing.assert_close(torch.func.grad(lambda a: fn(a, wd).sin().sum())(xd.detach()),
+                               torch.func.grad(lambda a: composite(a).sin().sum())(xd.detach()))
+    torch.testing.assert_close(torch.func.vmap(lambda a: fn(a, wd))(xd.detach()),
+                               composite(xd.detach()))
     # Non-fp32 inputs keep the general path.
     assert "RMSNormCPU" not in type(norm.double()(x.detach().double()).grad_fn).__name__
 
@@ -237,9 +248,18 @@ def test_reference_model_compiles_as_one_graph_and_matches_eager():
     loss.backward()
     eager = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    graphs = []
+
+    def recording_backend(gm, example_inputs):
+        graphs.append(gm)
+        return torch._dynamo.backends.debugging.aot_eager(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=recording_backend, fullgraph=True)
     loss_c = compiled(x, y)
     loss_c.backward()
+    assert len(graphs) == 1
+    targets = [str(node.target) for node in graphs[0].graph.nodes]
+    assert any("rms_norm" in t for t in targets) and not any("RMSNormCPU" in t for t in targets)
     torch.testing.assert_close(loss_c, loss, atol=1e-5, rtol=1e-5)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, eager[n], atol=1e-5, rtol=1e-4, msg=n)
