@@ -8,9 +8,10 @@ wins depends on the model, the batch and the GPU, and only a measurement can tel
 
 With ``ooo_backprop: true`` the trainer therefore times its first optimizer steps alternately with
 deferral on and paused: one warm-up pair, then ``ooo_trial_pairs`` measured pairs in ABBA order
-(on/off, off/on, ...) so a drift in clock or load falls on both sides. Each step is timed from
-before its first micro-batch to after the optimizer step, with CUDA events (no host sync until
-the decision, which reads them once). Deferral stays on only if its median step is at least
+(on/off, off/on, ...) so a linear drift in clock or load falls equally on both sides when
+the number of pairs is even (the default, 4). Each step is timed from
+before its first micro-batch to after the optimizer step, with the GPU drained at both ends (a
+host sync per mark, only during the trial). Deferral stays on only if its median step is at least
 ``KEEP_IF_FASTER_BY`` shorter; otherwise the scheduler is closed (every ``nn.Linear`` gets its
 own forward back), so the rest of the run pays nothing. One log line and one ``ooo_decision``
 metrics event give both medians. Gradients are the same either way (bitwise in fp32), so the
@@ -41,22 +42,23 @@ KEEP_IF_FASTER_BY = 0.01
 
 
 class _Clock:
-    """Step timer: CUDA events on a GPU (queued, read once at the end), else ``perf_counter``."""
+    """A step's wall time, with the GPU drained at both ends.
+
+    Each mark synchronizes the run's device, so a step is charged for exactly its own work: with
+    back-to-back CUDA events instead, a step that follows a GPU-bound one would start its timing
+    late and be under-measured (host time overlapping the previous step's backlog). That is
+    ``2 * len(plan)`` host syncs, all inside the trial.
+    """
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.device = device if device.type == "cuda" else None
 
-    def mark(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
+    def mark(self) -> float:
+        if self.device is not None:
+            torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def elapsed_ms(self, start: Any, end: Any) -> float:
-        if self.cuda:
-            end.synchronize()
-            return float(start.elapsed_time(end))
+    def elapsed_ms(self, start: float, end: float) -> float:
         return 1000.0 * (end - start)
 
 
@@ -106,6 +108,13 @@ class OOOTrial:
         if self.index < len(self.plan):
             return None
         return self._decide()
+
+    def abandon(self) -> None:
+        """The run ended before the plan did: say so (the scheduler is closed by its owner)."""
+        if self.running:
+            self.summary = {"kept": None, "steps_run": self.index, "steps_planned": len(self.plan)}
+            logger.info("ooo backprop: trial unfinished when the run ended (%d of %d steps); no "
+                        "decision (a resumed run starts its own trial)", self.index, len(self.plan))
 
     def _decide(self) -> bool:
         measured = self._marks[2:]  # the warm-up pair is not compared

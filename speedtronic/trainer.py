@@ -465,15 +465,26 @@ class Trainer:
                     micro_since_log = 0
                     t_log, steps_at_log = time.perf_counter(), self.step
                     tokens_at_log, samples_at_log = self.tokens, self.samples
+                eval_due = bool(eval_every and self.step % eval_every == 0) or last
+                save_due = self.checkpoints is not None and (self.step % ckpt_every == 0 or last)
+                if (eval_due or save_due) and self.device.type == "cuda":
+                    # Training work still queued belongs to the interval; the eval's or save's
+                    # own read would wait for it inside the excluded time below.
+                    torch.cuda.synchronize(self.device)
                 t_pause = time.perf_counter()
-                if (eval_every and self.step % eval_every == 0) or last:
+                if eval_due:
                     self.evaluate()
-                if self.checkpoints is not None and (self.step % ckpt_every == 0 or last):
+                if save_due:
                     self.save_checkpoint()
                 # Evaluations and checkpoints are not training steps: keep them out of the
                 # interval's ms/step, tokens/s and MFU (an eval once put 93 against 77 ms/step).
                 t_log += time.perf_counter() - t_pause
         finally:
+            if self._ooo_trial is not None:
+                self._ooo_trial.abandon()
+                self.metrics.emit("ooo_decision", {"step": self.step,
+                                                   **(self._ooo_trial.summary or {})})
+                self._ooo_trial = None
             if self._ooo is not None:
                 self._ooo.close()
             self._replaced = None

@@ -335,7 +335,7 @@ def test_trainer_run_with_forced_cpu_queue_matches_standard_run(tmp_path, monkey
             "data": {"micro_batch_size": 3, "target_batch_size": 6},
             "optimizer": {"grad_clip": 0.1}, "precision": "fp32",
             "logging": {"progress_bar": False}, "checkpoint": {"enabled": False},
-            "ooo_backprop": on})
+            "ooo_backprop": on, "ooo_trial_pairs": 0})  # deferral on every step, untimed
         data = _FixedLMData(_lm_batches(12, 61))
         trainer = build_trainer(cfg, data=data)
         trainer.fit()

@@ -135,7 +135,9 @@ def test_trainer_runs_the_trial_and_closes_a_slower_scheduler(tmp_path, monkeypa
     assert decision[0]["ooo_ms_per_step"] == 13.0 and decision[0]["standard_ms_per_step"] == 10.0
     assert trainer._ooo is None and trainer._ooo_trial is None
     assert all("forward" not in m.__dict__ for m in trainer.model.modules())
-    assert len(built) == 1 and built[0].deferred_total > 0  # the "on" trial steps deferred
+    # Exactly the 3 "on" steps of the plan deferred (each folds every deferred parameter once);
+    # the "off" steps and the 2 steps after the decision ran the standard backward.
+    assert len(built) == 1 and built[0].deferred_total == 3 * built[0].num_params > 0
     for name in finals[0]:
         assert torch.equal(finals[0][name], finals[1][name]), name
 
@@ -147,8 +149,13 @@ def test_trial_pairs_zero_keeps_deferral_on_without_measuring(tmp_path, monkeypa
     from speedtronic.runtime import build_trainer
 
     real = ooo_mod.build_ooo_scheduler
-    monkeypatch.setattr(ooo_mod, "build_ooo_scheduler",
-                        lambda model, cfg, device: real(model, cfg, device, force_cpu=True))
+    built: list[OOOScheduler] = []
+
+    def forced(model, cfg, device):
+        built.append(real(model, cfg, device, force_cpu=True))
+        return built[-1]
+
+    monkeypatch.setattr(ooo_mod, "build_ooo_scheduler", forced)
     cfg = load_config({
         "run": {"name": "untried", "output_dir": str(tmp_path), "max_steps": 2,
                 "eval_every": 0, "eval_batches": 1, "device": "cpu"},
@@ -161,7 +168,36 @@ def test_trial_pairs_zero_keeps_deferral_on_without_measuring(tmp_path, monkeypa
     trainer.metrics.close()
     assert "stays on without a trial (ooo_trial_pairs: 0)" in caplog.text
     assert trainer._ooo_trial is None
+    assert len(built) == 1 and built[0].deferred_total == 2 * built[0].num_params > 0
     assert "ooo_decision" not in (cfg.run_dir / "metrics.jsonl").read_text()
+
+
+def test_a_run_shorter_than_the_trial_says_it_did_not_decide(tmp_path, monkeypatch,
+                                                            caplog) -> None:
+    from test_ooo import _FixedLMData, _lm_batches
+
+    from speedtronic.runtime import build_trainer
+
+    real = ooo_mod.build_ooo_scheduler
+    monkeypatch.setattr(ooo_mod, "build_ooo_scheduler",
+                        lambda model, cfg, device: real(model, cfg, device, force_cpu=True))
+    cfg = load_config({
+        "run": {"name": "short", "output_dir": str(tmp_path), "max_steps": 3,
+                "eval_every": 0, "eval_batches": 1, "device": "cpu"},
+        "model": {"vocab_size": 61, "d_model": 32, "n_head": 4, "n_layer": 2, "max_seq_len": 16},
+        "data": {"micro_batch_size": 3}, "logging": {"progress_bar": False},
+        "checkpoint": {"enabled": False}, "ooo_backprop": True, "ooo_trial_pairs": 2})
+    trainer = build_trainer(cfg, data=_FixedLMData(_lm_batches(4, 61)))
+    with caplog.at_level(logging.INFO, logger="speedtronic"):
+        trainer.fit()
+    trainer.metrics.close()
+    assert "trial unfinished when the run ended (3 of 6 steps)" in caplog.text
+    events = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    decision = [e for e in events if e["event"] == "ooo_decision"]
+    assert decision == [{**decision[0], "step": 3, "kept": None, "steps_run": 3,
+                         "steps_planned": 6}]
+    assert trainer._ooo_trial is None
+    assert all("forward" not in m.__dict__ for m in trainer.model.modules())
 
 
 def test_trial_pairs_is_validated() -> None:

@@ -90,7 +90,7 @@ class _RMSNormCPU(torch.autograd.Function):
 
     On CPU, torch 2.13's ``F.rms_norm`` is composite (pow, mean, add, rsqrt, two muls, and
     autograd through each of them); this does one reduction for the mean square and computes
-    ``dx = rstd * (g*w - xhat * mean(g*w * xhat))`` directly: 834 -> 499 us forward + backward at
+    ``dx = rstd * (g*w - xhat * mean(g*w * xhat))`` directly: 864 -> 594 us forward + backward at
     (8, 128, 128) on one thread (``benchmarks/results/cpu_layers.md``), nine norms per step of
     the reference model. Returns ``(y, xhat, rstd)``; the last two are non-differentiable
     outputs, so that the ``setup_context`` form (which ``torch.func`` needs) can save them.
@@ -162,8 +162,8 @@ def _rotate(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -
     """``x * [cos, cos] + [x2, x1] * [-sin, sin]``: the half-split rotation in three passes.
 
     ``cos_full``/``sin_signed`` are the (T, hd) tables of :func:`_full_tables`, in ``x``'s dtype.
-    The textbook form (four half-width muls, a sub, an add and a cat) took 660 us forward +
-    backward for q at (8, 4, 128, 32) on one CPU thread, this 425 us
+    The textbook form (four half-width muls, a sub, an add and a cat) took 668 us forward +
+    backward for q at (8, 4, 128, 32) on one CPU thread, this 578 us
     (``benchmarks/results/cpu_layers.md``); on a GPU it is 3 kernels instead of 7.
     """
     half = x.shape[-1] // 2
