@@ -114,7 +114,8 @@ def parse_layout(layout: str) -> tuple[str, int]:
       through a contiguous ``(out, in)`` copy written back after the step; the momentum buffer
       is kept in that logical ``(K * out, in)`` layout;
     * ``flatten``: a convolution kernel ``(out, in, *k)`` orthogonalized as the matrix
-      ``(out, in * prod(k))`` (a view: the parameter must be contiguous)."""
+      ``(out, in * prod(k))`` (a view; a channels_last kernel goes through a contiguous copy
+      written back after the step)."""
     if layout in ("matrix", "transposed", "flatten"):
         return layout, 1
     for kind in ("split", "transposed_split"):
@@ -162,8 +163,9 @@ def _group_entries(state: dict, group: dict[str, Any], writebacks: list[tuple[Te
                    ) -> list[tuple[Tensor, Tensor, Tensor]]:
     """``(param, grad, momentum buffer)`` per matrix; a ``split:K`` parameter gives K row-block
     views of all three (contiguous slices: the kernels update the parameter in place). A
-    ``transposed_split:K`` parameter gives K contiguous ``(out, in)`` copies, each listed in
-    ``writebacks`` as ``(copy, column block of the parameter)``."""
+    ``transposed_split:K`` parameter gives K contiguous ``(out, in)`` copies, and a ``flatten``
+    parameter that is not contiguous (a conv kernel in channels_last) one contiguous copy; each
+    copy is listed in ``writebacks`` as ``(source, destination)`` for after the step."""
     kind, k = parse_layout(group.get("layout", "matrix"))
     entries = []
     for p in group["params"]:
@@ -193,14 +195,15 @@ def _group_entries(state: dict, group: dict[str, Any], writebacks: list[tuple[Te
             for i in range(k):
                 block = slice(i * cols, (i + 1) * cols)
                 work = p[:, block].mT.contiguous()                # (out, in) copy
-                writebacks.append((work, p[:, block]))
+                writebacks.append((work.mT, p[:, block]))
                 entries.append((work, g[:, block].mT.contiguous(), buf[block]))
         elif kind == "flatten":
-            if not p.is_contiguous():  # e.g. a conv kernel in channels_last memory format
-                raise RuntimeError(f"Muon layout 'flatten' needs a contiguous parameter (shape "
-                                   f"{tuple(p.shape)}); keep the model in contiguous format")
-            entries.append((p.view(p.shape[0], -1), g.reshape(p.shape[0], -1),
-                            buf.view(p.shape[0], -1)))
+            work = p
+            if not p.is_contiguous():  # a conv kernel in channels_last: step a contiguous copy
+                work = p.contiguous()                             # (out, in, *k) copy
+                writebacks.append((work, p))
+            entries.append((work.view(p.shape[0], -1), g.reshape(p.shape[0], -1),
+                            buf.view(p.shape[0], -1)))            # (out, in * prod(k))
         elif kind == "split":
             rows = p.shape[0] // k
             entries.extend((p[i * rows:(i + 1) * rows], g[i * rows:(i + 1) * rows],
@@ -235,8 +238,8 @@ def muon_step(state: dict, groups: Iterable[dict[str, Any]]) -> None:
     for key, bucket in buckets.items():
         for items in _split(bucket, bound):
             _bucket_step(key, items)
-    for work, block in writebacks:                                # transposed_split copies
-        block.copy_(work.mT)
+    for source, destination in writebacks:  # transposed_split / channels_last copies
+        destination.copy_(source)
 
 
 def _split(items: list, max_numel: int) -> list[list]:

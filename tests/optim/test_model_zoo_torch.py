@@ -4,7 +4,6 @@ into Q, K and V) and a small CNN (pointwise convs on Muon by default, 3x3 kernel
 
 from __future__ import annotations
 
-import pytest
 import torch
 from _zoo_fixtures import check_zoo_model
 from torch import nn
@@ -91,11 +90,24 @@ def test_flatten_layout_equals_muon_on_the_flattened_matrix():
     torch.testing.assert_close(a.detach().reshape(8, 36), b.detach(), rtol=0, atol=0)
 
 
-def test_flatten_layout_refuses_channels_last_with_a_clear_error():
-    p = nn.Parameter(torch.randn(8, 4, 3, 3).to(memory_format=torch.channels_last))
-    p.grad = torch.randn_like(p)
-    with pytest.raises(RuntimeError, match="contiguous"):
-        Muon([{"params": [p], "layout": "flatten"}], lr=0.1).step()
+def test_flatten_layout_steps_a_channels_last_kernel_like_a_contiguous_one():
+    """A conv kernel in channels_last memory format goes through a contiguous copy: the same
+    update bit for bit, momentum included, and the parameter keeps its memory format."""
+    torch.manual_seed(0)
+    w = torch.randn(8, 4, 3, 3)
+    last = nn.Parameter(w.clone().to(memory_format=torch.channels_last))
+    dense = nn.Parameter(w.clone())
+    assert not last.is_contiguous()
+    opts = [Muon([{"params": [q], "layout": "flatten"}], lr=0.1, weight_decay=0.01,
+                 ns_dtype="fp32") for q in (last, dense)]
+    for _ in range(3):
+        g = torch.randn(8, 4, 3, 3)
+        last.grad = g.clone().to(memory_format=torch.channels_last)
+        dense.grad = g.clone()
+        for opt in opts:
+            opt.step()
+    torch.testing.assert_close(last.detach(), dense.detach(), rtol=0, atol=0)
+    assert last.is_contiguous(memory_format=torch.channels_last)
 
 
 class ResNetLike(nn.Module):
