@@ -12,7 +12,8 @@
 #   6. trainer vs a hand-written loop on a GPT-2-small-class model, eager and compiled
 #      (benchmarks/bench_trainer.py --device cuda)
 #   7. one `speedtronic train` run of configs/gpt2_small_gpu.yaml (Muon, bf16): tok/s and MFU
-# Run it with the device tool's full 600 s: steps 1-5 took ~3 min on 2026-11-30; 6-7 add ~4.
+#   8. a 30-step run of it with ooo_backprop: true: the start-of-run trial's keep/off decision
+# Run it with the device tool's full 600 s: steps 1-5 took ~3 min on 2026-11-30; 6-8 add ~5.
 # Exit status: 0 all passed; 3 no GPU (after the build step); else the failing step's status.
 #   benchmarks/gpu_check.sh            # everything
 #   GPU_CHECK_QUICK=1 benchmarks/gpu_check.sh   # skip torch.compile baselines
@@ -120,4 +121,14 @@ xrc=$?
 grep -E "step (25|300)/|eval step 300|summary|ooo|compile|cuda kernels" "$LOG_DIR/gpu_check_train.log" | tail -8
 record "train gpt2-small" "$([[ $xrc -eq 0 ]] && echo "ok: $(grep -o 'median [0-9.]* model TFLOP/s[^|]*' "$LOG_DIR/gpu_check_train.log" | tail -1)" || echo "FAILED (exit $xrc)")"
 [[ $xrc -ne 0 ]] && overall=1
+
+# ---- 8. ooo_backprop: true in a real run: the start-of-run trial's decision ---------------------
+note "speedtronic train with ooo_backprop: true (30 steps, eager): the trial's decision"
+timeout 120 "$PY" -m speedtronic train --config configs/gpt2_small_gpu.yaml \
+    --set run.output_dir="$LOG_DIR/gpu_check_runs_ooo" --set run.max_steps=30 \
+    --set compile=false --set ooo_backprop=true > "$LOG_DIR/gpu_check_ooo_trial.log" 2>&1
+orc=$?
+grep -E "ooo backprop" "$LOG_DIR/gpu_check_ooo_trial.log" | tail -3
+record "ooo trial" "$([[ $orc -eq 0 ]] && echo "ok: $(grep -o 'ooo backprop: [a-z]* after measuring[^(]*([^,]*' "$LOG_DIR/gpu_check_ooo_trial.log" | tail -1)" || echo "FAILED (exit $orc)")"
+[[ $orc -ne 0 ]] && overall=1
 finish "$overall"
