@@ -313,18 +313,9 @@ def test_trainer_run_with_forced_cpu_queue_matches_standard_run(tmp_path, monkey
     The config path falls back on CPU, so the builder is patched to force the CPU queue."""
     import json
 
-    import speedtronic.ooo as ooo_mod
     from speedtronic.runtime import build_trainer
 
-    real = ooo_mod.build_ooo_scheduler
-    built: list[OOOScheduler] = []
-
-    def forced(model, cfg, device):
-        sched = real(model, cfg, device, force_cpu=True)
-        built.extend([sched] if sched else [])
-        return sched
-
-    monkeypatch.setattr(ooo_mod, "build_ooo_scheduler", forced)
+    built = _force_cpu_queue(monkeypatch)
     finals = []
     for on in (False, True):
         cfg = load_config({
@@ -348,6 +339,23 @@ def test_trainer_run_with_forced_cpu_queue_matches_standard_run(tmp_path, monkey
     assert finals[0].keys() == finals[1].keys()
     for name in finals[0]:
         assert torch.equal(finals[0][name], finals[1][name]), name
+
+
+def _force_cpu_queue(monkeypatch) -> list[OOOScheduler]:
+    """The config path falls back on CPU: patch the builder to force the CPU queue; returns the
+    list every built scheduler is appended to."""
+    import speedtronic.ooo as ooo_mod
+
+    real = ooo_mod.build_ooo_scheduler
+    built: list[OOOScheduler] = []
+
+    def forced(model, cfg, device):
+        sched = real(model, cfg, device, force_cpu=True)
+        built.extend([sched] if sched else [])
+        return sched
+
+    monkeypatch.setattr(ooo_mod, "build_ooo_scheduler", forced)
+    return built
 
 
 class _FixedLMData:

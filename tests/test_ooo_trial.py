@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from test_ooo import _force_cpu_queue
 from torch import nn
 
-import speedtronic.ooo as ooo_mod
 import speedtronic.ooo_trial as trial_mod
 from speedtronic.config import load_config
 from speedtronic.ooo import OOOScheduler
@@ -48,6 +48,25 @@ class ModelClock:
 def _sched() -> tuple[nn.Module, OOOScheduler]:
     model = TwoLayers()
     return model, OOOScheduler(model, "cpu")
+
+
+def _trainer(tmp_path, name: str, max_steps: int, **root):
+    """A 2-layer reference model on fixed LM batches, trained on CPU with the given root keys."""
+    from test_ooo import _FixedLMData, _lm_batches
+
+    from speedtronic.runtime import build_trainer
+
+    cfg = load_config({
+        "run": {"name": name, "output_dir": str(tmp_path), "max_steps": max_steps,
+                "eval_every": 0, "eval_batches": 1, "seed": 3, "device": "cpu"},
+        "model": {"vocab_size": 61, "d_model": 32, "n_head": 4, "n_layer": 2, "max_seq_len": 16},
+        "data": {"micro_batch_size": 3}, "precision": "fp32", "logging": {"progress_bar": False},
+        "checkpoint": {"enabled": False}, **root})
+    return build_trainer(cfg, data=_FixedLMData(_lm_batches(12, 61))), cfg
+
+
+def _events(cfg) -> list[dict]:
+    return [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_plan_is_a_warmup_pair_then_abba_pairs() -> None:
@@ -99,38 +118,16 @@ def test_trainer_runs_the_trial_and_closes_a_slower_scheduler(tmp_path, monkeypa
     """End to end on the forced CPU queue: the first 2 * (1 + 2) steps alternate, a slower
     deferral is closed, the decision is in metrics.jsonl, and the weights equal a standard run
     (the trial changes speed, never arithmetic)."""
-    from test_ooo import _FixedLMData, _lm_batches
-
-    from speedtronic.runtime import build_trainer
-
-    real = ooo_mod.build_ooo_scheduler
-    built: list[OOOScheduler] = []
-
-    def forced(model, cfg, device):
-        sched = real(model, cfg, device, force_cpu=True)
-        built.extend([sched] if sched else [])
-        return sched
-
-    monkeypatch.setattr(ooo_mod, "build_ooo_scheduler", forced)
+    built = _force_cpu_queue(monkeypatch)
     monkeypatch.setattr(trial_mod, "_Clock", lambda device: ModelClock(lambda: built[-1],
                                                                        13.0, 10.0))
-    finals, events = [], []
+    finals = []
     for on in (False, True):
-        cfg = load_config({
-            "run": {"name": f"trial{on}", "output_dir": str(tmp_path), "max_steps": 8,
-                    "eval_every": 0, "eval_batches": 1, "seed": 3, "device": "cpu"},
-            "model": {"vocab_size": 61, "d_model": 32, "n_head": 4, "n_layer": 2,
-                      "max_seq_len": 16},
-            "data": {"micro_batch_size": 3}, "precision": "fp32",
-            "logging": {"progress_bar": False}, "checkpoint": {"enabled": False},
-            "ooo_backprop": on, "ooo_trial_pairs": 2})
-        trainer = build_trainer(cfg, data=_FixedLMData(_lm_batches(12, 61)))
+        trainer, cfg = _trainer(tmp_path, f"trial{on}", 8, ooo_backprop=on, ooo_trial_pairs=2)
         trainer.fit()
         trainer.metrics.close()
         finals.append({n: p.detach().clone() for n, p in trainer.model.named_parameters()})
-        events = [json.loads(line) for line in
-                  (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-    decision = [e for e in events if e["event"] == "ooo_decision"]
+    decision = [e for e in _events(cfg) if e["event"] == "ooo_decision"]
     assert len(decision) == 1 and decision[0]["step"] == 6 and decision[0]["kept"] is False
     assert decision[0]["ooo_ms_per_step"] == 13.0 and decision[0]["standard_ms_per_step"] == 10.0
     assert trainer._ooo is None and trainer._ooo_trial is None
@@ -144,56 +141,26 @@ def test_trainer_runs_the_trial_and_closes_a_slower_scheduler(tmp_path, monkeypa
 
 def test_trial_pairs_zero_keeps_deferral_on_without_measuring(tmp_path, monkeypatch,
                                                               caplog) -> None:
-    from test_ooo import _FixedLMData, _lm_batches
-
-    from speedtronic.runtime import build_trainer
-
-    real = ooo_mod.build_ooo_scheduler
-    built: list[OOOScheduler] = []
-
-    def forced(model, cfg, device):
-        built.append(real(model, cfg, device, force_cpu=True))
-        return built[-1]
-
-    monkeypatch.setattr(ooo_mod, "build_ooo_scheduler", forced)
-    cfg = load_config({
-        "run": {"name": "untried", "output_dir": str(tmp_path), "max_steps": 2,
-                "eval_every": 0, "eval_batches": 1, "device": "cpu"},
-        "model": {"vocab_size": 61, "d_model": 32, "n_head": 4, "n_layer": 2, "max_seq_len": 16},
-        "data": {"micro_batch_size": 3}, "logging": {"progress_bar": False},
-        "checkpoint": {"enabled": False}, "ooo_backprop": True, "ooo_trial_pairs": 0})
-    trainer = build_trainer(cfg, data=_FixedLMData(_lm_batches(4, 61)))
+    built = _force_cpu_queue(monkeypatch)
+    trainer, cfg = _trainer(tmp_path, "untried", 2, ooo_backprop=True, ooo_trial_pairs=0)
     with caplog.at_level(logging.INFO, logger="speedtronic"):
         trainer.fit()
     trainer.metrics.close()
     assert "stays on without a trial (ooo_trial_pairs: 0)" in caplog.text
     assert trainer._ooo_trial is None
     assert len(built) == 1 and built[0].deferred_total == 2 * built[0].num_params > 0
-    assert "ooo_decision" not in (cfg.run_dir / "metrics.jsonl").read_text()
+    assert not [e for e in _events(cfg) if e["event"] == "ooo_decision"]
 
 
 def test_a_run_shorter_than_the_trial_says_it_did_not_decide(tmp_path, monkeypatch,
                                                             caplog) -> None:
-    from test_ooo import _FixedLMData, _lm_batches
-
-    from speedtronic.runtime import build_trainer
-
-    real = ooo_mod.build_ooo_scheduler
-    monkeypatch.setattr(ooo_mod, "build_ooo_scheduler",
-                        lambda model, cfg, device: real(model, cfg, device, force_cpu=True))
-    cfg = load_config({
-        "run": {"name": "short", "output_dir": str(tmp_path), "max_steps": 3,
-                "eval_every": 0, "eval_batches": 1, "device": "cpu"},
-        "model": {"vocab_size": 61, "d_model": 32, "n_head": 4, "n_layer": 2, "max_seq_len": 16},
-        "data": {"micro_batch_size": 3}, "logging": {"progress_bar": False},
-        "checkpoint": {"enabled": False}, "ooo_backprop": True, "ooo_trial_pairs": 2})
-    trainer = build_trainer(cfg, data=_FixedLMData(_lm_batches(4, 61)))
+    _force_cpu_queue(monkeypatch)
+    trainer, cfg = _trainer(tmp_path, "short", 3, ooo_backprop=True, ooo_trial_pairs=2)
     with caplog.at_level(logging.INFO, logger="speedtronic"):
         trainer.fit()
     trainer.metrics.close()
     assert "trial unfinished when the run ended (3 of 6 steps)" in caplog.text
-    events = [json.loads(line) for line in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
-    decision = [e for e in events if e["event"] == "ooo_decision"]
+    decision = [e for e in _events(cfg) if e["event"] == "ooo_decision"]
     assert decision == [{**decision[0], "step": 3, "kept": None, "steps_run": 3,
                          "steps_planned": 6}]
     assert trainer._ooo_trial is None
