@@ -172,3 +172,17 @@ def test_trial_pairs_is_validated() -> None:
 
     with pytest.raises(ConfigError, match="ooo_trial_pairs"):
         load_config({"ooo_trial_pairs": -1})
+
+
+def test_cuda_clock_drains_the_run_device_at_each_mark(monkeypatch) -> None:
+    """On CUDA each mark synchronizes the run's own device (cuda:1 here, not the current one),
+    so a step is charged its own GPU work; on CPU nothing is synchronized."""
+    synced: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    clock = trial_mod._Clock(torch.device("cuda", 1))
+    start = clock.mark()
+    end = clock.mark()
+    assert synced == [torch.device("cuda", 1)] * 2 and clock.elapsed_ms(start, end) >= 0.0
+    synced.clear()
+    trial_mod._Clock(torch.device("cpu")).mark()
+    assert synced == []
