@@ -8,11 +8,10 @@ wins depends on the model, the batch and the GPU, and only a measurement can tel
 
 With ``ooo_backprop: true`` the trainer therefore times its first optimizer steps alternately with
 deferral on and paused: one warm-up pair, then ``ooo_trial_pairs`` measured pairs in ABBA order
-(on/off, off/on, ...) so a linear drift in clock or load falls equally on both sides when
-the number of pairs is even (the default, 4). Each step is timed from
-before its first micro-batch to after the optimizer step, with the GPU drained at both ends (a
-host sync per mark, only during the trial). Deferral stays on only if its median step is at least
-``KEEP_IF_FASTER_BY`` shorter; otherwise the scheduler is closed (every ``nn.Linear`` gets its
+(on/off, off/on, ...), so that with an even number of pairs (the default, 4) a linear drift in
+clock or load falls equally on both sides. Each step is timed from before its first micro-batch
+to after the optimizer step, with the GPU drained at both ends (a host sync per mark, only during
+the trial). Deferral stays on only if its median step is at least ``KEEP_IF_FASTER_BY`` shorter; otherwise the scheduler is closed (every ``nn.Linear`` gets its
 own forward back), so the rest of the run pays nothing. One log line and one ``ooo_decision``
 metrics event give both medians. Gradients are the same either way (bitwise in fp32), so the
 trial changes how fast the run goes, never what it computes.
