@@ -11,10 +11,11 @@ deferral on and paused: one warm-up pair, then ``ooo_trial_pairs`` measured pair
 (on/off, off/on, ...), so that with an even number of pairs (the default, 4) a linear drift in
 clock or load falls equally on both sides. Each step is timed from before its first micro-batch
 to after the optimizer step, with the GPU drained at both ends (a host sync per mark, only during
-the trial). Deferral stays on only if its median step is at least ``KEEP_IF_FASTER_BY`` shorter; otherwise the scheduler is closed (every ``nn.Linear`` gets its
-own forward back), so the rest of the run pays nothing. One log line and one ``ooo_decision``
-metrics event give both medians. Gradients are the same either way (bitwise in fp32), so the
-trial changes how fast the run goes, never what it computes.
+the trial). Deferral stays on only if its median step is at least ``KEEP_IF_FASTER_BY``
+shorter; otherwise the scheduler is closed (every ``nn.Linear`` gets its own forward back), so
+the rest of the run pays nothing. One log line and one ``ooo_decision`` metrics event give both
+medians. Gradients are the same either way (bitwise in fp32), so the trial changes how fast the
+run goes, never what it computes.
 
 The paused steps still go through the scheduler's forward wrapper (a few microseconds per layer
 that the closed scheduler does not pay), so the comparison leans slightly towards deferral.
