@@ -288,11 +288,11 @@ class Trainer:
             record["mfu"] = tflops / self._peak_tflops
             self._mfu_history.append(record["mfu"])
 
-    def _end_ooo_trial(self, trial: OOOTrial) -> None:
-        """Record the out-of-order trial's decision; a closed scheduler is dropped."""
+    def _end_ooo_trial(self, trial: OOOTrial, step: int) -> None:
+        """Record the out-of-order trial's outcome; a scheduler it closed is dropped."""
         self._ooo_trial = None
-        self.metrics.emit("ooo_decision", {"step": self.step + 1, **(trial.summary or {})})
-        if not trial.decided:
+        self.metrics.emit("ooo_decision", {"step": step, **(trial.summary or {})})
+        if trial.decided is False:
             self._ooo = None  # closed by the trial: every Linear has its own forward back
 
     # ----------------------------------------------------------------------------- loop
@@ -431,7 +431,7 @@ class Trainer:
                 log_now = (self.step + 1) % log_every == 0 or last
                 grad_norm = self._clip_and_step(need_norm=log_now)
                 if trial is not None and trial.end_step() is not None:
-                    self._end_ooo_trial(trial)
+                    self._end_ooo_trial(trial, self.step + 1)
                 self.step += 1
                 self._call("after_optimizer_step", self.step)
                 if log_now:
@@ -480,11 +480,9 @@ class Trainer:
                 # interval's ms/step, tokens/s and MFU (an eval once put 93 against 77 ms/step).
                 t_log += time.perf_counter() - t_pause
         finally:
-            if self._ooo_trial is not None:
+            if self._ooo_trial is not None:  # the run ended before the trial did
                 self._ooo_trial.abandon()
-                self.metrics.emit("ooo_decision", {"step": self.step,
-                                                   **(self._ooo_trial.summary or {})})
-                self._ooo_trial = None
+                self._end_ooo_trial(self._ooo_trial, self.step)
             if self._ooo is not None:
                 self._ooo.close()
             self._replaced = None

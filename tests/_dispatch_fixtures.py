@@ -18,3 +18,19 @@ def counting_dispatch(monkeypatch, kernel, kernel_ms: float) -> autotune.ShapeDi
     dispatch = autotune.ShapeDispatch(None, timer, enabled=True, device_type="cpu")
     monkeypatch.setattr(autotune, "_active", dispatch)
     return dispatch
+
+
+def run_orthogonalize(dtype):
+    """One small Newton-Schulz call through the dispatcher: (2, 16, 40), 3 quintic steps."""
+    import torch
+
+    from speedtronic import newton_schulz as ns
+
+    G = torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(0))
+    return ns.orthogonalize(G, 3, list(ns.QUINTIC), 1e-7, dtype, "standard")
+
+
+def choices(d: autotune.ShapeDispatch) -> dict[str, str]:
+    """Shape key -> chosen path, from the dispatcher's table."""
+    return {r["key"]: r["choice"] for r in d.table()}
+

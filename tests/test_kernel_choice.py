@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from _dispatch_fixtures import counting_dispatch
+from _dispatch_fixtures import choices, counting_dispatch, run_orthogonalize
 
 from speedtronic import newton_schulz as ns
 from speedtronic.kernel_choice import MeasuredKernel
@@ -45,12 +45,9 @@ def setup(monkeypatch):
 
 
 def _run(dtype=torch.float16):
-    G = torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(0))
-    return ns.orthogonalize(G, 3, list(ns.QUINTIC), 1e-7, dtype, "standard")
+    return run_orthogonalize(dtype)
 
 
-def _choices(d):
-    return {r["key"]: r["choice"] for r in d.table()}
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -58,7 +55,7 @@ def test_on_by_default_and_used_where_faster_and_correct(setup, dtype):
     op = FakePolyLt()
     d = setup(op, op_ms=0.5)
     out = _run(dtype)
-    assert _choices(d) == {f"poly_lt 2x16 {str(dtype)[6:]}": "cublaslt"}
+    assert choices(d) == {f"poly_lt 2x16 {str(dtype)[6:]}": "cublaslt"}
     assert op.calls == 2 + 3  # one check, one timing, then all 3 iterations
     ref = ns.orthogonalize(torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(0)),
                            3, list(ns.QUINTIC), 1e-7, torch.float32, "standard")
@@ -70,7 +67,7 @@ def test_swapped_coefficients_are_caught_by_the_first_check(setup, caplog):
     d = setup(op, op_ms=0.1)
     with caplog.at_level(logging.WARNING, logger="speedtronic.newton_schulz"):
         _run()
-    assert _choices(d) == {} and op.calls == 1
+    assert choices(d) == {} and op.calls == 1
     assert any("rejected" in r.getMessage() for r in caplog.records)
 
 
@@ -78,7 +75,7 @@ def test_slower_is_not_used(setup):
     op = FakePolyLt()
     d = setup(op, op_ms=0.99)
     _run()
-    assert set(_choices(d).values()) == {"cublas"} and op.calls == 2
+    assert set(choices(d).values()) == {"cublas"} and op.calls == 2
 
 
 def test_an_error_switches_the_family_off_once(setup, caplog):

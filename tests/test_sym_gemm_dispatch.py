@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from _dispatch_fixtures import counting_dispatch
+from _dispatch_fixtures import choices, counting_dispatch, run_orthogonalize
 
 from speedtronic import autotune
 from speedtronic import newton_schulz as ns
@@ -51,12 +51,9 @@ def setup(monkeypatch):
 
 
 def _run(dtype=torch.bfloat16):
-    G = torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(0))
-    return ns.orthogonalize(G, 3, list(ns.QUINTIC), 1e-7, dtype, "standard")
+    return run_orthogonalize(dtype)
 
 
-def _choices(d: autotune.ShapeDispatch) -> dict[str, str]:
-    return {r["key"]: r["choice"] for r in d.table()}
 
 
 def test_off_by_default_even_when_it_would_measure_faster(setup):
@@ -64,7 +61,7 @@ def test_off_by_default_even_when_it_would_measure_faster(setup):
     d = setup(k, kernel_ms=0.1, env=None)
     assert not ns.SYM_GEMM_DEFAULT_ON
     _run()
-    assert k.calls == 0 and _choices(d) == {}
+    assert k.calls == 0 and choices(d) == {}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -73,7 +70,7 @@ def test_used_where_measured_faster_and_correct(setup, dtype):
     d = setup(k, kernel_ms=0.5)
     ref_calls = k.calls
     out = _run(dtype)
-    assert _choices(d) == {
+    assert choices(d) == {
         f"sym_gemm xxt 2x16x40 {str(dtype)[6:]}": "sym_gemm",
         f"sym_gemm poly 2x16 {str(dtype)[6:]}": "sym_gemm",
     }
@@ -88,7 +85,7 @@ def test_not_used_where_cublas_is_faster(setup):
     k = FakeKernel()
     d = setup(k, kernel_ms=0.97)  # < 5% faster: the default (cuBLAS) stays
     _run()
-    assert set(_choices(d).values()) == {"cublas"}
+    assert set(choices(d).values()) == {"cublas"}
     assert k.calls == 2 * 2  # the check and the timing, per key; never in the iterations
 
 
@@ -97,7 +94,7 @@ def test_a_wrong_result_is_rejected_before_timing(setup, caplog):
     d = setup(k, kernel_ms=0.1)
     with caplog.at_level(logging.WARNING, logger="speedtronic.newton_schulz"):
         out = _run()
-    assert _choices(d) == {}  # never timed
+    assert choices(d) == {}  # never timed
     assert sum("rejected" in r.getMessage() for r in caplog.records) == 2  # xxt and poly, once each
     assert k.calls == 2 and out.isfinite().all()
 
@@ -125,7 +122,7 @@ def test_nothing_is_checked_or_timed_inside_a_graph_capture(setup, monkeypatch):
     d = setup(k, kernel_ms=0.1)
     monkeypatch.setattr(autotune, "_capturing", lambda: True)
     _run()
-    assert k.calls == 0 and _choices(d) == {}
+    assert k.calls == 0 and choices(d) == {}
 
 
 def test_fp32_never_looks_for_the_kernel(setup):
