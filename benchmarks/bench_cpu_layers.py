@@ -2,9 +2,10 @@
 
 * RMSNorm: torch's ``F.rms_norm`` (composite on CPU in torch 2.13) against the model's
   ``RMSNorm`` (a hand-written backward on CPU eager), at (8, 128, 128) fp32.
-* RoPE: the textbook half-split rotation (four half-width muls, a sub, an add, a cat) against the
-  model's three-pass ``_rotate``, for q (8, 4, 128, 32) and k (8, 2, 128, 32) laid out as the
-  model makes them (a transposed view of the projection's output).
+* RoPE: the textbook half-split rotation (four half-width muls, a sub, an add, a cat), and the
+  three-pass form with its ``[x2, x1]`` swap built by a ``cat`` of two slices, against the
+  model's ``_rotate`` (the swap is a ``roll``), for q (8, 4, 128, 32) and k (8, 2, 128, 32) laid
+  out as the model makes them (a transposed view of the projection's output).
 
 One thread, interleaved rounds, medians; the numbers quoted in ``speedtronic/models/reference.py``
 come from here.
@@ -35,24 +36,37 @@ def textbook_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
 
 
-def cases() -> dict[str, tuple[Callable[[], None], Callable[[], None]]]:
-    """name -> (before, after), each one forward + backward."""
+def cat_swap_rope(x: torch.Tensor, cos_full: torch.Tensor,
+                  sin_signed: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos_full, swapped, sin_signed)
+
+
+Case = tuple[str, Callable[[], None], Callable[[], None]]
+
+
+def cases() -> dict[str, Case]:
+    """name -> (what "before" is, before, after), each one forward + backward."""
     torch.manual_seed(0)
-    out: dict[str, tuple[Callable[[], None], Callable[[], None]]] = {}
+    out: dict[str, Case] = {}
     x = torch.randn(8, 128, 128, requires_grad=True)
     g = torch.randn(8, 128, 128)
     norm = ref.RMSNorm(128)
     out["RMSNorm (8, 128, 128)"] = (
-        lambda: F.rms_norm(x, (128,), norm.weight, norm.eps).backward(g),
+        "`F.rms_norm`", lambda: F.rms_norm(x, (128,), norm.weight, norm.eps).backward(g),
         lambda: norm(x).backward(g))
     cos, sin = ref.rope_tables(32, 128, 10_000.0)
     cos_full, sin_signed = ref._full_tables(cos, sin)
     for heads in (4, 2):
         q = torch.randn(8, 128, heads, 32).transpose(1, 2).requires_grad_()  # (B, H, T, hd) view
         gq = torch.randn(8, heads, 128, 32)
+        after = lambda q=q, gq=gq: ref._rotate(q, cos_full, sin_signed).backward(gq)  # noqa: E731
         out[f"RoPE (8, {heads}, 128, 32)"] = (
-            lambda q=q, gq=gq: textbook_rope(q, cos, sin).backward(gq),
-            lambda q=q, gq=gq: ref._rotate(q, cos_full, sin_signed).backward(gq))
+            "textbook", lambda q=q, gq=gq: textbook_rope(q, cos, sin).backward(gq), after)
+        out[f"RoPE (8, {heads}, 128, 32), swap"] = (
+            "`cat` swap",
+            lambda q=q, gq=gq: cat_swap_rope(q, cos_full, sin_signed).backward(gq), after)
     return out
 
 
@@ -62,7 +76,7 @@ def main() -> None:
     torch.set_num_threads(1)
     rounds, calls = 9, 50
     results = {}
-    for name, (before, after) in cases().items():
+    for name, (what, before, after) in cases().items():
         times: dict[str, list[float]] = {"before": [], "after": []}
         for fn in (before, after):
             for _ in range(10):
@@ -74,7 +88,7 @@ def main() -> None:
                     fn()
                 times[label].append((time.perf_counter() - t0) / calls * 1e6)
         med = {k: statistics.median(v) for k, v in times.items()}
-        results[name] = {"before_us": med["before"], "after_us": med["after"],
+        results[name] = {"before": what, "before_us": med["before"], "after_us": med["after"],
                          "ratio": med["after"] / med["before"]}
         print(f"{name}: {med['before']:.0f} -> {med['after']:.0f} us", flush=True)
     meta = {"command": "python benchmarks/bench_cpu_layers.py", "cpu": cpu_flags(),
@@ -87,12 +101,14 @@ def main() -> None:
              f"Command: `{meta['command']}`, {meta['date']} UTC; {meta['cpu']}; torch "
              f"{meta['torch']}, Python {meta['python']}, 1 thread, fp32. Median of {rounds} "
              f"interleaved rounds of {calls} calls.", "",
-             "| case | before (us) | after (us) | after / before |", "|---|---|---|---|"]
+             "| case | before | before (us) | after (us) | after / before |",
+             "|---|---|---|---|---|"]
     for name, r in results.items():
-        lines.append(f"| {name} | {r['before_us']:.0f} | {r['after_us']:.0f} | "
+        lines.append(f"| {name} | {r['before']} | {r['before_us']:.0f} | {r['after_us']:.0f} | "
                      f"{r['ratio']:.2f} |")
-    lines += ["", "Before: `F.rms_norm` and the textbook half-split RoPE. After: the reference "
-              "model's `RMSNorm` (CPU eager path) and `_rotate`."]
+    lines += ["", "Before: `F.rms_norm`; the textbook half-split RoPE; the three-pass RoPE with "
+              "its swap as a `cat` of two slices. After: the reference model's `RMSNorm` (CPU "
+              "eager path) and `_rotate` (swap by `roll`)."]
     (RESULTS / "cpu_layers.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

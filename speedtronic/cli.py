@@ -88,8 +88,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"run.device={json.dumps(args.device)}")
     cfg = load_config(args.config, overrides)
 
+    from .host_memory import tune_malloc
     from .runtime import train_from_config
 
+    logging.getLogger("speedtronic").info(tune_malloc())
     result = train_from_config(cfg, resume=args.resume)
 
     def fmt(x: float | None) -> str:

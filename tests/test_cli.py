@@ -106,7 +106,9 @@ def test_train_end_to_end_leaves_metrics_config_and_plot(tmp_path, capsys):
     rc = main(["train", "--config", str(cfg), "--max-steps", "4", "--output-dir", str(out_dir),
                "--device", "cpu", "--set", "optimizer.lr=1e-3"])
     assert rc == 0
-    assert "done: steps=4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "done: steps=4" in out
+    assert "host malloc: " in out  # the allocator decision is logged (speedtronic.host_memory)
     run = out_dir / "cli"
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["run"]["max_steps"] == 4 and saved["optimizer"]["lr"] == 1e-3

@@ -6,6 +6,7 @@ Registered in :mod:`speedtronic.cli` as ``add_parser`` / ``run``. Parsing import
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 import sys
 
@@ -67,7 +68,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison and print the table; returns the exit code."""
+    from ..host_memory import tune_malloc
     from .api import DEFAULT_LR_FACTORS, run_compare
+
+    logging.getLogger("speedtronic").info(tune_malloc())
 
     command = "speedtronic " + " ".join(shlex.quote(a) for a in sys.argv[1:]) \
         if sys.argv and sys.argv[0].endswith(("speedtronic", "__main__.py")) else None

@@ -90,12 +90,13 @@ class _RMSNormCPU(torch.autograd.Function):
 
     On CPU, torch 2.13's ``F.rms_norm`` is composite (pow, mean, add, rsqrt, two muls, and
     autograd through each of them); this does one reduction for the mean square and computes
-    ``dx = rstd * (g*w - xhat * mean(g*w * xhat))`` directly: 864 -> 594 us forward + backward at
-    (8, 128, 128) on one thread (``benchmarks/results/cpu_layers.md``), nine norms per step of
-    the reference model. Returns ``(y, xhat, rstd)``; the last two are non-differentiable
-    outputs, so that the ``setup_context`` form (which ``torch.func`` needs) can save them.
-    With ``create_graph=True`` the backward recomputes ``rstd`` from ``x`` with differentiable
-    ops, so gradient penalties (double backward) stay exact.
+    ``dx = rstd * (g*w - xhat * mean(g*w * xhat))`` directly: 813 -> 697 us forward + backward at
+    (8, 128, 128) on one thread, 864 -> 594 us in a quieter run (``benchmarks/results/
+    cpu_layers.md``), nine norms per step of the reference model. Returns ``(y, xhat, rstd)``;
+    the last two are non-differentiable outputs, so that the ``setup_context`` form (which
+    ``torch.func`` needs) can save them. With ``create_graph=True`` the backward recomputes
+    ``rstd`` from ``x`` with differentiable ops, so gradient penalties (double backward) stay
+    exact.
     """
 
     generate_vmap_rule = True
@@ -162,12 +163,13 @@ def _rotate(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -
     """``x * [cos, cos] + [x2, x1] * [-sin, sin]``: the half-split rotation in three passes.
 
     ``cos_full``/``sin_signed`` are the (T, hd) tables of :func:`_full_tables`, in ``x``'s dtype.
-    The textbook form (four half-width muls, a sub, an add and a cat) took 668 us forward +
-    backward for q at (8, 4, 128, 32) on one CPU thread, this 578 us
+    ``[x2, x1]`` is ``roll(x, hd/2)``, whose backward is one more roll; a ``cat`` of two slices
+    costs a zero-fill and a copy per slice in the backward. Forward + backward for q at
+    (8, 4, 128, 32) on one CPU thread: textbook form (four half-width muls, a sub, an add and a
+    cat) 642 us, three passes with a cat swap 555 us, with roll 406 us
     (``benchmarks/results/cpu_layers.md``); on a GPU it is 3 kernels instead of 7.
     """
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)  # (B, H, T, hd)
+    swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)  # (B, H, T, hd): [x2, x1]
     return torch.addcmul(x * cos_full, swapped, sin_signed)
 
 

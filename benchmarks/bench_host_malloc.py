@@ -1,0 +1,114 @@
+"""CPU training steps under three glibc malloc settings: what ``speedtronic.host_memory`` buys.
+
+Each setting trains the short-run YAML's model (``bench_short_run.py``: 4 layers, d 128,
+micro-batch 8 x 128 tokens, fp32, AdamW) for ``--steps`` steps in a fresh process and reports
+the training time (``Trainer.fit``, start-up excluded) and the minor page faults taken during it:
+
+* ``glibc defaults``: malloc as the process starts;
+* ``trim threshold only``: ``MALLOC_TRIM_THRESHOLD_=1 GiB`` in the environment, which also
+  switches off glibc's dynamic mmap threshold (why ``tune_malloc`` sets both);
+* ``tune_malloc()``: mmap threshold 32 MiB and trim threshold 1 GiB, as the CLI sets them.
+
+Settings alternate within each round, one thread; medians over rounds.
+
+    python benchmarks/bench_host_malloc.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+CHILD = """
+import json, resource, sys, time
+import torch
+from speedtronic import host_memory
+from speedtronic.runtime import build_trainer
+tune, steps, out = sys.argv[1] == "1", int(sys.argv[2]), sys.argv[3]
+line = host_memory.tune_malloc() if tune else "not called"
+torch.set_num_threads(1)
+cfg = {"run": {"max_steps": steps, "device": "cpu", "seed": 1, "name": "m", "output_dir": out,
+               "eval_every": 0},
+       "model": {"vocab_size": 256, "max_seq_len": 128, "n_layer": 4, "n_head": 4,
+                 "n_kv_head": 2, "d_model": 128},
+       "data": {"micro_batch_size": 8, "target_batch_size": 8}, "precision": {"mode": "fp32"},
+       "checkpoint": {"enabled": False}, "scheduler": {"warmup_steps": 1}}
+trainer = build_trainer(cfg)
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+t0 = time.perf_counter()
+trainer.fit()
+seconds = time.perf_counter() - t0
+faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+print(json.dumps({"seconds": seconds, "minor_faults": faults, "decision": line}))
+"""
+
+SETTINGS = {
+    "glibc defaults": ({}, False),
+    "trim threshold only": ({"MALLOC_TRIM_THRESHOLD_": str(1 << 30)}, False),
+    "tune_malloc()": ({}, True),
+}
+
+
+def run_one(extra_env: dict[str, str], tune: bool, steps: int, out: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env.pop("SPEEDTRONIC_HOST_MALLOC", None)
+    env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **extra_env)
+    proc = subprocess.run([sys.executable, "-c", CHILD, "1" if tune else "0", str(steps), out],
+                          capture_output=True, text=True, env=env, timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-2000:])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    from bench_data import cpu_flags  # this folder is sys.path[0] when run as a script
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
+    with tempfile.TemporaryDirectory() as d:
+        for _ in range(args.rounds):
+            for name, (extra_env, tune) in SETTINGS.items():
+                runs[name].append(run_one(extra_env, tune, args.steps, d))
+                print(name, runs[name][-1], flush=True)
+    summary = {name: {"seconds": statistics.median(r["seconds"] for r in rs),
+                      "minor_faults": statistics.median(r["minor_faults"] for r in rs),
+                      "decision": rs[-1]["decision"]} for name, rs in runs.items()}
+    base = summary["glibc defaults"]["seconds"]
+    meta = {"command": "python benchmarks/bench_host_malloc.py", "cpu": cpu_flags(),
+            "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "steps": args.steps, "rounds": args.rounds, "threads": 1, "dtype": "fp32"}
+    import torch
+
+    meta["torch"] = torch.__version__
+    (RESULTS / "host_malloc_cpu.json").write_text(
+        json.dumps({**meta, "runs": runs, "summary": summary}, indent=1) + "\n")
+    lines = ["# Host malloc settings: CPU training steps (speedtronic.host_memory)", "",
+             f"Command: `{meta['command']}`, {meta['date']} UTC; {meta['cpu']}; torch "
+             f"{meta['torch']}, Python {meta['python']}, 1 thread, fp32. {args.steps} steps of "
+             f"the short-run model (4 layers, d 128, 8 x 128 tokens, AdamW), start-up excluded; "
+             f"median of {args.rounds} interleaved rounds, each in a fresh process.", "",
+             "| setting | training (s) | vs glibc defaults | minor page faults |",
+             "|---|---|---|---|"]
+    for name, s in summary.items():
+        lines.append(f"| {name} | {s['seconds']:.2f} | {s['seconds'] / base:.2f}x | "
+                     f"{s['minor_faults']:,.0f} |")
+    lines += ["", f"Decision line: `{summary['tune_malloc()']['decision']}`"]
+    (RESULTS / "host_malloc_cpu.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
