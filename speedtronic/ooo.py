@@ -34,7 +34,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
 from .config import SpeedtronicConfig
 from .precision import decide_compile
@@ -100,7 +99,9 @@ class _Layer:
         elif x.dtype != w.dtype:
             return F.linear(x, w, b)  # let torch raise its usual dtype error
         self.sched._on_forward()
-        return _DeferredLinear.apply(x, w, b, self, compute_dtype)
+        if torch._C._are_functorch_transforms_active():
+            return _DeferredLinear.apply(x, w, b, self, compute_dtype)
+        return _APPLY_DIRECT(x, w, b, self, compute_dtype)
 
     def _deferrable(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
         if not (self.sched._active and torch.is_grad_enabled()):
@@ -125,14 +126,21 @@ class _DeferredLinear(torch.autograd.Function):
             w = weight.to(compute_dtype)
             b = bias.to(compute_dtype) if bias is not None else None
         ctx.layer = layer
-        ctx.save_for_backward(x, w)
+        # ``weight`` too: a create_graph backward must recast it with a graph (``w`` has none).
+        ctx.save_for_backward(x, w, weight)
         return F.linear(x, w, b)  # the very op the standard path runs -> identical output
 
     @staticmethod
-    @once_differentiable
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        x, w = ctx.saved_tensors
+        # Not @once_differentiable: its wrapper cost ~8 us per layer on the host (a third of
+        # the deferral's overhead, benchmarks/results/ooo_host_cpu.md). Grad mode is on here
+        # only under backward(create_graph=True); that pass returns dW/db to autograd like the
+        # standard backward, so a double backward (gradient penalty) is exact instead of an error.
+        x, w, weight = ctx.saved_tensors
         layer: _Layer = ctx.layer
+        create_graph = torch.is_grad_enabled()
+        if create_graph and w is not weight:
+            w = weight.to(w.dtype)  # autocast's cast, now differentiable back to the weight
         g2d = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
         x2d = x.reshape(-1, x.shape[-1])  # (M, K)
         grad_x = None
@@ -142,13 +150,19 @@ class _DeferredLinear(torch.autograd.Function):
                 grad_x = w.mm(g2d.t()).t().reshape(x.shape)  # column-major input
             else:
                 grad_x = g2d.mm(w).reshape(x.shape)  # (M, K) -> x's shape
-        needed = layer.sched._needed(ctx)
-        if needed is None:  # torch.autograd.grad: hand dW/db back to autograd instead
+        needed = None if create_graph else layer.sched._needed(ctx)
+        if needed is None:  # autograd.grad or create_graph: hand dW/db back to autograd
             dw, db = _weight_grads(layer, x2d, g2d, True, layer.bias is not None)
             return grad_x, dw, db, None, None
         if any(needed):
             layer.sched._defer(layer, x2d, g2d, *needed)
         return grad_x, None, None, None, None
+
+
+# ``Function.apply`` without its Python prologue (a pytree pass that unwraps dead functorch
+# wrappers, needed only around torch.func transforms, checked at the call): the C++ apply of
+# torch's Function base class, bound to _DeferredLinear.
+_APPLY_DIRECT = super(torch.autograd.Function, _DeferredLinear).apply
 
 
 def _weight_grads(layer: _Layer, x2d: torch.Tensor, g2d: torch.Tensor, need_w: bool,
@@ -292,8 +306,9 @@ class OOOScheduler:
         # the ambient stream only reads and frees them after the fold has waited for the side
         # stream. So they need no record_stream, and the work needs no event: the fold waits
         # for every side stream this pass used. Stream API calls per layer: 11.2 -> 4.3
-        # (benchmarks/results/ooo_host_cpu.md, which also measures the ~33 us of Python per
-        # layer that remain, a third of it torch's autograd.Function machinery).
+        # (benchmarks/results/ooo_host_cpu.md, which also measures the host time per layer
+        # that remains: 32.9 -> 26.2 us without @once_differentiable and Function.apply's
+        # Python prologue; most of the rest is the autograd.Function round trip itself).
         dw = torch.empty_like(layer.weight.param) if need_w else None
         db = torch.empty_like(layer.bias.param) if need_b and layer.bias is not None else None
         side.wait_stream(ambient)  # dY (and X) were produced on the ambient stream
