@@ -19,7 +19,8 @@ equal the standard backward bit for bit, with gradient accumulation and with tie
 :meth:`OOOScheduler.flush` (the trainer calls it before clipping/stepping) is then a cheap guard:
 it discards the work of a backward that raised and makes the current stream wait for all streams.
 
-Not deferred: ``torch.autograd.grad`` (dW is returned as a normal gradient there), subclasses of
+Not deferred: ``torch.autograd.grad`` and ``backward(create_graph=True)`` (dW is returned as a
+normal gradient there, with its graph, so double backward is exact), subclasses of
 ``nn.Linear`` with their own forward, parametrized weights, fp64. Hooks registered with
 ``register_post_accumulate_grad_hook`` do not see deferred gradients.
 """
