@@ -197,8 +197,10 @@ def bench_model(name: str, model: nn.Module, vocab: int, device: torch.device, r
 
 
 def _hardware(device: torch.device) -> dict[str, Any]:
+    from bench_data import cpu_flags  # this folder is sys.path[0] when run as a script
+
     info = {"load_average_1m_at_start": round(os.getloadavg()[0], 1),
-            "platform": platform.platform(), "processor": platform.processor() or "unknown",
+            "platform": platform.platform(), "processor": cpu_flags(),
             "cpu_count": os.cpu_count(), "python": platform.python_version(),
             "torch": torch.__version__}
     if device.type == "cuda":
