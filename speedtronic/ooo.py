@@ -100,8 +100,8 @@ class _Layer:
         elif x.dtype != w.dtype:
             return F.linear(x, w, b)  # let torch raise its usual dtype error
         self.sched._on_forward()
-        if torch._C._are_functorch_transforms_active():
-            return _DeferredLinear.apply(x, w, b, self, compute_dtype)
+        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
+            return _DeferredLinear.apply(x, w, b, self, compute_dtype)  # what they understand
         return _APPLY_DIRECT(x, w, b, self, compute_dtype)
 
     def _deferrable(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -161,8 +161,9 @@ class _DeferredLinear(torch.autograd.Function):
 
 
 # ``Function.apply`` without its Python prologue (a pytree pass that unwraps dead functorch
-# wrappers, needed only around torch.func transforms, checked at the call): the C++ apply of
-# torch's Function base class, bound to _DeferredLinear.
+# wrappers, needed only around torch.func transforms; those and torch.compile tracing get the
+# public ``apply``, checked at the call): the C++ apply of torch's Function base class, bound to
+# _DeferredLinear. ~2 us per layer (benchmarks/results/ooo_host_cpu.md).
 _APPLY_DIRECT = super(torch.autograd.Function, _DeferredLinear).apply
 
 
@@ -308,7 +309,7 @@ class OOOScheduler:
         # stream. So they need no record_stream, and the work needs no event: the fold waits
         # for every side stream this pass used. Stream API calls per layer: 11.2 -> 4.3
         # (benchmarks/results/ooo_host_cpu.md, which also measures the host time per layer
-        # that remains: 32.9 -> 26.2 us without @once_differentiable and Function.apply's
+        # that remains: 33.4 -> 27.1 us without @once_differentiable and Function.apply's
         # Python prologue; most of the rest is the autograd.Function round trip itself).
         dw = torch.empty_like(layer.weight.param) if need_w else None
         db = torch.empty_like(layer.bias.param) if need_b and layer.bias is not None else None
