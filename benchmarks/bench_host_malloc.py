@@ -2,7 +2,8 @@
 
 Each setting trains the short-run YAML's model (``bench_short_run.py``: 4 layers, d 128,
 micro-batch 8 x 128 tokens, fp32, AdamW) for ``--steps`` steps in a fresh process and reports
-the training time (``Trainer.fit``, start-up excluded) and the minor page faults taken during it:
+the training time (``Trainer.fit``, start-up excluded), the minor page faults taken during it and
+the process's peak resident memory (what keeping freed memory costs):
 
 * ``glibc defaults``: malloc as the process starts;
 * ``trim threshold only``: ``MALLOC_TRIM_THRESHOLD_=1 GiB`` in the environment, which also
@@ -49,7 +50,9 @@ t0 = time.perf_counter()
 trainer.fit()
 seconds = time.perf_counter() - t0
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-print(json.dumps({"seconds": seconds, "minor_faults": faults, "decision": line}))
+peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+print(json.dumps({"seconds": seconds, "minor_faults": faults, "peak_rss_mib": peak_mib,
+                  "decision": line}))
 """
 
 SETTINGS = {
@@ -85,6 +88,7 @@ def main() -> None:
                 print(name, runs[name][-1], flush=True)
     summary = {name: {"seconds": statistics.median(r["seconds"] for r in rs),
                       "minor_faults": statistics.median(r["minor_faults"] for r in rs),
+                      "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rs),
                       "decision": rs[-1]["decision"]} for name, rs in runs.items()}
     base = summary["glibc defaults"]["seconds"]
     meta = {"command": "python benchmarks/bench_host_malloc.py", "cpu": cpu_flags(),
@@ -100,11 +104,11 @@ def main() -> None:
              f"{meta['torch']}, Python {meta['python']}, 1 thread, fp32. {args.steps} steps of "
              f"the short-run model (4 layers, d 128, 8 x 128 tokens, AdamW), start-up excluded; "
              f"median of {args.rounds} interleaved rounds, each in a fresh process.", "",
-             "| setting | training (s) | vs glibc defaults | minor page faults |",
-             "|---|---|---|---|"]
+             "| setting | training (s) | vs glibc defaults | minor page faults | peak RSS (MiB) |",
+             "|---|---|---|---|---|"]
     for name, s in summary.items():
         lines.append(f"| {name} | {s['seconds']:.2f} | {s['seconds'] / base:.2f}x | "
-                     f"{s['minor_faults']:,.0f} |")
+                     f"{s['minor_faults']:,.0f} | {s['peak_rss_mib']:.0f} |")
     lines += ["", f"Decision line: `{summary['tune_malloc()']['decision']}`"]
     (RESULTS / "host_malloc_cpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

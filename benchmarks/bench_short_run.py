@@ -124,6 +124,9 @@ def main() -> None:
     old = out.read_text() if out.exists() else ""
     notes = old[old.index("\n## ") + 1:] if "\n## " in old else ""
     out.write_text("\n".join(lines) + "\n" + ("\n" + notes if notes else ""))
+    if notes:
+        print(f"kept the hand-written notes below the table in {out}: check that the numbers "
+              "they quote still match this run")
     print("\n".join(lines))
 
 

@@ -1,12 +1,13 @@
-"""Host (CPU) memory: make glibc's malloc keep freed memory for a training process.
+"""Host (CPU) memory: make glibc's malloc keep freed memory for a CPU training process.
 
 A CPU training step allocates every activation afresh (PyTorch's CPU allocator is plain
 ``posix_memalign``, no cache) and frees it in the backward. With glibc's defaults, freed memory
 at the top of the heap beyond twice the (dynamic) mmap threshold goes back to the kernel, and
 the next step page-faults it in again, zero-filled. For 60 steps of the short-run model on one
-thread that was 123,526 minor page faults and 4.92 s; with :func:`tune_malloc` 17,341 faults and
-4.76 s (0.97x; ``benchmarks/results/host_malloc_cpu.md``), and a whole ``speedtronic train`` run
-of ``bench_short_run.py``'s YAML 13.53 s against 14.24 s (``short_run_cpu.md``).
+thread: with glibc's defaults 135,414 minor page faults and 5.22 s, with :func:`tune_malloc`
+17,407 faults and 5.05 s (0.97x), peak resident memory 330 and 331 MiB
+(``benchmarks/results/host_malloc_cpu.md``); a whole ``speedtronic train`` run of
+``bench_short_run.py``'s YAML took 13.69 s against 14.10 s (``short_run_cpu.md``).
 
 :func:`tune_malloc` sets two fixed thresholds with ``mallopt`` (setting any threshold also
 switches off glibc's dynamic adjustment, so both are set together):
@@ -16,13 +17,16 @@ switches off glibc's dynamic adjustment, so both are set together):
 * ``M_TRIM_THRESHOLD`` 1 GiB: up to that much free memory stays in the heap between steps.
 
 The cost is that the process's resident memory does not shrink after its peak, which a
-training process reaches again every step anyway. Setting only the trim threshold is worse than
-nothing: every block of 128 KiB or more is then ``mmap``-ed afresh (2.2 M faults, 1.55x the
-time, same file).
+training process reaches again every step anyway (the peak itself did not grow). Setting only
+the trim threshold is worse than nothing: every block of 128 KiB or more is then ``mmap``-ed
+afresh (2.2 M faults, 1.53x the time, same file).
 
-It changes the whole process, so the library never calls it on import: the ``speedtronic train``
-and ``compare`` commands do (one log line), and Python users may. ``SPEEDTRONIC_HOST_MALLOC=0``
-keeps glibc's defaults.
+It changes the whole process, so the library never does it by itself: the ``speedtronic train``
+and ``compare`` commands call :func:`request_for_cpu_runs`, and the run builder then applies it
+once the device is known to be the CPU (one log line either way). Python users may call
+:func:`tune_malloc`. It leaves malloc alone where it cannot be sure what it changes: not glibc,
+another allocator preloaded (jemalloc, tcmalloc), or malloc settings of the user's own in the
+environment. ``SPEEDTRONIC_HOST_MALLOC=0`` keeps glibc's defaults.
 """
 
 from __future__ import annotations
@@ -37,8 +41,23 @@ M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 << 20
 TRIM_THRESHOLD_BYTES = 1 << 30
+#: Environment settings through which a user already tunes glibc's malloc; any of them wins.
+USER_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                   "MALLOC_MMAP_MAX_")
 
 _applied: str | None = None
+_requested = False
+
+
+def _enabled() -> bool:
+    """``SPEEDTRONIC_HOST_MALLOC``: unset, 1/true/yes/on tune; 0/false/no/off keep defaults."""
+    value = os.environ.get(HOST_MALLOC_ENV, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{HOST_MALLOC_ENV}={os.environ[HOST_MALLOC_ENV]!r} is not valid: use 1 "
+                     "(tune glibc malloc for CPU runs, the default) or 0 (keep its defaults)")
 
 
 def _glibc() -> ctypes.CDLL | None:
@@ -56,22 +75,66 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+def _malloc_is_interposed(libc: ctypes.CDLL) -> bool:
+    """Whether the process's ``malloc`` is not glibc's (an ``LD_PRELOAD``-ed allocator)."""
+    process = ctypes.CDLL(None)
+    return (ctypes.cast(process.malloc, ctypes.c_void_p).value
+            != ctypes.cast(libc.malloc, ctypes.c_void_p).value)
+
+
+def _user_settings() -> list[str]:
+    names = [name for name in USER_MALLOC_ENV if name in os.environ]
+    if "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+        names.append("GLIBC_TUNABLES")
+    return names
+
+
 def tune_malloc() -> str:
     """Keep freed host memory in this process (see the module docstring); returns the decision
-    as one line, ``"host malloc: ..."``, for the log. Safe to call more than once."""
+    as one line, ``"host malloc: ..."``, for the log. Safe to call more than once.
+
+    Raises ``ValueError`` for a ``SPEEDTRONIC_HOST_MALLOC`` value that is neither on nor off."""
     global _applied
     if _applied is not None:
         return _applied
-    if os.environ.get(HOST_MALLOC_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return f"host malloc: glibc defaults kept ({HOST_MALLOC_ENV}=0)"
+    if not _enabled():
+        return f"host malloc: glibc defaults kept ({HOST_MALLOC_ENV}=" \
+               f"{os.environ[HOST_MALLOC_ENV].strip()})"
     libc = _glibc()
     if libc is None:
         return f"host malloc: unchanged (not glibc: {sys.platform})"
-    ok = (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
-          and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1)
-    if not ok:
-        return "host malloc: unchanged (mallopt refused the thresholds)"
+    if _malloc_is_interposed(libc):
+        return "host malloc: unchanged (malloc is not glibc's: a preloaded allocator)"
+    own = _user_settings()
+    if own:
+        return f"host malloc: unchanged (your {', '.join(own)} setting is kept)"
+    if libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) != 1:
+        return "host malloc: unchanged (mallopt refused the mmap threshold)"
     version = libc.gnu_get_libc_version().decode()
+    if libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) != 1:
+        _applied = (f"host malloc: glibc {version}: mmap threshold 32 MiB set, trim threshold "
+                    "refused (glibc's dynamic thresholds are now off)")
+        return _applied
     _applied = (f"host malloc: glibc {version} keeps freed memory (mmap threshold 32 MiB, "
                 f"trim threshold 1 GiB; {HOST_MALLOC_ENV}=0 keeps the defaults)")
     return _applied
+
+
+def request_for_cpu_runs() -> None:
+    """Ask :func:`apply_for_device` to tune malloc when the run's device is the CPU (the CLI's
+    policy; a library user's process is left alone unless it asks). Validates the opt-out
+    variable now, so a bad value fails before anything runs."""
+    global _requested
+    _enabled()
+    _requested = True
+
+
+def apply_for_device(device_type: str) -> str | None:
+    """The decision line for a run on ``device_type`` if :func:`request_for_cpu_runs` was
+    called, else None. Only CPU runs are tuned: the measurements are of CPU steps."""
+    if not _requested:
+        return None
+    if device_type != "cpu":
+        return f"host malloc: glibc defaults kept (device {device_type}; the thresholds are " \
+               "for CPU steps)"
+    return tune_malloc()

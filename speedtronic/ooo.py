@@ -100,8 +100,9 @@ class _Layer:
         elif x.dtype != w.dtype:
             return F.linear(x, w, b)  # let torch raise its usual dtype error
         self.sched._on_forward()
-        if torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling():
-            return _DeferredLinear.apply(x, w, b, self, compute_dtype)  # what they understand
+        if (torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling()
+                or torch._C._functorch.is_functorch_wrapped_tensor(x)):
+            return _DeferredLinear.apply(x, w, b, self, compute_dtype)  # the public path
         return _APPLY_DIRECT(x, w, b, self, compute_dtype)
 
     def _deferrable(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
@@ -127,21 +128,21 @@ class _DeferredLinear(torch.autograd.Function):
             w = weight.to(compute_dtype)
             b = bias.to(compute_dtype) if bias is not None else None
         ctx.layer = layer
-        # ``weight`` too: a create_graph backward must recast it with a graph (``w`` has none).
-        ctx.save_for_backward(x, w, weight)
+        ctx.cast = compute_dtype is not None
+        ctx.save_for_backward(x, w)
         return F.linear(x, w, b)  # the very op the standard path runs -> identical output
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        # Not @once_differentiable: its wrapper cost ~8 us per layer on the host (a third of
-        # the deferral's overhead, benchmarks/results/ooo_host_cpu.md). Grad mode is on here
-        # only under backward(create_graph=True); that pass returns dW/db to autograd like the
-        # standard backward, so a double backward (gradient penalty) is exact instead of an error.
-        x, w, weight = ctx.saved_tensors
+        # Not @once_differentiable: its wrapper is host time on every layer (with the direct
+        # apply below, 33.4 -> 27.1 us per layer, benchmarks/results/ooo_host_cpu.md). Grad
+        # mode is on here only under create_graph=True; that pass returns dW/db to autograd like
+        # the standard backward, so a double backward (gradient penalty) is exact, not an error.
+        x, w = ctx.saved_tensors
         layer: _Layer = ctx.layer
         create_graph = torch.is_grad_enabled()
-        if create_graph and w is not weight:
-            w = weight.to(w.dtype)  # autocast's cast, now differentiable back to the weight
+        if create_graph and ctx.cast:  # the saved cast has no graph: autocast's cast again,
+            w = layer.weight.param.to(w.dtype)  # differentiable back to the leaf weight
         g2d = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
         x2d = x.reshape(-1, x.shape[-1])  # (M, K)
         grad_x = None
@@ -160,10 +161,11 @@ class _DeferredLinear(torch.autograd.Function):
         return grad_x, None, None, None, None
 
 
-# ``Function.apply`` without its Python prologue (a pytree pass that unwraps dead functorch
-# wrappers, needed only around torch.func transforms; those and torch.compile tracing get the
-# public ``apply``, checked at the call): the C++ apply of torch's Function base class, bound to
-# _DeferredLinear. ~2 us per layer (benchmarks/results/ooo_host_cpu.md).
+# ``Function.apply`` without its Python prologue: the C++ apply of torch's Function base class,
+# bound to _DeferredLinear. The prologue unwraps functorch wrappers left over from a finished
+# torch.func transform; the call site takes the public ``apply`` for such an input, and inside
+# transforms or torch.compile tracing (benchmarks/results/ooo_host_cpu.md prices this change
+# together with the one in the backward).
 _APPLY_DIRECT = super(torch.autograd.Function, _DeferredLinear).apply
 
 
@@ -405,7 +407,7 @@ class OOOScheduler:
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Run forwards inside the block with the standard backward (e.g. gradient penalties)."""
+        """Run forwards inside the block with the standard backward (e.g. to time it)."""
         was, self._active = self._active, False
         try:
             yield

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import optim
+from . import host_memory, optim
 from .checkpoint import CheckpointManager
 from .config import SpeedtronicConfig, load_config
 from .data import DataBundle, build_data, check_data
@@ -156,6 +156,9 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.run.seed)
     dev = resolve_device(device if device is not None else cfg.run.device)
+    malloc_line = host_memory.apply_for_device(dev.type)  # None unless the CLI asked
+    if malloc_line is not None:
+        logger.info(malloc_line)
     plan = resolve_precision(cfg.precision.mode, dev)
     logger.info("device: %s | precision: %s (%s) | threads: %d", dev, plan.mode, plan.reason,
                 torch.get_num_threads())

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 # Shared helpers (_engine_fixtures.py) live in tests/; test files in subfolders import them by
@@ -19,3 +21,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 torch.set_num_threads(int(os.environ.get("SPEEDTRONIC_TEST_THREADS", "1")))
+
+
+@pytest.fixture(autouse=True)
+def _host_malloc_left_alone(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """``speedtronic train`` tunes glibc malloc for the whole process (speedtronic.host_memory):
+    tests that run the CLI in this process log the opt-out decision instead, and the request it
+    leaves is cleared. tests/test_host_memory.py tunes for real, in subprocesses."""
+    from speedtronic import host_memory
+
+    monkeypatch.setenv(host_memory.HOST_MALLOC_ENV, "0")
+    yield
+    host_memory._requested = False

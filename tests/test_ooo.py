@@ -171,25 +171,51 @@ def test_autograd_grad_and_backward_inputs_keep_their_semantics() -> None:
     assert ooo.down_proj.bias.grad is not None and w_ooo.grad is None
 
 
-@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
-def test_gradient_penalty_double_backward_matches_standard(autocast: bool) -> None:
-    # backward(create_graph=True) through deferred layers: dW goes back to autograd with its
-    # graph, so a penalty on the input gradient reaches the weights as in the standard backward.
-    ref, ooo, sched = _pair(Branchy())
-    x, y = _branchy_batches(1)[0]
-    for m in (ref, ooo):
-        xi = x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss = m(xi, y)
+def _penalized_grads(m: nn.Module, x: torch.Tensor, y: torch.Tensor, autocast: bool,
+                     mode: str, sched: OOOScheduler | None) -> list[torch.Tensor]:
+    """Gradients of ``loss + penalty``: the penalty is on the input gradient (``autograd.grad``
+    with create_graph) or on the parameters' ``.grad`` (``backward(create_graph=True)``)."""
+    xi = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = m(xi, y)
+    if mode == "autograd.grad":
         (gx,) = torch.autograd.grad(loss, [xi], create_graph=True)
         (loss + gx.float().pow(2).sum()).backward()
+    else:
+        loss.backward(create_graph=True)
+        first = [p.grad for p in m.parameters()]
+        for p in m.parameters():
+            p.grad = None
+        sum(g.float().pow(2).sum() for g in first).backward()
+    if sched is not None:
+        sched.flush()
+    grads = [p.grad.detach().clone() for p in m.parameters()]
+    for p in m.parameters():
+        p.grad = None
+    return grads
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("mode", ["autograd.grad", "backward(create_graph=True)"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "autocast-bf16"])
+def test_gradient_penalty_double_backward_matches_standard(autocast: bool, mode: str) -> None:
+    # A create_graph pass through deferred layers returns dW to autograd with its graph (the
+    # weight recast under autocast), so a penalty reaches the weights as in the standard backward.
+    torch.manual_seed(0)
+    ref, ooo, sched = _pair(Branchy())
+    x, y = _branchy_batches(1)[0]
+    want = _penalized_grads(ref, x, y, autocast, mode, None)
+    got = _penalized_grads(ooo, x, y, autocast, mode, sched)
+    # bf16: the second-order terms round in another order than autograd's: up to 1.2% of a
+    # tensor's largest entry over seeds 0-5; without the weight's recast some are off by more.
+    scale = 3e-2 if autocast else 1e-5
+    for (name, _), a, b in zip(ref.named_parameters(), want, got, strict=True):
+        assert (b - a).abs().max() <= scale * a.abs().max(), (name, (b - a).abs().max())
+    # The penalty mattered: plain first-order gradients are not what was compared above.
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        ooo(x, y).backward()
     sched.flush()
-    for (name, pa), (_, pb) in zip(ref.named_parameters(), ooo.named_parameters(), strict=True):
-        assert pb.grad is not None, name
-        # bf16: the second-order terms round in a different order than autograd's (~0.3%).
-        tol = {"rtol": 2e-2, "atol": 2e-3} if autocast else {"rtol": 1e-5, "atol": 1e-6}
-        torch.testing.assert_close(pb.grad, pa.grad, msg=name, **tol)
-    assert ref.skip.weight.grad.abs().sum() > 0
+    assert not torch.allclose(ooo.skip.weight.grad, got[-1], rtol=0.1, atol=1e-3)
 
 
 def test_no_grad_forward_uses_standard_path_and_close_restores() -> None:

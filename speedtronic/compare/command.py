@@ -6,7 +6,6 @@ Registered in :mod:`speedtronic.cli` as ``add_parser`` / ``run``. Parsing import
 from __future__ import annotations
 
 import argparse
-import logging
 import shlex
 import sys
 
@@ -68,10 +67,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison and print the table; returns the exit code."""
-    from ..host_memory import tune_malloc
+    from ..host_memory import request_for_cpu_runs
     from .api import DEFAULT_LR_FACTORS, run_compare
 
-    logging.getLogger("speedtronic").info(tune_malloc())
+    request_for_cpu_runs()  # each CPU run's builder applies it (speedtronic.host_memory)
 
     command = "speedtronic " + " ".join(shlex.quote(a) for a in sys.argv[1:]) \
         if sys.argv and sys.argv[0].endswith(("speedtronic", "__main__.py")) else None

@@ -91,8 +91,8 @@ class _RMSNormCPU(torch.autograd.Function):
     On CPU, torch 2.13's ``F.rms_norm`` is composite (pow, mean, add, rsqrt, two muls, and
     autograd through each of them); this does one reduction for the mean square and computes
     ``dx = rstd * (g*w - xhat * mean(g*w * xhat))`` directly: 813 -> 697 us forward + backward at
-    (8, 128, 128) on one thread, 864 -> 594 us in a quieter run (``benchmarks/results/
-    cpu_layers.md``), nine norms per step of the reference model. Returns ``(y, xhat, rstd)``;
+    (8, 128, 128) on one thread (``benchmarks/results/cpu_layers.md``), nine norms per step of
+    the reference model. Returns ``(y, xhat, rstd)``;
     the last two are non-differentiable outputs, so that the ``setup_context`` form (which
     ``torch.func`` needs) can save them. With ``create_graph=True`` the backward recomputes
     ``rstd`` from ``x`` with differentiable ops, so gradient penalties (double backward) stay
