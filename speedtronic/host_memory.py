@@ -7,7 +7,7 @@ the next step page-faults it in again, zero-filled. For 60 steps of the short-ru
 thread: with glibc's defaults 135,414 minor page faults and 5.22 s, with :func:`tune_malloc`
 17,407 faults and 5.05 s (0.97x), peak resident memory 330 and 331 MiB
 (``benchmarks/results/host_malloc_cpu.md``); a whole ``speedtronic train`` run of
-``bench_short_run.py``'s YAML took 13.69 s against 14.10 s (``short_run_cpu.md``).
+``bench_short_run.py``'s YAML took 14.71 s against 15.54 s (``short_run_cpu.md``).
 
 :func:`tune_malloc` sets two fixed thresholds with ``mallopt`` (setting any threshold also
 switches off glibc's dynamic adjustment, so both are set together):
