@@ -2,8 +2,9 @@
 
 Each setting trains the short-run YAML's model (``bench_short_run.py``: 4 layers, d 128,
 micro-batch 8 x 128 tokens, fp32, AdamW) for ``--steps`` steps in a fresh process and reports
-the training time (``Trainer.fit``, start-up excluded), the minor page faults taken during it and
-the process's peak resident memory (what keeping freed memory costs):
+the training time (``Trainer.fit``, start-up excluded), the minor page faults taken during it, the
+process's peak resident memory and its resident memory right after training (where memory that
+is kept rather than returned to the kernel shows):
 
 * ``glibc defaults``: malloc as the process starts;
 * ``trim threshold only``: ``MALLOC_TRIM_THRESHOLD_=1 GiB`` in the environment, which also
@@ -50,9 +51,11 @@ t0 = time.perf_counter()
 trainer.fit()
 seconds = time.perf_counter() - t0
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+import os
+rss_mib = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 print(json.dumps({"seconds": seconds, "minor_faults": faults, "peak_rss_mib": peak_mib,
-                  "decision": line}))
+                  "rss_after_mib": rss_mib, "decision": line}))
 """
 
 SETTINGS = {
@@ -63,7 +66,10 @@ SETTINGS = {
 
 
 def run_one(extra_env: dict[str, str], tune: bool, steps: int, out: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    # Without the user's malloc settings or a preloaded allocator, which tune_malloc respects
+    # (the "tune_malloc()" row would then measure "unchanged").
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
     env.pop("SPEEDTRONIC_HOST_MALLOC", None)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **extra_env)
     proc = subprocess.run([sys.executable, "-c", CHILD, "1" if tune else "0", str(steps), out],
@@ -89,6 +95,7 @@ def main() -> None:
     summary = {name: {"seconds": statistics.median(r["seconds"] for r in rs),
                       "minor_faults": statistics.median(r["minor_faults"] for r in rs),
                       "peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in rs),
+                      "rss_after_mib": statistics.median(r["rss_after_mib"] for r in rs),
                       "decision": rs[-1]["decision"]} for name, rs in runs.items()}
     base = summary["glibc defaults"]["seconds"]
     meta = {"command": "python benchmarks/bench_host_malloc.py", "cpu": cpu_flags(),
@@ -104,11 +111,12 @@ def main() -> None:
              f"{meta['torch']}, Python {meta['python']}, 1 thread, fp32. {args.steps} steps of "
              f"the short-run model (4 layers, d 128, 8 x 128 tokens, AdamW), start-up excluded; "
              f"median of {args.rounds} interleaved rounds, each in a fresh process.", "",
-             "| setting | training (s) | vs glibc defaults | minor page faults | peak RSS (MiB) |",
-             "|---|---|---|---|---|"]
+             "| setting | training (s) | vs glibc defaults | minor page faults | peak RSS (MiB) "
+             "| RSS after training (MiB) |", "|---|---|---|---|---|---|"]
     for name, s in summary.items():
         lines.append(f"| {name} | {s['seconds']:.2f} | {s['seconds'] / base:.2f}x | "
-                     f"{s['minor_faults']:,.0f} | {s['peak_rss_mib']:.0f} |")
+                     f"{s['minor_faults']:,.0f} | {s['peak_rss_mib']:.0f} | "
+                     f"{s['rss_after_mib']:.0f} |")
     lines += ["", f"Decision line: `{summary['tune_malloc()']['decision']}`"]
     (RESULTS / "host_malloc_cpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -104,7 +104,8 @@ def main() -> None:
               "machine": platform.processor() or platform.machine(),
               "python": platform.python_version(), "date": time.strftime("%Y-%m-%d %H:%M"),
               "command": "python benchmarks/bench_short_run.py --v200-python <venv>/bin/python"
-                         + (f" --repeats {args.repeats}" if args.repeats != 3 else "")}
+                         + (f" --repeats {args.repeats}"
+                            if args.repeats != ap.get_default("repeats") else "")}
     (RESULTS / "short_run_cpu.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# Short CPU run: wall time, ours against speedtronic 2.0.0 (same YAML)", "",
              f"Command: `{result['command']}`, {result['date']} UTC; {result['machine']} "

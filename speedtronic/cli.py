@@ -88,11 +88,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"run.device={json.dumps(args.device)}")
     cfg = load_config(args.config, overrides)
 
-    from .host_memory import request_for_cpu_runs
+    from .host_memory import requested_for_cpu_runs
     from .runtime import train_from_config
 
-    request_for_cpu_runs()  # applied by the run builder once the device is known to be the CPU
-    result = train_from_config(cfg, resume=args.resume)
+    with requested_for_cpu_runs():  # applied by the run builder once the device is the CPU
+        result = train_from_config(cfg, resume=args.resume)
 
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.4f}"

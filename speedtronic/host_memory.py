@@ -4,9 +4,10 @@ A CPU training step allocates every activation afresh (PyTorch's CPU allocator i
 ``posix_memalign``, no cache) and frees it in the backward. With glibc's defaults, freed memory
 at the top of the heap beyond twice the (dynamic) mmap threshold goes back to the kernel, and
 the next step page-faults it in again, zero-filled. For 60 steps of the short-run model on one
-thread: with glibc's defaults 135,414 minor page faults and 5.22 s, with :func:`tune_malloc`
-17,407 faults and 5.05 s (0.97x), peak resident memory 330 and 331 MiB
-(``benchmarks/results/host_malloc_cpu.md``); a whole ``speedtronic train`` run of
+thread: with glibc's defaults 194,667 minor page faults and 5.73 s, with :func:`tune_malloc`
+16,957 faults and 5.22 s (0.91x; 0.97x in the run at 4b677f7), peak resident memory 331 and 329 MiB,
+323 and 329 MiB right after training (``benchmarks/results/host_malloc_cpu.md``); a whole
+``speedtronic train`` run of
 ``bench_short_run.py``'s YAML took 14.71 s against 15.54 s (``short_run_cpu.md``).
 
 :func:`tune_malloc` sets two fixed thresholds with ``mallopt`` (setting any threshold also
@@ -19,11 +20,12 @@ switches off glibc's dynamic adjustment, so both are set together):
 The cost is that the process's resident memory does not shrink after its peak, which a
 training process reaches again every step anyway (the peak itself did not grow). Setting only
 the trim threshold is worse than nothing: every block of 128 KiB or more is then ``mmap``-ed
-afresh (2.2 M faults, 1.53x the time, same file).
+afresh (2.2 M faults, 1.39x the time, same file).
 
 It changes the whole process, so the library never does it by itself: the ``speedtronic train``
-and ``compare`` commands call :func:`request_for_cpu_runs`, and the run builder then applies it
-once the device is known to be the CPU (one log line either way). Python users may call
+and ``compare`` commands run inside :func:`requested_for_cpu_runs`, and the run builder then
+applies it once the device is known to be the CPU (one log line; ``compare`` repeats it only
+when it changes). Python users may call
 :func:`tune_malloc`. It leaves malloc alone where it cannot be sure what it changes: not glibc,
 another allocator preloaded (jemalloc, tcmalloc), or malloc settings of the user's own in the
 environment. ``SPEEDTRONIC_HOST_MALLOC=0`` keeps glibc's defaults.
@@ -31,10 +33,12 @@ environment. ``SPEEDTRONIC_HOST_MALLOC=0`` keeps glibc's defaults.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import sys
+from collections.abc import Iterator
 
 HOST_MALLOC_ENV = "SPEEDTRONIC_HOST_MALLOC"
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
@@ -47,6 +51,7 @@ USER_MALLOC_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_T
 
 _applied: str | None = None
 _requested = False
+_last_logged: str | None = None
 
 
 def _enabled() -> bool:
@@ -75,11 +80,15 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
-def _malloc_is_interposed(libc: ctypes.CDLL) -> bool:
-    """Whether the process's ``malloc`` is not glibc's (an ``LD_PRELOAD``-ed allocator)."""
-    process = ctypes.CDLL(None)
-    return (ctypes.cast(process.malloc, ctypes.c_void_p).value
-            != ctypes.cast(libc.malloc, ctypes.c_void_p).value)
+def _malloc_is_interposed(libc: ctypes.CDLL) -> bool | None:
+    """Whether the process's ``malloc`` is not glibc's (an ``LD_PRELOAD``-ed allocator); None if
+    that cannot be told."""
+    try:
+        process = ctypes.CDLL(None)
+        return (ctypes.cast(process.malloc, ctypes.c_void_p).value
+                != ctypes.cast(libc.malloc, ctypes.c_void_p).value)
+    except (OSError, AttributeError):
+        return None
 
 
 def _user_settings() -> list[str]:
@@ -103,7 +112,10 @@ def tune_malloc() -> str:
     libc = _glibc()
     if libc is None:
         return f"host malloc: unchanged (not glibc: {sys.platform})"
-    if _malloc_is_interposed(libc):
+    interposed = _malloc_is_interposed(libc)
+    if interposed is None:
+        return "host malloc: unchanged (could not tell which malloc this process uses)"
+    if interposed:
         return "host malloc: unchanged (malloc is not glibc's: a preloaded allocator)"
     own = _user_settings()
     if own:
@@ -120,21 +132,33 @@ def tune_malloc() -> str:
     return _applied
 
 
-def request_for_cpu_runs() -> None:
-    """Ask :func:`apply_for_device` to tune malloc when the run's device is the CPU (the CLI's
+@contextlib.contextmanager
+def requested_for_cpu_runs() -> Iterator[None]:
+    """Within the block, :func:`apply_for_device` tunes malloc for runs on the CPU (the CLI's
     policy; a library user's process is left alone unless it asks). Validates the opt-out
-    variable now, so a bad value fails before anything runs."""
-    global _requested
+    variable first, so a bad value fails before anything runs."""
+    global _requested, _last_logged
     _enabled()
-    _requested = True
+    _requested, _last_logged = True, None
+    try:
+        yield
+    finally:
+        _requested = False
 
 
 def apply_for_device(device_type: str) -> str | None:
-    """The decision line for a run on ``device_type`` if :func:`request_for_cpu_runs` was
-    called, else None. Only CPU runs are tuned: the measurements are of CPU steps."""
+    """The decision line for a run on ``device_type`` inside :func:`requested_for_cpu_runs`, or
+    None (outside it, or the same line as the previous run's: ``compare`` builds many runs).
+    Only CPU runs are tuned: the measurements are of CPU steps."""
+    global _last_logged
     if not _requested:
         return None
     if device_type != "cpu":
-        return f"host malloc: glibc defaults kept (device {device_type}; the thresholds are " \
+        line = f"host malloc: not tuned for this run (device {device_type}; the thresholds are " \
                "for CPU steps)"
-    return tune_malloc()
+    else:
+        line = tune_malloc()
+    if line == _last_logged:
+        return None
+    _last_logged = line
+    return line

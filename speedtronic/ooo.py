@@ -8,7 +8,7 @@ an executor:
 
 * CUDA: the work is launched at once on a side stream (round-robin over ``ooo_streams``, one fixed
   stream per parameter so contributions to one ``.grad`` never race), after the side stream waits
-  for the current one; an event records each producer.
+  for the current one.
 * CPU (only when forced, for tests and benchmarks): the same work is queued and run in order at
   the end of the backward pass. No streams, same arithmetic, so gradients are bitwise comparable.
 
@@ -20,7 +20,8 @@ equal the standard backward bit for bit, with gradient accumulation and with tie
 it discards the work of a backward that raised and makes the current stream wait for all streams.
 
 Not deferred: ``torch.autograd.grad`` and ``backward(create_graph=True)`` (dW is returned as a
-normal gradient there, with its graph, so double backward is exact), subclasses of
+normal gradient there, with its graph, so a double backward matches the standard one), forwards
+inside ``torch.func`` transforms, subclasses of
 ``nn.Linear`` with their own forward, parametrized weights, fp64. Hooks registered with
 ``register_post_accumulate_grad_hook`` do not see deferred gradients.
 """
@@ -100,14 +101,15 @@ class _Layer:
         elif x.dtype != w.dtype:
             return F.linear(x, w, b)  # let torch raise its usual dtype error
         self.sched._on_forward()
-        if (torch._C._are_functorch_transforms_active() or torch.compiler.is_compiling()
-                or torch._C._functorch.is_functorch_wrapped_tensor(x)):
+        if torch.compiler.is_compiling() or torch._C._functorch.is_functorch_wrapped_tensor(x):
             return _DeferredLinear.apply(x, w, b, self, compute_dtype)  # the public path
         return _APPLY_DIRECT(x, w, b, self, compute_dtype)
 
     def _deferrable(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
         if not (self.sched._active and torch.is_grad_enabled()):
             return False
+        if torch._C._are_functorch_transforms_active():
+            return False  # torch.func: the Function has no setup_context; F.linear is fine
         if w is not self.weight.param or b is not (self.bias.param if self.bias else None):
             self.sched._warn_once(f"{self.name}: parameters were replaced after setup; this "
                                   "layer now runs the standard backward")
@@ -134,15 +136,19 @@ class _DeferredLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
-        # Not @once_differentiable: its wrapper is host time on every layer (with the direct
-        # apply below, 33.4 -> 27.1 us per layer, benchmarks/results/ooo_host_cpu.md). Grad
-        # mode is on here only under create_graph=True; that pass returns dW/db to autograd like
-        # the standard backward, so a double backward (gradient penalty) is exact, not an error.
+        # Not @once_differentiable: its wrapper is host time on every layer (measured together
+        # with the direct apply in benchmarks/results/ooo_host_cpu.md). Grad mode is on here
+        # only under create_graph=True; that pass returns dW/db to autograd like the standard
+        # backward, so a double backward (gradient penalty) matches it instead of raising.
         x, w = ctx.saved_tensors
         layer: _Layer = ctx.layer
         create_graph = torch.is_grad_enabled()
-        if create_graph and ctx.cast:  # the saved cast has no graph: autocast's cast again,
-            w = layer.weight.param.to(w.dtype)  # differentiable back to the leaf weight
+        if create_graph and ctx.cast:
+            # The saved cast has no graph back to the weight: add one that is exactly zero in
+            # value, so the forward-time values stay (as in autograd's own cast) and the
+            # gradient reaches the leaf weight.
+            recast = layer.weight.param.to(w.dtype)
+            w = w + (recast - recast.detach())
         g2d = grad_out.reshape(-1, grad_out.shape[-1])  # (M, N)
         x2d = x.reshape(-1, x.shape[-1])  # (M, K)
         grad_x = None
@@ -163,9 +169,9 @@ class _DeferredLinear(torch.autograd.Function):
 
 # ``Function.apply`` without its Python prologue: the C++ apply of torch's Function base class,
 # bound to _DeferredLinear. The prologue unwraps functorch wrappers left over from a finished
-# torch.func transform; the call site takes the public ``apply`` for such an input, and inside
-# transforms or torch.compile tracing (benchmarks/results/ooo_host_cpu.md prices this change
-# together with the one in the backward).
+# torch.func transform; the call site takes the public ``apply`` for such an input and under
+# torch.compile tracing (inside a running transform the layer is not deferred at all).
+# benchmarks/results/ooo_host_cpu.md prices this together with the backward's change.
 _APPLY_DIRECT = super(torch.autograd.Function, _DeferredLinear).apply
 
 
@@ -310,9 +316,9 @@ class OOOScheduler:
         # the ambient stream only reads and frees them after the fold has waited for the side
         # stream. So they need no record_stream, and the work needs no event: the fold waits
         # for every side stream this pass used. Stream API calls per layer: 11.2 -> 4.3
-        # (benchmarks/results/ooo_host_cpu.md, which also measures the host time per layer
-        # that remains: 33.4 -> 27.1 us without @once_differentiable and Function.apply's
-        # Python prologue; most of the rest is the autograd.Function round trip itself).
+        # (benchmarks/results/ooo_host_cpu.md as committed at c55d75d; the current file
+        # measures the host time per layer that remains, most of it the autograd.Function
+        # round trip itself).
         dw = torch.empty_like(layer.weight.param) if need_w else None
         db = torch.empty_like(layer.bias.param) if need_b and layer.bias is not None else None
         side.wait_stream(ambient)  # dY (and X) were produced on the ambient stream

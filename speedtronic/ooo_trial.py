@@ -1,7 +1,7 @@
 """Keep out-of-order backprop only where it is faster: a measured trial at the start of a run.
 
 Deferring weight gradients to side streams pays where the GPU has idle gaps to fill and costs
-host time per deferred layer everywhere (~27 us of Python per layer on the fake-stream harness,
+host time per deferred layer everywhere (~28 us of Python per layer on the fake-stream harness,
 ``benchmarks/results/ooo_host_cpu.md``). On one H200 it slowed the reference model by 22.5% and
 a many-branch model by 67.8% (``benchmarks/results/h200_first_run_2026-11-30.md``), so whether it
 wins depends on the model, the batch and the GPU, and only a measurement can tell.

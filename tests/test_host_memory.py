@@ -40,6 +40,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
+_PRELOADED = bool(os.environ.get("LD_PRELOAD"))
+
+
 def _steps(opt_out: bool) -> tuple[str, int]:
     env = {k: v for k, v in os.environ.items()
            if k not in host_memory.USER_MALLOC_ENV and k != "GLIBC_TUNABLES"}
@@ -54,13 +57,14 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
     """No earlier decision cached; tuning enabled; no user malloc settings in the environment."""
     monkeypatch.setattr(host_memory, "_applied", None)
     monkeypatch.setattr(host_memory, "_requested", False)
+    monkeypatch.setattr(host_memory, "_last_logged", None)
     monkeypatch.delenv(host_memory.HOST_MALLOC_ENV, raising=False)
     for name in (*host_memory.USER_MALLOC_ENV, "GLIBC_TUNABLES"):
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.mark.skipif(host_memory._glibc() is None or resource.getpagesize() != 4096,
-                    reason="glibc with 4 KiB pages (the fault counts assume them)")
+@pytest.mark.skipif(host_memory._glibc() is None or resource.getpagesize() != 4096 or _PRELOADED,
+                    reason="glibc's own malloc with 4 KiB pages (the fault counts assume them)")
 def test_tuned_malloc_stops_refaulting_freed_step_memory():
     default_line, default_faults = _steps(opt_out=True)
     tuned_line, tuned_faults = _steps(opt_out=False)
@@ -77,10 +81,14 @@ def test_only_requested_cpu_runs_are_tuned(fresh, monkeypatch: pytest.MonkeyPatc
     calls: list[int] = []
     monkeypatch.setattr(host_memory, "tune_malloc", lambda: calls.append(1) or "host malloc: x")
     assert host_memory.apply_for_device("cpu") is None  # a library user's process: untouched
-    host_memory.request_for_cpu_runs()
-    assert "defaults kept (device cuda;" in host_memory.apply_for_device("cuda")
-    assert calls == []
-    assert host_memory.apply_for_device("cpu") == "host malloc: x" and calls == [1]
+    with host_memory.requested_for_cpu_runs():
+        assert "not tuned for this run (device cuda;" in host_memory.apply_for_device("cuda")
+        assert calls == []
+        assert host_memory.apply_for_device("cpu") == "host malloc: x" and calls == [1]
+        # compare builds many runs: the same decision is logged once, a new one again
+        assert host_memory.apply_for_device("cpu") is None and calls == [1, 1]
+        assert host_memory.apply_for_device("mps") is not None
+    assert host_memory.apply_for_device("cpu") is None and calls == [1, 1]  # request ended
 
 
 def test_non_glibc_platform_is_left_alone_and_said(fresh, monkeypatch: pytest.MonkeyPatch):
@@ -93,6 +101,8 @@ def test_non_glibc_platform_is_left_alone_and_said(fresh, monkeypatch: pytest.Mo
 def test_preloaded_allocator_and_user_settings_are_left_alone(fresh, monkeypatch):
     monkeypatch.setattr(host_memory, "_malloc_is_interposed", lambda libc: True)
     assert "malloc is not glibc's" in host_memory.tune_malloc()
+    monkeypatch.setattr(host_memory, "_malloc_is_interposed", lambda libc: None)
+    assert "could not tell which malloc" in host_memory.tune_malloc()
     monkeypatch.setattr(host_memory, "_malloc_is_interposed", lambda libc: False)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "4096")
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=0")
@@ -102,7 +112,7 @@ def test_preloaded_allocator_and_user_settings_are_left_alone(fresh, monkeypatch
     assert host_memory._applied is None
 
 
-@pytest.mark.skipif(host_memory._glibc() is None, reason="glibc only")
+@pytest.mark.skipif(host_memory._glibc() is None or _PRELOADED, reason="glibc's own malloc")
 def test_this_process_malloc_is_glibcs():
     # Nothing is preloaded in the test environment: the check must not report a false positive.
     assert host_memory._malloc_is_interposed(host_memory._glibc()) is False
@@ -114,7 +124,8 @@ def test_opt_out_values_and_a_bad_value(fresh, monkeypatch: pytest.MonkeyPatch):
                                         "(SPEEDTRONIC_HOST_MALLOC=off)"
     monkeypatch.setenv(host_memory.HOST_MALLOC_ENV, "disable")
     with pytest.raises(ValueError, match="SPEEDTRONIC_HOST_MALLOC='disable' is not valid"):
-        host_memory.request_for_cpu_runs()
+        with host_memory.requested_for_cpu_runs():
+            pytest.fail("the block must not run")
     assert host_memory._requested is False
 
 

@@ -67,19 +67,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison and print the table; returns the exit code."""
-    from ..host_memory import request_for_cpu_runs
+    from ..host_memory import requested_for_cpu_runs
     from .api import DEFAULT_LR_FACTORS, run_compare
-
-    request_for_cpu_runs()  # each CPU run's builder applies it (speedtronic.host_memory)
 
     command = "speedtronic " + " ".join(shlex.quote(a) for a in sys.argv[1:]) \
         if sys.argv and sys.argv[0].endswith(("speedtronic", "__main__.py")) else None
     try:
-        result = run_compare(
-            args.config, args.variants, overrides=args.overrides, steps=args.steps,
-            seeds=args.seeds, output_dir=args.output_dir, lr_sweep=args.lr_sweep,
-            sweep_fraction=args.sweep_fraction, lr_factors=args.lr_factors or DEFAULT_LR_FACTORS,
-            eval_every=args.eval_every, device=args.device, command=command)
+        with requested_for_cpu_runs():  # each CPU run's builder applies it (host_memory)
+            result = run_compare(
+                args.config, args.variants, overrides=args.overrides, steps=args.steps,
+                seeds=args.seeds, output_dir=args.output_dir, lr_sweep=args.lr_sweep,
+                sweep_fraction=args.sweep_fraction,
+                lr_factors=args.lr_factors or DEFAULT_LR_FACTORS, eval_every=args.eval_every,
+                device=args.device, command=command)
     except KeyboardInterrupt:
         print(f"speedtronic: compare interrupted; rerun the same command to resume (finished "
               f"runs in {args.output_dir} are kept)", file=sys.stderr)
