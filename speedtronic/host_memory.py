@@ -5,10 +5,10 @@ A CPU training step allocates every activation afresh (PyTorch's CPU allocator i
 at the top of the heap beyond twice the (dynamic) mmap threshold goes back to the kernel, and
 the next step page-faults it in again, zero-filled. For 60 steps of the short-run model on one
 thread: with glibc's defaults 194,667 minor page faults and 5.73 s, with :func:`tune_malloc`
-16,957 faults and 5.22 s (0.91x; 0.97x in the run at 4b677f7), peak resident memory 331 and 329 MiB,
-323 and 329 MiB right after training (``benchmarks/results/host_malloc_cpu.md``); a whole
-``speedtronic train`` run of
-``bench_short_run.py``'s YAML took 14.71 s against 15.54 s (``short_run_cpu.md``).
+16,957 faults and 5.22 s (0.91x; 0.97x in the run at 4b677f7), peak resident memory 331 and
+329 MiB, 323 and 329 MiB right after training (``benchmarks/results/host_malloc_cpu.md``); a
+whole ``speedtronic train`` run of ``bench_short_run.py``'s YAML took 14.71 s against 15.54 s
+(``short_run_cpu.md``).
 
 :func:`tune_malloc` sets two fixed thresholds with ``mallopt`` (setting any threshold also
 switches off glibc's dynamic adjustment, so both are set together):
@@ -25,10 +25,10 @@ afresh (2.2 M faults, 1.39x the time, same file).
 It changes the whole process, so the library never does it by itself: the ``speedtronic train``
 and ``compare`` commands run inside :func:`requested_for_cpu_runs`, and the run builder then
 applies it once the device is known to be the CPU (one log line; ``compare`` repeats it only
-when it changes). Python users may call
-:func:`tune_malloc`. It leaves malloc alone where it cannot be sure what it changes: not glibc,
-another allocator preloaded (jemalloc, tcmalloc), or malloc settings of the user's own in the
-environment. ``SPEEDTRONIC_HOST_MALLOC=0`` keeps glibc's defaults.
+when it changes). Python users may call :func:`tune_malloc`. It leaves malloc alone where it
+cannot be sure what it changes: not glibc, another allocator preloaded (jemalloc, tcmalloc), or
+malloc settings of the user's own in the environment. ``SPEEDTRONIC_HOST_MALLOC=0`` keeps
+glibc's defaults.
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ it discards the work of a backward that raised and makes the current stream wait
 
 Not deferred: ``torch.autograd.grad`` and ``backward(create_graph=True)`` (dW is returned as a
 normal gradient there, with its graph, so a double backward matches the standard one), forwards
-inside ``torch.func`` transforms, subclasses of
-``nn.Linear`` with their own forward, parametrized weights, fp64. Hooks registered with
-``register_post_accumulate_grad_hook`` do not see deferred gradients.
+inside ``torch.func`` transforms, subclasses of ``nn.Linear`` with their own forward,
+parametrized weights, fp64. Hooks registered with ``register_post_accumulate_grad_hook`` do not
+see deferred gradients.
 """
 
 from __future__ import annotations

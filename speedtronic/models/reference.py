@@ -92,11 +92,10 @@ class _RMSNormCPU(torch.autograd.Function):
     autograd through each of them); this does one reduction for the mean square and computes
     ``dx = rstd * (g*w - xhat * mean(g*w * xhat))`` directly: 813 -> 697 us forward + backward at
     (8, 128, 128) on one thread (``benchmarks/results/cpu_layers.md``), nine norms per step of
-    the reference model. Returns ``(y, xhat, rstd)``;
-    the last two are non-differentiable outputs, so that the ``setup_context`` form (which
-    ``torch.func`` needs) can save them. With ``create_graph=True`` the backward recomputes
-    ``rstd`` from ``x`` with differentiable ops, so gradient penalties (double backward) stay
-    exact.
+    the reference model. Returns ``(y, xhat, rstd)``; the last two are non-differentiable
+    outputs, so that the ``setup_context`` form (which ``torch.func`` needs) can save them.
+    With ``create_graph=True`` the backward recomputes ``rstd`` from ``x`` with differentiable
+    ops, so gradient penalties (double backward) stay exact.
     """
 
     generate_vmap_rule = True
