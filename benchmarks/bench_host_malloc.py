@@ -35,16 +35,13 @@ CHILD = """
 import json, resource, sys, time
 import torch
 from speedtronic import host_memory
+from speedtronic.config import load_config
 from speedtronic.runtime import build_trainer
-tune, steps, out = sys.argv[1] == "1", int(sys.argv[2]), sys.argv[3]
+tune, steps, config = sys.argv[1] == "1", int(sys.argv[2]), sys.argv[3]
 line = host_memory.tune_malloc() if tune else "not called"
 torch.set_num_threads(1)
-cfg = {"run": {"max_steps": steps, "device": "cpu", "seed": 1, "name": "m", "output_dir": out,
-               "eval_every": 0},
-       "model": {"vocab_size": 256, "max_seq_len": 128, "n_layer": 4, "n_head": 4,
-                 "n_kv_head": 2, "d_model": 128},
-       "data": {"micro_batch_size": 8, "target_batch_size": 8}, "precision": {"mode": "fp32"},
-       "checkpoint": {"enabled": False}, "scheduler": {"warmup_steps": 1}}
+cfg = load_config(config, [f"run.max_steps={steps}", "run.eval_every=0",
+                           "scheduler.warmup_steps=1"])
 trainer = build_trainer(cfg)
 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 t0 = time.perf_counter()
@@ -65,15 +62,15 @@ SETTINGS = {
 }
 
 
-def run_one(extra_env: dict[str, str], tune: bool, steps: int, out: str) -> dict:
+def run_one(extra_env: dict[str, str], tune: bool, steps: int, config: Path) -> dict:
     # Without the user's malloc settings or a preloaded allocator, which tune_malloc respects
     # (the "tune_malloc()" row would then measure "unchanged").
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
     env.pop("SPEEDTRONIC_HOST_MALLOC", None)
     env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **extra_env)
-    proc = subprocess.run([sys.executable, "-c", CHILD, "1" if tune else "0", str(steps), out],
-                          capture_output=True, text=True, env=env, timeout=900)
+    argv = [sys.executable, "-c", CHILD, "1" if tune else "0", str(steps), str(config)]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900)
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-2000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -81,6 +78,7 @@ def run_one(extra_env: dict[str, str], tune: bool, steps: int, out: str) -> dict
 
 def main() -> None:
     from bench_data import cpu_flags  # this folder is sys.path[0] when run as a script
+    from bench_short_run import CONFIG as SHORT_RUN_CONFIG
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=60)
@@ -88,9 +86,11 @@ def main() -> None:
     args = ap.parse_args()
     runs: dict[str, list[dict]] = {name: [] for name in SETTINGS}
     with tempfile.TemporaryDirectory() as d:
+        config = Path(d) / "short.yaml"  # bench_short_run.py's YAML, one source for the model
+        config.write_text(SHORT_RUN_CONFIG % (Path(d) / "runs", "", ""))
         for _ in range(args.rounds):
             for name, (extra_env, tune) in SETTINGS.items():
-                runs[name].append(run_one(extra_env, tune, args.steps, d))
+                runs[name].append(run_one(extra_env, tune, args.steps, config))
                 print(name, runs[name][-1], flush=True)
     summary = {name: {"seconds": statistics.median(r["seconds"] for r in rs),
                       "minor_faults": statistics.median(r["minor_faults"] for r in rs),

@@ -26,10 +26,9 @@ torch.set_num_threads(int(os.environ.get("SPEEDTRONIC_TEST_THREADS", "1")))
 @pytest.fixture(autouse=True)
 def _host_malloc_left_alone(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """``speedtronic train`` tunes glibc malloc for the whole process (speedtronic.host_memory):
-    tests that run the CLI in this process log the opt-out decision instead, and the request it
-    leaves is cleared. tests/test_host_memory.py tunes for real, in subprocesses."""
+    tests that run the CLI in this process log the opt-out decision instead.
+    tests/test_host_memory.py tunes for real, in subprocesses."""
     from speedtronic import host_memory
 
     monkeypatch.setenv(host_memory.HOST_MALLOC_ENV, "0")
     yield
-    host_memory._requested = False
