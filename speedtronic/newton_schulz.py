@@ -324,7 +324,7 @@ def orthogonalize(G: Tensor, steps: int, coefficients: Sequence[float], eps: flo
         # Normalization in fp32 (or fp64) even when the iteration runs in 16 bits.
         norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
-        X = (X.to(norm_dtype) / (norm + eps)).to(dtype)           # fresh tensor; G untouched
+        X = (X.to(norm_dtype) / norm.clamp(min=eps)).to(dtype)  # fresh; G untouched
     coeffs = _iter_coefficients(coefficients, steps)
     m, n = X.size(-2), X.size(-1)
     # bf16 stays standard: its Gram error is ~2x standard's (gram_restarts.md, bf16 rows).

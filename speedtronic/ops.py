@@ -139,10 +139,11 @@ def newton_schulz(G: Tensor, steps: int = 5, coefficients: Sequence[float] = QUI
     """Approximate polar factor of ``G`` by an odd quintic Newton-Schulz iteration.
 
     ``G`` is ``(m, n)`` or a batch ``(b, m, n)`` (each matrix independently). Each matrix is
-    divided by ``||G||_F + eps`` (so an all-zero matrix stays exactly zero), then ``steps`` times
-    ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, on the wide orientation (tall matrices are
-    transposed internally). ``coefficients`` holds 3 floats (used every iteration) or
-    ``3 * steps`` floats (a per-iteration schedule, e.g. :func:`polar_express_coefficients`).
+    divided by ``max(||G||_F, eps)`` (torch.optim.Muon's clamp; an all-zero matrix stays exactly
+    zero), then ``steps`` times ``X <- a X + (b A + c A^2) X`` with ``A = X X^T``, on the wide
+    orientation (tall matrices are transposed internally). ``coefficients`` holds 3 floats (used
+    every iteration) or ``3 * steps`` floats (a per-iteration schedule, e.g.
+    :func:`polar_express_coefficients`).
     With the default quintic, singular values above ~0.3% of ``||G||_F`` land in roughly
     [0.68, 1.15] rather than at 1 (smaller ones stay below the band).
 
@@ -280,7 +281,7 @@ def _muon_pre_impl(bufs: Sequence[Tensor], grads: Sequence[Tensor], momentum: fl
     else:
         torch._foreach_copy_(views, list(bufs))
     norm = torch.linalg.vector_norm(out, dim=(-2, -1), keepdim=True)  # (b, 1, 1)
-    out.div_(norm.add_(eps))
+    out.div_(norm.clamp_(min=eps))  # torch.optim.Muon's max(||U||, eps), not ||U|| + eps
     return out if out_dtype == torch.float32 else out.to(out_dtype)
 
 
@@ -296,7 +297,8 @@ def muon_pre_orthogonalize_(momentum_buffers: Sequence[Tensor], grads: Sequence[
     Updates the fp32 momentum buffers in place as torch.optim.Muon does (an EMA,
     ``B <- mu B + (1 - mu) g``), forms the Nesterov update ``g + mu (B - g)`` (or ``B``), stacks
     the updates into a new ``(b, m, n)`` tensor of ``out_dtype`` and divides each matrix by
-    ``||.||_F + eps``. Gradients may be any float dtype; the math is fp32."""
+    ``max(||.||_F, eps)`` (torch.optim.Muon's clamp). Gradients may be any float dtype; the
+    math is fp32."""
     return _muon_pre_impl(momentum_buffers, grads, momentum, nesterov, eps, out_dtype)
 
 

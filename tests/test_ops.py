@@ -30,7 +30,7 @@ def ref_newton_schulz(G: torch.Tensor, coeffs: list[float], steps: int, eps: flo
     tall = X.size(-2) > X.size(-1)
     if tall:
         X = X.mT
-    X = X / (torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True) + eps)
+    X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps)
     for k in range(steps):
         a, b, c = coeffs[3 * k:3 * k + 3] if len(coeffs) > 3 else coeffs
         A = X @ X.mT
@@ -226,7 +226,7 @@ def test_muon_pre_orthogonalize_matches_reference() -> None:
     mu, eps = 0.9, 1e-7
     exp_bufs = [mu * b.double() + (1 - mu) * g.double() for b, g in zip(bufs, grads, strict=True)]
     exp = [g.double() + mu * (b - g.double()) for b, g in zip(exp_bufs, grads, strict=True)]
-    exp = torch.stack([e / (e.norm() + eps) for e in exp])
+    exp = torch.stack([e / e.norm().clamp(min=eps) for e in exp])
     out = ops.muon_pre_orthogonalize_(bufs, grads, mu, True, eps, torch.float32)
     assert out.shape == (2, 6, 4) and out.dtype == torch.float32
     assert _rel(out, exp) < 1e-6

@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads) muon_pre_scale_kernel(MatTable<2> t,
   float s = 0.f;
   for (int i = threadIdx.x; i < a.chunks; i += blockDim.x) s += part[i];
   s = block_sum(s, scratch);
-  const float denom = sqrtf(s) + a.eps;
+  const float denom = fmaxf(sqrtf(s), a.eps);  // torch.optim.Muon's clamp(min=eps)
   const int64_t start = static_cast<int64_t>(blockIdx.x) * kChunk;
   const int64_t len = a.numel - start < kChunk ? a.numel - start : kChunk;
   const G* g = static_cast<const G*>(t.ptr[0][mat]) + start;

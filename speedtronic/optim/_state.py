@@ -7,6 +7,7 @@ bf16 on resume; this mixin restores the saved values (cast to fp32, never throug
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import chain
 from typing import Any
 
@@ -19,6 +20,26 @@ def run_closure(closure: Any) -> Any:
         return None
     with torch.enable_grad():
         return closure()
+
+
+def checked_or_dropped(groups: list[dict[str, Any]],
+                       check: Callable[[dict[str, Any]], None]) -> None:
+    """Validate the group ``add_param_group`` just appended; a rejected group is removed again,
+    so a failed ``add_param_group`` leaves the optimizer as it was (as torch's own do)."""
+    try:
+        check(groups[-1])
+    except BaseException:
+        groups.pop()
+        raise
+
+
+def fill_group_defaults(groups: list[dict[str, Any]],
+                        defaults_for: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Give loaded param groups the keys they lack (a torch optimizer's or an older version's
+    state dict), from ``defaults_for(group)``; keys the state dict has are kept."""
+    for group in groups:
+        for key, value in defaults_for(group).items():
+            group.setdefault(key, value)
 
 
 def _undecorated(name: str) -> Any:

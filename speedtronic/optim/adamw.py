@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 
 from .. import ops
-from ._state import EagerMethodsMixin, run_closure
+from ._state import EagerMethodsMixin, checked_or_dropped, fill_group_defaults, run_closure
 
 __all__ = ["AdamW", "adamw_step", "ADAMW_DEFAULTS", "fused_supported"]
 
@@ -147,7 +147,12 @@ class AdamW(EagerMethodsMixin, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        _check_group(self.param_groups[-1])
+        checked_or_dropped(self.param_groups, _check_group)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A torch.optim.AdamW state dict has no cautious / cautious_rescale keys.
+        super().__setstate__(state)
+        fill_group_defaults(self.param_groups, lambda group: self.defaults)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

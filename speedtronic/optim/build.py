@@ -4,7 +4,8 @@
 key (``"muon"`` or ``"adamw"``) next to that branch's hyperparameters. Because it *is* the
 optimizer (no child optimizers, no shared-state tricks), everything built on
 ``torch.optim.Optimizer`` just works: ``LambdaLR`` scales every group's ``lr`` (keeping the
-Muon/AdamW ratio), ``state_dict``/``load_state_dict`` hold both branches,
+Muon/AdamW ratio), ``OneCycleLR``/``CyclicLR`` cycle Muon's momentum and AdamW's beta1 (see
+:class:`HybridOptimizer`), ``state_dict``/``load_state_dict`` hold both branches,
 ``torch.save``/``torch.load(weights_only=True)`` round-trips (state holds only tensors; groups
 only numbers, strings, lists and None), ``zero_grad`` clears everything.
 """
@@ -18,7 +19,13 @@ import torch
 from torch import nn
 
 from ..config import OptimizerConfig
-from ._state import EagerMethodsMixin, Fp32StateMixin, run_closure
+from ._state import (
+    EagerMethodsMixin,
+    Fp32StateMixin,
+    checked_or_dropped,
+    fill_group_defaults,
+    run_closure,
+)
 from .adamw import ADAMW_DEFAULTS, adamw_step, fused_supported
 from .adamw import _check_group as _check_adamw_group
 from .muon import MUON_DEFAULTS, muon_step
@@ -43,12 +50,17 @@ class HybridOptimizer(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
     ``step()`` runs every Muon group together (same-shape matrices share one batched
     Newton-Schulz call), then each AdamW group. :meth:`reset_state` drops all inner state
     (momentum, Adam moments, steps) of both branches, e.g. at a DiLoCo outer step.
+
+    Momentum-cycling schedulers (``OneCycleLR``, ``CyclicLR``) write one key, ``momentum``, to
+    every group: ``defaults`` declares it, Muon groups use it as theirs, and an AdamW group
+    whose ``momentum`` is set (it is None until a scheduler writes it) takes it as beta1, which
+    is what those schedulers do to a plain AdamW.
     """
 
     def __init__(self, param_groups: list[dict[str, Any]]) -> None:
         if not param_groups:
             raise ValueError("HybridOptimizer needs at least one param group")
-        super().__init__(param_groups, defaults={})
+        super().__init__(param_groups, defaults={"momentum": None})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         kind = param_group.get("kind")
@@ -56,7 +68,14 @@ class HybridOptimizer(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
             raise ValueError(f"param group 'kind' must be 'muon' or 'adamw', got {kind!r}")
         group = {**_KIND_DEFAULTS[kind], **param_group}
         super().add_param_group(group)
-        (_check_muon_group if kind == "muon" else _check_adamw_group)(self.param_groups[-1])
+        checked_or_dropped(self.param_groups,
+                           _check_muon_group if kind == "muon" else _check_adamw_group)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # A state dict of an older version may lack keys added since; fill them per kind.
+        super().__setstate__(state)
+        fill_group_defaults(self.param_groups,
+                            lambda group: _KIND_DEFAULTS.get(group.get("kind"), {}))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = [g.get("kind") for g in state_dict.get("param_groups", [])]
@@ -80,6 +99,9 @@ class HybridOptimizer(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
             muon_step(self.state, muon_groups)
         for group in self.param_groups:
             if group["kind"] == "adamw":
+                beta1 = group.get("momentum")  # set only by a momentum-cycling scheduler
+                if beta1 is not None and group["betas"][0] != beta1:
+                    group["betas"] = (beta1, group["betas"][1])
                 adamw_step(self.state, group)
         return loss
 

@@ -5,7 +5,7 @@ update of ``torch.optim.Muon`` (torch 2.13, ``_single_tensor_muon``):
 
     M   <- mu M + (1 - mu) g                      (EMA, torch's lerp form)
     U   <- g + mu (M - g)  if nesterov  else  M
-    O   <- NS_k(U / (||U||_F + eps))              (Newton-Schulz, ``ns_steps`` iterations)
+    O   <- NS_k(U / max(||U||_F, eps))            (Newton-Schulz, ``ns_steps`` iterations)
     O   <- post(O)                                (Muon+ normalize; cautious mask vs g)
     W   <- W (1 - lr wd) - lr * s(A, B) * O       (s: ``adjust_lr_fn``)
 
@@ -29,7 +29,13 @@ import torch
 from torch import Tensor
 
 from .. import ops
-from ._state import EagerMethodsMixin, Fp32StateMixin, run_closure
+from ._state import (
+    EagerMethodsMixin,
+    Fp32StateMixin,
+    checked_or_dropped,
+    fill_group_defaults,
+    run_closure,
+)
 
 logger = logging.getLogger("speedtronic.optim")
 
@@ -165,7 +171,8 @@ def _group_entries(state: dict, group: dict[str, Any], writebacks: list[tuple[Te
     views of all three (contiguous slices: the kernels update the parameter in place). A
     ``transposed_split:K`` parameter gives K contiguous ``(out, in)`` copies, and a ``flatten``
     parameter that is not contiguous (a conv kernel in channels_last) one contiguous copy; each
-    copy is listed in ``writebacks`` as ``(source, destination)`` for after the step."""
+    copy is listed in ``writebacks`` as ``(source, destination)`` for after the step, as is the
+    contiguous copy of any other non-contiguous parameter (a transposed view, for one)."""
     kind, k = parse_layout(group.get("layout", "matrix"))
     entries = []
     for p in group["params"]:
@@ -204,12 +211,17 @@ def _group_entries(state: dict, group: dict[str, Any], writebacks: list[tuple[Te
                 writebacks.append((work, p))
             entries.append((work.view(p.shape[0], -1), g.reshape(p.shape[0], -1),
                             buf.view(p.shape[0], -1)))            # (out, in * prod(k))
-        elif kind == "split":
-            rows = p.shape[0] // k
-            entries.extend((p[i * rows:(i + 1) * rows], g[i * rows:(i + 1) * rows],
-                            buf[i * rows:(i + 1) * rows]) for i in range(k))
-        else:
-            entries.append((p, g, buf))
+        else:  # matrix, transposed, split
+            work = p
+            if not p.is_contiguous():  # e.g. a transposed view: the kernels update in place
+                work = p.contiguous()                             # same shape, contiguous copy
+                writebacks.append((work, p))
+            if kind == "split":
+                rows = p.shape[0] // k
+                entries.extend((work[i * rows:(i + 1) * rows], g[i * rows:(i + 1) * rows],
+                                buf[i * rows:(i + 1) * rows]) for i in range(k))
+            else:
+                entries.append((work, g, buf))
     return entries
 
 
@@ -222,9 +234,6 @@ def muon_step(state: dict, groups: Iterable[dict[str, Any]]) -> None:
     writebacks: list[tuple[Tensor, Tensor]] = []
     for group in groups:
         for p, g, buf in _group_entries(state, group, writebacks):
-            if not p.is_contiguous():  # a split view of a non-contiguous parameter
-                raise RuntimeError(f"Muon layout {group.get('layout')!r} needs a contiguous "
-                                   f"parameter (shape {tuple(p.shape)})")
             coeffs = group["ns_coefficients"]
             key = (tuple(p.shape), p.device, group["ns_steps"],
                    coeffs if isinstance(coeffs, str) else tuple(coeffs), group["eps"],
@@ -258,7 +267,7 @@ def _bucket_step(key: tuple, items: list[tuple[dict, Tensor, Tensor, Tensor]]) -
     stacked = pre([b for _, _, _, b in items], grads, float(momentum), bool(nesterov),
                   float(eps), compute)                                           # (b, m, n)
     flat = ops.resolve_coefficients(coeffs, steps)
-    # The pre-pass already divided each matrix by ||.||_F + eps: NS skips its own normalization.
+    # The pre-pass already divided each matrix by max(||.||_F, eps): NS skips its own normalization.
     newton_schulz = ops.kernel_or_fallback("newton_schulz", device, [])
     orth = newton_schulz(stacked, int(steps), flat, float(eps), compute, "auto", True)
     # The fp16 guard reads one flag back (a host sync per fp16 bucket); it is skipped while
@@ -340,7 +349,13 @@ class Muon(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
-        _check_group(self.param_groups[-1])
+        checked_or_dropped(self.param_groups, _check_group)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # load_state_dict ends here: a torch.optim.Muon state dict has no muon_plus, norm_eps,
+        # cautious, cautious_rescale or ns_dtype; its groups take this optimizer's defaults.
+        super().__setstate__(state)
+        fill_group_defaults(self.param_groups, lambda group: self.defaults)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

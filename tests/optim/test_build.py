@@ -172,6 +172,38 @@ def test_muon_without_matrices_falls_back_to_adamw() -> None:
     assert {g["kind"] for g in opt.param_groups} == {"adamw"}
 
 
+def test_momentum_cycling_schedulers_drive_both_branches() -> None:
+    # OneCycleLR / CyclicLR write group["momentum"] on every group (defaults has "momentum");
+    # Muon uses it as its own, AdamW as beta1, as each would under the scheduler alone.
+    from torch.optim.lr_scheduler import CyclicLR, OneCycleLR
+
+    m = nn.Sequential(nn.Embedding(50, 16), nn.Linear(16, 16), nn.Linear(16, 50))
+    opt = build_optimizer(m, load_config({"optimizer": "muon"}).optimizer)
+    sched = OneCycleLR(opt, max_lr=0.01, total_steps=10)
+    seen = []
+    for _ in range(4):
+        for p in m.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        seen.append({g["kind"]: (g["momentum"], g.get("betas")) for g in opt.param_groups})
+        sched.step()
+    muon_momenta = [s["muon"][0] for s in seen]
+    assert len(set(muon_momenta)) == 4  # cycled
+    for s in seen:
+        assert s["adamw"][1][0] == s["adamw"][0]  # beta1 followed the scheduler's momentum
+    CyclicLR(build_optimizer(m, load_config({"optimizer": "muon"}).optimizer), 1e-4, 1e-2)
+
+
+def test_rejected_hybrid_param_group_is_not_kept() -> None:
+    opt = build_optimizer(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)),
+                          load_config({"optimizer": "muon"}).optimizer)
+    before = len(opt.param_groups)
+    with pytest.raises(ValueError):
+        opt.add_param_group({"kind": "adamw", "params": [nn.Parameter(torch.randn(3))],
+                             "betas": (2.0, 0.9)})
+    assert len(opt.param_groups) == before
+
+
 def test_hybrid_group_validation() -> None:
     with pytest.raises(ValueError, match="'kind'"):
         HybridOptimizer([{"params": [nn.Parameter(torch.ones(2))]}])

@@ -172,6 +172,67 @@ def test_loads_torch_muon_state_dict() -> None:
     ours.load_state_dict(theirs.state_dict())
     assert torch.equal(ours.state[params[0]]["momentum_buffer"],
                        theirs.state[theirs.param_groups[0]["params"][0]]["momentum_buffer"])
+    # torch's groups lack our keys: they take our defaults, and the next steps follow torch's.
+    assert ours.param_groups[0]["ns_dtype"] == "auto" and ours.param_groups[0]["muon_plus"] is False
+    theirs_params = theirs.param_groups[0]["params"]
+    with torch.no_grad():
+        for p, q in zip(params, theirs_params, strict=True):
+            p.copy_(q)
+    start = [q.detach().clone() for q in theirs_params]
+    more = [[torch.randn(w.shape, generator=torch.Generator().manual_seed(90 + i)) for w in init]
+            for i in range(3)]
+    for step_grads in more:
+        for p, q, g in zip(params, theirs_params, step_grads, strict=True):
+            p.grad, q.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    # torch runs Newton-Schulz in bf16 on CPU: ~1e-2 of the displacement (see above)
+    assert _rel_disp([p.detach().double() for p in params],
+                     [q.detach().double() for q in theirs_params], start) < 3e-2
+
+
+def test_small_updates_are_normalized_like_torch_muon() -> None:
+    # torch divides by max(||U||, eps), not ||U|| + eps: at ||U|| = 1e-6 (eps 1e-7) the two
+    # differ by 10% before Newton-Schulz, ~12% after. float64 reference of torch's formula.
+    g = torch.randn(8, 16, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    for scale in (1e-6, 1e-9):  # above and below eps
+        grad = g / g.norm() * scale
+        p = nn.Parameter(torch.zeros(8, 16, dtype=torch.float64))
+        p.grad = grad.clone()
+        Muon([p], lr=0.02, momentum=0.0, nesterov=False, weight_decay=0.0, ns_dtype="fp64").step()
+        X = grad / grad.norm().clamp(min=1e-7)
+        a, b, c = ops.QUINTIC
+        for _ in range(5):
+            A = X @ X.mT
+            X = a * X + (b * A + c * A @ A) @ X
+        expected = -0.02 * X
+        # the pre-pass is fp32 whatever the parameter dtype; ``+ eps`` was off by ~1e-1 here
+        assert (p.detach() - expected).norm() / expected.norm() < 1e-6
+
+
+def test_non_contiguous_parameter_steps_like_its_contiguous_copy() -> None:
+    base = torch.randn(8, 16, generator=torch.Generator().manual_seed(6))
+    grad = torch.randn(16, 8, generator=torch.Generator().manual_seed(7))
+    transposed = nn.Parameter(base.clone().t())  # (16, 8) view with strides (1, 16)
+    plain = nn.Parameter(base.clone().t().contiguous())
+    for p in (transposed, plain):
+        p.grad = grad.clone()
+        Muon([p], lr=0.02).step()
+    assert not transposed.is_contiguous() and torch.equal(transposed, plain)
+    # torch.optim.Muon steps such a parameter too: ours agrees with it
+    theirs = nn.Parameter(base.clone().t())
+    theirs.grad = grad.clone()
+    torch.optim.Muon([theirs], lr=0.02).step()
+    assert (transposed - theirs).norm() / theirs.norm() < 1e-2
+
+
+def test_rejected_param_group_is_not_kept() -> None:
+    opt = Muon([nn.Parameter(torch.randn(8, 16))])
+    with pytest.raises(ValueError, match="2D parameters"):
+        opt.add_param_group({"params": [nn.Parameter(torch.randn(3))]})
+    assert len(opt.param_groups) == 1
+    opt.param_groups[0]["params"][0].grad = torch.randn(8, 16)
+    opt.step()  # still usable
 
 
 @pytest.mark.parametrize("muon_plus,cautious", [(True, False), (False, True), (True, True)])
