@@ -107,9 +107,22 @@ def _add_prepare(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("prepare", help="tokenize data.text_path / data.hf_dataset into cached "
                                        "token shards (train also does it on first use)")
     p.add_argument("--config", required=True, help="YAML or JSON config file")
-    p.add_argument("--workers", type=int, help="tokenizer processes (default: data."
-                                               "prepare_workers, else one per CPU core)")
+    p.add_argument("--workers", type=_positive_int, help="tokenizer processes, > 0 (default: "
+                                                         "data.prepare_workers, else one per "
+                                                         "CPU core)")
     _add_set(p)
+
+
+def _positive_int(text: str) -> int:
+    """``--workers``: 0 used to mean the default silently and negatives were logged as is."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer (tokenizer processes), "
+                                         f"got {text!r}")
+    return value
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:

@@ -42,6 +42,7 @@ from .sources import (
 from .token_files import (
     TOKEN_CHUNK,
     TokenFileStore,
+    header_hint,
     max_token_id,
     open_token_file,
     resolve_token_paths,
@@ -107,16 +108,27 @@ class DataBundle:
         return list(self._eval_cache[n])
 
 
+@dataclass(frozen=True)
+class _Names:
+    """How errors about a source's size name it: the key/file of the train tokens, of the
+    held-out tokens, and the fix for a held-out split that is too short."""
+
+    train: str
+    held: str
+    held_fix: str = "raise data.eval_fraction or use more data"
+
+
 def _windows_bundle(train: TokenStore, held: TokenStore, description: str, vocab: int,
                     cfg: SpeedtronicConfig, T: int, B: int, seed: int, rank: int, world: int,
-                    pin: bool,
+                    pin: bool, names: _Names,
                     chunk_samples: int | None = None) -> DataBundle:
     it = WindowIterator(train, T, B, seed, rank, world, chunk_samples=chunk_samples,
-                        shuffle=cfg.data.shuffle, pin_memory=pin)
-    eval_windows(held, T, 1)  # fail now, not at the first eval, if the split is too small
+                        shuffle=cfg.data.shuffle, pin_memory=pin, name=names.train)
+    # Fail now, not at the first eval, if the split is too small.
+    eval_windows(held, T, 1, name=names.held, fix=names.held_fix)
 
     def make_eval(n: int) -> list[Batch]:
-        windows = eval_windows(held, T, n * B)  # (n*B, T+1)
+        windows = eval_windows(held, T, n * B, name=names.held, fix=names.held_fix)  # (n*B, T+1)
         return [split_batch(windows[i * B:(i + 1) * B]) for i in range(n)]
 
     return DataBundle(train=it, description=description, vocab_size=vocab, block_size=T,
@@ -168,9 +180,9 @@ def build_data(cfg: SpeedtronicConfig, *, rank: int = 0, world: int = 1,
     if d.dataset is not None:
         bundle = _user_bundle(cfg, T, B, seed, rank, world, pin)
     elif d.tokens_path is not None or d.tokenizer is not None:
-        train, held, desc = _token_stores(cfg)
+        train, held, desc, names = _token_stores(cfg)
         bundle = _windows_bundle(train, held, f"{desc}{shard}", cfg.model.vocab_size, cfg, T, B,
-                                 seed, rank, world, pin,
+                                 seed, rank, world, pin, names,
                                  chunk_samples=max(1, TOKEN_CHUNK // T))
     elif d.text_path is not None:
         _check_byte_vocab(cfg, f"data.text_path {d.text_path!r}")
@@ -179,11 +191,14 @@ def build_data(cfg: SpeedtronicConfig, *, rank: int = 0, world: int = 1,
             raise FileNotFoundError(f"data.text_path: file not found: {str(path)!r}")
         size = path.stat().st_size
         split = int(size * (1.0 - d.eval_fraction))
+        where = f"data.text_path {str(path)!r}"
         bundle = _windows_bundle(
             TextFileStore(path, 0, split), TextFileStore(path, split, size),
             f"text file {path} ({split / 1e6:.2f} MB train / {(size - split) / 1e6:.2f} MB "
             f"eval = the last {d.eval_fraction:.0%}, bytes{shard})",
             BYTE_VOCAB, cfg, T, B, seed, rank, world, pin,
+            _Names(f"{where} (the first {1 - d.eval_fraction:.0%}, bytes)",
+                   f"{where} (held-out split: the last {d.eval_fraction:.0%})"),
             chunk_samples=max(1, TEXT_CHUNK_BYTES // T))
     elif d.synthetic:
         vocab = cfg.model.vocab_size
@@ -192,7 +207,9 @@ def build_data(cfg: SpeedtronicConfig, *, rank: int = 0, world: int = 1,
             ArrayStore(synthetic_tokens(d.num_tokens, vocab, seed, stream=1 + rank)),
             ArrayStore(synthetic_tokens(n_eval, vocab, seed, stream=0)),
             f"synthetic uniform tokens ({d.num_tokens:,} per rank, vocab {vocab}, "
-            f"seed {seed}{shard})", vocab, cfg, T, B, seed, rank, world, pin)
+            f"seed {seed}{shard})", vocab, cfg, T, B, seed, rank, world, pin,
+            _Names("data.synthetic (data.num_tokens)", "data.synthetic held-out split",
+                   "raise data.num_tokens or data.eval_fraction"))
     else:
         _check_byte_vocab(cfg, "the default stdlib corpus")
         corpus = stdlib_corpus(d.stdlib_max_bytes, d.eval_fraction)
@@ -201,7 +218,10 @@ def build_data(cfg: SpeedtronicConfig, *, rank: int = 0, world: int = 1,
             f"python {python_tag()} stdlib source bytes ({len(corpus.train_paths)} files "
             f"{corpus.train.size / 1e6:.2f} MB train / {len(corpus.eval_paths)} files "
             f"{corpus.eval.size / 1e6:.2f} MB eval, held out by file; built in "
-            f"{corpus.seconds:.2f} s{shard})", BYTE_VOCAB, cfg, T, B, seed, rank, world, pin)
+            f"{corpus.seconds:.2f} s{shard})", BYTE_VOCAB, cfg, T, B, seed, rank, world, pin,
+            _Names("the stdlib corpus (data.stdlib_max_bytes)",
+                   "the stdlib corpus's held-out files",
+                   "raise data.stdlib_max_bytes or data.eval_fraction"))
     logger.info("data: %s; block %d, micro-batch %d", bundle.description, T, B)
     return bundle
 
@@ -246,20 +266,39 @@ def _token_paths(cfg: SpeedtronicConfig) -> tuple[str, str | None, str]:
                                        f" (tokenizer {d.tokenizer}, prepared in {meta.directory})")
 
 
-def _token_stores(cfg: SpeedtronicConfig) -> tuple[TokenFileStore, TokenFileStore, str]:
+def _files_named(key: str, spec: str, paths: list[Path]) -> str:
+    """``key 'file'`` for one file, ``key 'spec' (N files)`` for several: for error messages."""
+    if len(paths) == 1:
+        return f"{key} {str(paths[0])!r}"
+    return f"{key} {spec!r} ({len(paths)} files)"
+
+
+def _token_stores(cfg: SpeedtronicConfig) -> tuple[TokenFileStore, TokenFileStore, str, _Names]:
     d = cfg.data
     spec, eval_spec, what = _token_paths(cfg)
-    files = [open_token_file(p, d.tokens_dtype, "data.tokens_path")
-             for p in resolve_token_paths(spec, "data.tokens_path")]
+    # A prepared source's shards come from data.text_path / data.hf_dataset, not tokens_path.
+    key = "data.tokens_path" if d.tokens_path is not None else (
+        f"data.{'hf_dataset' if d.hf_dataset is not None else 'text_path'} (prepared shards)")
+    paths = resolve_token_paths(spec, "data.tokens_path")
+    files = [open_token_file(p, d.tokens_dtype, "data.tokens_path") for p in paths]
     stream = TokenFileStore(files)
+    train_name = _files_named(key, spec, paths)
     if eval_spec is not None:
+        eval_paths = resolve_token_paths(eval_spec, "data.eval_tokens_path")
         held = TokenFileStore([open_token_file(p, d.tokens_dtype, "data.eval_tokens_path")
-                               for p in resolve_token_paths(eval_spec, "data.eval_tokens_path")])
-        return stream, held, f"{what} ({stream.n:,} train / {held.n:,} eval tokens)"
+                               for p in eval_paths])
+        # eval_fraction plays no part here: the fix is a longer eval file.
+        names = _Names(train_name, _files_named("data.eval_tokens_path", eval_spec, eval_paths),
+                       "use a longer data.eval_tokens_path or a smaller data.block_size")
+        return stream, held, f"{what} ({stream.n:,} train / {held.n:,} eval tokens)", names
     split = int(stream.n * (1.0 - d.eval_fraction))
     train, held = TokenFileStore(files, 0, split), TokenFileStore(files, split, stream.n)
+    names = _Names(f"{train_name} (the first {1 - d.eval_fraction:.0%} of {stream.n} tokens)",
+                   f"{train_name} (held-out split: the last {d.eval_fraction:.0%})",
+                   "raise data.eval_fraction, set data.eval_tokens_path or use more data"
+                   if d.tokens_path is not None else "raise data.eval_fraction or use more data")
     return train, held, (f"{what} ({train.n:,} train / {held.n:,} eval tokens = the last "
-                         f"{d.eval_fraction:.0%})")
+                         f"{d.eval_fraction:.0%})"), names
 
 
 def check_data(cfg: SpeedtronicConfig) -> None:
@@ -278,21 +317,26 @@ def check_data(cfg: SpeedtronicConfig) -> None:
     vocab_from_data: int | None = None
     if meta.is_file():
         vocab_from_data = int(json.loads(meta.read_text()).get("vocab_size") or 0) or None
-    top, where = -1, ""
+    top, where, hint = -1, "", ""
     for key, path in paths:
-        top_here = max_token_id(open_token_file(path, d.tokens_dtype, key))
+        f = open_token_file(path, d.tokens_dtype, key)
+        top_here, hint_here = max_token_id(f), header_hint(f)
+        if hint_here:  # the ids may fit the vocabulary and still be a header read as tokens
+            logger.warning("data: %s %r is read as raw %s ids%s", key, str(path),
+                           f.tokens.dtype.name, hint_here)
         if top_here > top:
-            top, where = top_here, f"{key} {str(path)!r}"
+            top, where, hint = top_here, f"{key} {str(path)!r}", hint_here
     if cfg.model.vocab_size is None:
         if vocab_from_data is None:
             raise ConfigError(f"model.vocab_size: required for token files without a tokenizer; "
-                              f"the largest id in the data is {top} ({where}), so it must be at "
-                              f"least {top + 1}")
+                              f"the largest id in the data is {top} ({where}{hint}), so it must "
+                              f"be at least {top + 1}")
         cfg.model.vocab_size = vocab_from_data
         logger.info("data: model.vocab_size = %d (from the tokenizer)", vocab_from_data)
     if top >= cfg.model.vocab_size:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is too small for the data: "
-                          f"{where} holds token id {top}; set model.vocab_size >= {top + 1}")
+                          f"{where} holds token id {top}{hint}; set model.vocab_size >= "
+                          f"{top + 1}")
     if vocab_from_data is not None and cfg.model.vocab_size < vocab_from_data:
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the "
                           f"tokenizer's vocabulary of {vocab_from_data} ({d.tokenizer})")

@@ -7,8 +7,10 @@ processes, with a progress bar. Output: ``shard_000000.bin`` ... (the modded-nan
 fingerprints and the largest id of every shard, in
 ``data.prepare_dir`` (default ``<cache>/tokens/<key>``). The key hashes the tokenizer's
 serialized form and the source (paths, sizes and modification times; or the dataset's name,
-config, split and field), so a second run, or a training run, finds the shards instead of
-tokenizing again. ``speedtronic train`` prepares automatically on first use.
+config, split and field, plus its files' paths, sizes and modification times when it is a local
+folder), so a second run, or a training run, finds the shards instead of tokenizing again.
+``speedtronic train`` prepares automatically on first use. A failed prepare removes its
+temporary folder.
 
 Documents are separated by the tokenizer's end-of-text token when it has one (``<|endoftext|>``,
 ``</s>``, ``<eos>``, ``[SEP]``); a text file is one document, a dataset row is one document.
@@ -21,6 +23,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,16 +90,25 @@ def text_files(spec: str) -> list[Path]:
     return expand_paths(spec, "data.text_path", recursive=True)
 
 
+def _file_stamps(files: list[Path]) -> list[list[Any]]:
+    stamps: list[list[Any]] = []
+    for p in files:
+        st = p.stat()
+        stamps.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
+    return stamps
+
+
 def _source_fingerprint(cfg: SpeedtronicConfig) -> dict[str, Any]:
     d = cfg.data
     if d.hf_dataset is not None:
-        return {"hf_dataset": d.hf_dataset, "config": d.hf_config, "split": d.hf_split,
-                "text_field": d.text_field}
-    files = []
-    for p in text_files(str(d.text_path)):
-        st = p.stat()
-        files.append([str(p.resolve()), st.st_size, st.st_mtime_ns])
-    return {"text_files": files}
+        fp: dict[str, Any] = {"hf_dataset": d.hf_dataset, "config": d.hf_config,
+                              "split": d.hf_split, "text_field": d.text_field}
+        local = Path(str(d.hf_dataset)).expanduser()
+        if local.exists():  # a local folder/file: edited files must make new shards
+            fp["files"] = _file_stamps(expand_paths(str(local), "data.hf_dataset",
+                                                    recursive=True))
+        return fp
+    return {"text_files": _file_stamps(text_files(str(d.text_path)))}
 
 
 def prepared_dir(cfg: SpeedtronicConfig, tokenizer: Any) -> tuple[Path, str]:
@@ -110,7 +122,8 @@ def prepared_dir(cfg: SpeedtronicConfig, tokenizer: Any) -> tuple[Path, str]:
     return root / "tokens" / key, key
 
 
-def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[str]:
+def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[tuple[str, str]]:
+    """(where, text) for each row of the dataset; ``where`` names the row for errors."""
     d = cfg.data
     try:
         import datasets
@@ -141,16 +154,19 @@ def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[str]:
     if columns is not None and d.text_field not in columns:
         raise ConfigError(f"data.text_field: {d.text_field!r} is not a column of "
                           f"{d.hf_dataset!r}; columns: {sorted(columns)}")
-    for row in ds:
+    for i, row in enumerate(ds):
         if d.text_field not in row:
             raise ConfigError(f"data.text_field: {d.text_field!r} is not a field of "
                               f"{d.hf_dataset!r}; fields: {sorted(row)}")
-        yield str(row[d.text_field])
+        yield (f"data.hf_dataset {str(d.hf_dataset)!r} [{d.hf_split}] row {i}",
+               str(row[d.text_field]) + "\x00EOD")
 
 
-def _file_blocks(files: list[Path]) -> Iterator[str]:
-    """Each file in ~1 MiB blocks cut at line ends; a file's last block ends its document."""
+def _file_blocks(files: list[Path]) -> Iterator[tuple[str, str]]:
+    """Each file in ~1 MiB blocks cut at line ends, as (where, text); a file's last block ends
+    its document."""
     for path in files:
+        where = f"data.text_path file {str(path)!r}"
         with open(path, encoding="utf-8", errors="replace") as fh:
             carry, seen = "", False
             while True:
@@ -163,66 +179,49 @@ def _file_blocks(files: list[Path]) -> Iterator[str]:
                     carry = text
                     continue
                 seen = True
-                yield text[:cut]
+                yield where, text[:cut]
                 carry = text[cut:]
             if seen or carry:  # an empty file is no document (no end-of-text token either)
-                yield carry + "\x00EOD"  # marker: end of this document
+                yield where, carry + "\x00EOD"  # marker: end of this document
 
 
 _worker_tokenizer: Any = None
 _worker_eos: int | None = None
+_worker_spec = ""
 
 
-def _init_worker(serialized: str, eos: int | None) -> None:
-    global _worker_tokenizer, _worker_eos
+def _init_worker(serialized: str, eos: int | None, spec: str) -> None:
+    global _worker_tokenizer, _worker_eos, _worker_spec
     from tokenizers import Tokenizer
 
     _worker_tokenizer = Tokenizer.from_str(serialized)
     _worker_eos = eos
+    _worker_spec = spec
 
 
-def _encode(text: str) -> np.ndarray:
+def _encode(task: tuple[str, str]) -> np.ndarray:
+    where, text = task
     end = text.endswith("\x00EOD")
     if end:
         text = text[: -len("\x00EOD")]
-    ids = _worker_tokenizer.encode(text, add_special_tokens=False).ids if text else []
+    try:
+        ids = _worker_tokenizer.encode(text, add_special_tokens=False).ids if text else []
+    except Exception as exc:  # noqa: BLE001 - the tokenizer's own failures are plain Exception
+        # A ConfigError (picklable: one message argument) crosses the worker pool as is, so the
+        # CLI prints this one line whether or not workers were used.
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"data.tokenizer: {_worker_spec!r} failed to encode {where}: {first} "
+                          "(use a tokenizer whose vocabulary covers every byte of the text or has "
+                          "an unknown token, or remove the text it cannot represent)") from None
     if end and _worker_eos is not None:
         ids.append(_worker_eos)
     return np.asarray(ids, dtype=np.uint32)
 
 
-def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
-            progress: bool | None = None) -> PreparedTokens:
-    """Tokenize ``cfg``'s text source into shards (or find them); returns their ``meta.json``."""
-    d = cfg.data
-    if d.tokenizer is None:
-        raise ConfigError("data.tokenizer: prepare needs a tokenizer (a tokenizer.json path or a "
-                          "Hub name)")
-    if d.text_path is None and d.hf_dataset is None:
-        raise ConfigError("data: prepare needs data.text_path or data.hf_dataset to tokenize")
-    tokenizer = load_tokenizer(d.tokenizer)
-    out, key = prepared_dir(cfg, tokenizer)
-    meta_path = out / "meta.json"
-    if meta_path.is_file():
-        meta = PreparedTokens(json.loads(meta_path.read_text()))
-        logger.info("prepare: %s tokens already in %s", f"{meta['tokens']:,}", out)
-        return meta
-    vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
-    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
-    eos = eos_id(tokenizer)
-    if d.hf_dataset is not None:
-        texts: Iterator[str] = (t + "\x00EOD" for t in _hf_rows(cfg))
-        what = f"dataset {d.hf_dataset} [{d.hf_split}].{d.text_field}"
-    else:
-        files = text_files(str(d.text_path))
-        texts = _file_blocks(files)
-        what = f"{len(files)} text file(s) under {d.text_path}"
-    workers = workers or d.prepare_workers or max(1, (os.cpu_count() or 1))
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
-    show = progress if progress is not None else (cfg.logging.progress_bar and
-                                                  os.isatty(2))
-    t0 = time.perf_counter()
+def _write_shards(tmp: Path, texts: Iterator[tuple[str, str]], tokenizer: Any, eos: int | None,
+                  spec: str, dtype: type[np.unsignedinteger], workers: int,
+                  show: bool) -> tuple[dict[str, dict[str, int]], int]:
+    """Tokenize ``texts`` in ``workers`` processes into shards in ``tmp``; (shards, tokens)."""
     shards: dict[str, dict[str, int]] = {}
     buf: list[np.ndarray] = []
     buffered = total = 0
@@ -239,16 +238,18 @@ def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
             shards[name] = {"tokens": int(part.size), "max_id": int(part.max())}
         buf, buffered = ([stream], int(stream.size)) if stream.size else ([], 0)
 
+    init = (tokenizer.to_str(), eos, spec)
     ctx = multiprocessing.get_context("spawn" if workers > 1 else None)
-    pool = ctx.Pool(workers, _init_worker, (tokenizer.to_str(), eos)) if workers > 1 else None
+    pool = ctx.Pool(workers, _init_worker, init) if workers > 1 else None
     if pool is None:
-        _init_worker(tokenizer.to_str(), eos)
+        _init_worker(*init)
     results = pool.imap(_encode, texts, chunksize=4) if pool else map(_encode, texts)
     bar = None
     if show:
         from tqdm import tqdm
 
         bar = tqdm(unit="tok", unit_scale=True, desc="prepare", file=None)
+    ok = False
     try:
         for ids in results:
             if ids.size:
@@ -260,28 +261,75 @@ def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
             if buffered >= SHARD_TOKENS:
                 flush(False)
         flush(True)
+        ok = True
     finally:
         if pool is not None:
-            pool.close()
+            if ok:
+                pool.close()
+            else:  # close() would wait for every queued block of a failed corpus first
+                pool.terminate()
             pool.join()
         if bar is not None:
             bar.close()
-    if total == 0:
-        raise ConfigError(f"data: the tokenizer produced no tokens from {what}; is the source "
-                          "empty?")
-    seconds = time.perf_counter() - t0
-    meta = PreparedTokens(
-        format=1, key=key, directory=str(out), tokenizer=str(d.tokenizer), vocab_size=vocab,
-        eos_id=eos, dtype=np.dtype(dtype).name, source=_source_fingerprint(cfg), tokens=total,
-        shards=shards, seconds=round(seconds, 2), workers=workers,
-        tokens_per_second=round(total / max(seconds, 1e-9)))
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    return shards, total
+
+
+def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
+            progress: bool | None = None) -> PreparedTokens:
+    """Tokenize ``cfg``'s text source into shards (or find them); returns their ``meta.json``."""
+    d = cfg.data
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
+                                or workers <= 0):
+        raise ConfigError(f"prepare: workers must be a positive integer (tokenizer processes), "
+                          f"got {workers!r}")
+    if d.tokenizer is None:
+        raise ConfigError("data.tokenizer: prepare needs a tokenizer (a tokenizer.json path or a "
+                          "Hub name)")
+    if d.text_path is None and d.hf_dataset is None:
+        raise ConfigError("data: prepare needs data.text_path or data.hf_dataset to tokenize")
+    tokenizer = load_tokenizer(d.tokenizer)
+    out, key = prepared_dir(cfg, tokenizer)
+    meta_path = out / "meta.json"
+    if meta_path.is_file():
+        meta = PreparedTokens(json.loads(meta_path.read_text()))
+        logger.info("prepare: %s tokens already in %s", f"{meta['tokens']:,}", out)
+        return meta
+    vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
+    dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
+    eos = eos_id(tokenizer)
+    if d.hf_dataset is not None:
+        texts: Iterator[tuple[str, str]] = _hf_rows(cfg)
+        what = f"dataset {d.hf_dataset} [{d.hf_split}].{d.text_field}"
+    else:
+        files = text_files(str(d.text_path))
+        texts = _file_blocks(files)
+        what = f"{len(files)} text file(s) under {d.text_path}"
+    workers = workers or d.prepare_workers or max(1, (os.cpu_count() or 1))
+    show = progress if progress is not None else (cfg.logging.progress_bar and
+                                                  os.isatty(2))
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    try:
+        shards, total = _write_shards(tmp, texts, tokenizer, eos, str(d.tokenizer), dtype,
+                                      workers, show)
+        if total == 0:
+            raise ConfigError(f"data: the tokenizer produced no tokens from {what}; is the "
+                              "source empty?")
+        seconds = time.perf_counter() - t0
+        meta = PreparedTokens(
+            format=1, key=key, directory=str(out), tokenizer=str(d.tokenizer), vocab_size=vocab,
+            eos_id=eos, dtype=np.dtype(dtype).name, source=_source_fingerprint(cfg),
+            tokens=total, shards=shards, seconds=round(seconds, 2), workers=workers,
+            tokens_per_second=round(total / max(seconds, 1e-9)))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    except BaseException:  # any failure, Ctrl-C included: leave no half-written folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.replace(tmp, out)  # the directory appears whole or not at all
     except OSError:  # another process finished first: keep theirs
-        for f in tmp.iterdir():
-            f.unlink()
-        tmp.rmdir()
+        shutil.rmtree(tmp, ignore_errors=True)
         return PreparedTokens(json.loads(meta_path.read_text()))
     logger.info("prepare: %s -> %s tokens in %d shard(s) at %s (%.1f s, %s tok/s, %d worker(s))",
                 what, f"{total:,}", len(shards), out, seconds,

@@ -30,7 +30,7 @@ import torch
 from ..errors import SpeedtronicError
 from .sources import TokenStore, _u64
 
-__all__ = ["WindowIterator", "split_batch", "eval_windows"]
+__all__ = ["WindowIterator", "split_batch", "eval_windows", "min_train_tokens"]
 
 logger = logging.getLogger("speedtronic.data")
 
@@ -58,6 +58,8 @@ class WindowIterator:
         rank, world: this process's shard.
         chunk_samples: windows per chunk; None = the whole store is one chunk.
         shuffle: permute chunks and samples (False: sequential windows, offset 0, for debugging).
+        pin_memory: return batches in pinned memory.
+        name: the data key/file(s) of ``store``, for the error when it is too short.
     """
 
     def __init__(self, store: TokenStore, block_size: int, batch_size: int, seed: int,
@@ -74,10 +76,11 @@ class WindowIterator:
         self.max_offset = min(self.T - 1, store.n - self.T - 1) if shuffle else 0
         min_samples = (store.n - self.max_offset - 1) // self.T
         if store.n < self.T + 1 or min_samples < world:
+            need = min_train_tokens(self.T, world, shuffle)
             raise SpeedtronicError(
                 f"{name}: only {store.n} train tokens, too few for block_size={self.T} on "
-                f"{world} rank(s) (need at least {world * self.T + self.T} tokens); use more "
-                "data or a smaller data.block_size")
+                f"{world} rank(s) (need at least {need} train tokens); use more data or a "
+                "smaller data.block_size")
         # A chunk must hold >= world windows, else some rank could get nothing from any chunk.
         self.S = max(chunk_samples or min_samples + 1, world)
         self._arange = np.arange(self.T + 1)
@@ -179,12 +182,26 @@ class WindowIterator:
             self.epoch, self.chunk_pos, self.within = self.epoch + 1, 0, 0
 
 
-def eval_windows(store: TokenStore, block_size: int, count: int) -> np.ndarray:
-    """``count`` windows of ``T+1`` tokens, evenly spaced over the whole eval store."""
+def min_train_tokens(block_size: int, world: int, shuffle: bool = True) -> int:
+    """The fewest train tokens :class:`WindowIterator` accepts: every rank needs a window in
+    every epoch, whatever offset the epoch draws.
+
+    With shuffling, a store of at least ``2T`` tokens draws offsets up to ``T - 1``, leaving
+    ``(n - T) // T`` windows; a shorter one (from ``T + 1``) keeps exactly one window. So one rank
+    needs ``T + 1`` tokens and ``w >= 2`` ranks ``(w + 1) * T``. Without shuffling the offset is
+    0 and ``w * T + 1`` tokens give ``w`` windows."""
+    if not shuffle or world == 1:
+        return world * block_size + 1
+    return (world + 1) * block_size
+
+
+def eval_windows(store: TokenStore, block_size: int, count: int, name: str = "held-out split",
+                 fix: str = "raise data.eval_fraction or use more data") -> np.ndarray:
+    """``count`` windows of ``T+1`` tokens, evenly spaced over the whole eval store; ``name``
+    (the key/file of the store) and ``fix`` word the error when it is shorter than one window."""
     last = store.n - block_size - 1
     if last < 0:
-        raise SpeedtronicError(f"held-out split has only {store.n} tokens, fewer than "
-                               f"block_size+1={block_size + 1}; raise data.eval_fraction or "
-                               "use more data")
+        raise SpeedtronicError(f"{name}: only {store.n} eval tokens, fewer than "
+                               f"block_size+1={block_size + 1}; {fix}")
     starts = np.linspace(0, last, num=count).round().astype(np.int64)
     return store.gather(starts, block_size + 1)

@@ -3,7 +3,9 @@
 Accepted per file (``data.tokens_path`` is one file, a glob, or a directory of them):
 
 * ``.bin`` with the 1024-byte header of modded-nanogpt / llm.c shards: 256 int32, ``[0]`` the
-  magic 20240520, ``[1]`` the version (1: uint16 ids, 2: uint32 ids), ``[2]`` the token count;
+  magic, ``[1]`` the version, ``[2]`` the token count. Magic 20240520 (modded-nanogpt, llm.c
+  GPT-2): version 1 uint16 ids, version 2 uint32 ids (what :func:`write_shard` writes for large
+  vocabularies); magic 20240801 (llm.c Llama-3): version 7, uint32 ids;
 * ``.bin`` without that header: raw ids (nanoGPT's ``train.bin``), ``data.tokens_dtype``
   (``uint16`` unless set);
 * ``.npy``: a 1-D uint16 or uint32 array (``np.save``).
@@ -15,7 +17,7 @@ memory map at a time, so the resident set stays small and the OS page cache does
 Checking ids against the model's vocabulary needs the largest id of every file. It is read from
 the ``meta.json`` that ``speedtronic prepare`` writes beside its shards; for other files it is
 computed once (a streaming pass at ~1 GB/s) and cached in ``<cache>/token-stats.json`` keyed by
-path, size and modification time.
+path, size, modification time and how the file was read (layout, id dtype, token count).
 """
 
 from __future__ import annotations
@@ -33,14 +35,19 @@ import numpy as np
 from ..errors import ConfigError
 from .sources import TokenStore
 
-__all__ = ["HEADER_MAGIC", "TOKEN_CHUNK", "TokenFile", "TokenFileStore", "expand_paths",
-           "open_token_file", "resolve_token_paths", "write_shard"]
+__all__ = ["HEADER_MAGIC", "LLAMA3_MAGIC", "TOKEN_CHUNK", "TokenFile", "TokenFileStore",
+           "expand_paths", "header_hint", "open_token_file", "resolve_token_paths", "write_shard"]
 
 logger = logging.getLogger("speedtronic.data")
 
 HEADER_MAGIC = 20240520
+LLAMA3_MAGIC = 20240801
 HEADER_INTS = 256
-_HEADER_DTYPES = {1: np.uint16, 2: np.uint32}
+# magic -> (what writes it, {version: id dtype}); llm.c's dev/data/data_common.py HEADERS_INFO.
+_HEADERS: dict[int, tuple[str, dict[int, type[np.unsignedinteger]]]] = {
+    HEADER_MAGIC: ("modded-nanogpt / llm.c GPT-2", {1: np.uint16, 2: np.uint32}),
+    LLAMA3_MAGIC: ("llm.c Llama-3", {7: np.uint32}),
+}
 _DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 TOKEN_CHUNK = 1 << 20
 """Tokens copied out of the memory map per training chunk (2-4 MiB)."""
@@ -62,14 +69,16 @@ class TokenFile:
 def expand_paths(spec: str, key: str, suffixes: tuple[str, ...] | None = None,
                  recursive: bool = False) -> list[Path]:
     """The files ``spec`` names (a file, a glob or a directory), sorted; with ``suffixes`` only
-    those kinds; a directory is read recursively (hidden files skipped) when ``recursive``.
+    those kinds; a directory is read recursively when ``recursive``. Below a directory, hidden
+    files and anything inside hidden folders (``.git/``, ``.cache/``) are skipped.
     Errors are ConfigErrors naming ``key``."""
     path = Path(spec).expanduser()
     if any(ch in spec for ch in "*?["):
-        found = [Path(p) for p in glob.glob(str(path), recursive=True)]
+        found = [Path(p) for p in glob.glob(str(path), recursive=True)]  # skips dot names itself
     elif path.is_dir():
-        found = ([p for p in path.rglob("*") if not p.name.startswith(".")] if recursive
-                 else list(path.iterdir()))
+        # Only components below the root count: the root itself may live under a dot folder.
+        found = [p for p in (path.rglob("*") if recursive else path.iterdir())
+                 if not any(part.startswith(".") for part in p.relative_to(path).parts)]
     elif path.is_file():
         found = [path]
     else:
@@ -103,12 +112,14 @@ def open_token_file(path: Path, dtype: str, key: str) -> TokenFile:
             raise ConfigError(f"{key}: {str(path)!r} holds no tokens")
         return TokenFile(path, arr, "npy")
     header = np.fromfile(path, dtype=np.int32, count=3) if size >= 12 else np.zeros(0, np.int32)
-    if header.size == 3 and int(header[0]) == HEADER_MAGIC:
-        version, count = int(header[1]), int(header[2])
-        if version not in _HEADER_DTYPES:
-            raise ConfigError(f"{key}: {str(path)!r} has a shard header of version {version}; "
-                              "known: 1 (uint16 ids), 2 (uint32 ids)")
-        np_dtype = _HEADER_DTYPES[version]
+    if header.size == 3 and int(header[0]) in _HEADERS:
+        magic, version, count = int(header[0]), int(header[1]), int(header[2])
+        writer, versions = _HEADERS[magic]
+        if version not in versions:
+            known = ", ".join(f"{v} ({np.dtype(t).name} ids)" for v, t in versions.items())
+            raise ConfigError(f"{key}: {str(path)!r} has a shard header of version {version} "
+                              f"with the {writer} magic {magic}; known: {known}")
+        np_dtype = versions[version]
         body = size - HEADER_INTS * 4
         if count <= 0 or body != count * np.dtype(np_dtype).itemsize:
             raise ConfigError(f"{key}: {str(path)!r} header says {count} tokens but the file "
@@ -122,6 +133,29 @@ def open_token_file(path: Path, dtype: str, key: str) -> TokenFile:
         raise ConfigError(f"{key}: {str(path)!r} has {size} bytes, not a whole number of "
                           f"{np.dtype(np_dtype).name} ids; is data.tokens_dtype right?")
     return TokenFile(path, np.memmap(path, dtype=np_dtype, mode="r"), "raw")
+
+
+def header_hint(f: TokenFile) -> str:
+    """For a file read as raw ids whose first 1024 bytes look like a shard header with a magic
+    we do not know: a clause saying so (for the vocabulary error and a warning); else ``""``.
+
+    Raw ids are legal whatever their first bytes, so this only explains or warns, never rejects
+    a file: a genuine raw uint16 file must keep working."""
+    size = f.path.stat().st_size
+    if f.layout != "raw" or size < HEADER_INTS * 4:
+        return ""
+    header = np.fromfile(f.path, dtype=np.int32, count=HEADER_INTS)  # (256,)
+    magic, count = int(header[0]), int(header[2])
+    body = size - HEADER_INTS * 4
+    count_fits = count > 0 and body in (2 * count, 4 * count)
+    # llm.c / modded-nanogpt magics are dates (YYYYMMDD) and their header is zero after [2].
+    date_like = 20_000_000 <= magic < 30_000_000 and not header[3:].any()
+    if not (count_fits or date_like):
+        return ""
+    known = ", ".join(f"{m} ({writer})" for m, (writer, _) in _HEADERS.items())
+    return (f"; its first 1024 bytes look like a shard header with the unrecognised magic "
+            f"{magic} (known: {known}), so the file may have an unrecognised header, read here "
+            "as token ids")
 
 
 def _stats_path() -> Path:
@@ -140,7 +174,11 @@ def max_token_id(f: TokenFile) -> int:
         except (OSError, ValueError, KeyError, TypeError):
             pass
     st = f.path.stat()
-    key = hashlib.sha256(f"{f.path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()
+    # Everything that changes the ids is in the key: the same bytes read as uint16 and as uint32
+    # (data.tokens_dtype), or with and without a header, have different largest ids.
+    how = f"{f.layout}:{f.tokens.dtype.name}:{f.n}"
+    key = hashlib.sha256(f"{f.path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{how}".encode()
+                         ).hexdigest()
     cache_file = _stats_path()
     try:
         cache = json.loads(cache_file.read_text())

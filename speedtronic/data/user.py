@@ -14,6 +14,7 @@ re-reads and skips the consumed batches (logged), which is exact if the dataset 
 from __future__ import annotations
 
 import importlib
+import inspect
 import itertools
 import logging
 import math
@@ -69,6 +70,23 @@ def _is_dataset(obj: Any) -> bool:
         hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
 
 
+def _check_factory_signature(factory: Any, spec: str) -> None:
+    """ConfigError unless ``factory(cfg)`` is a valid call. Checked before calling, so a
+    TypeError raised inside a correct factory's body still surfaces as the user's own bug."""
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):  # no introspectable signature (some builtins): just call it
+        return
+    try:
+        sig.bind(object())
+    except TypeError as exc:
+        raise ConfigError(f"data.dataset: {spec!r} cannot be called as factory(cfg) ({exc}; its "
+                          f"signature is {spec.partition(':')[2]}{sig}); expected a callable "
+                          "taking the config as its one positional argument and returning a "
+                          "Dataset, an IterableDataset, a (train, eval) pair or a "
+                          "{'train': ..., 'eval': ...} dict") from None
+
+
 def resolve_user_dataset(spec: Any, cfg: SpeedtronicConfig) -> tuple[Any, Any | None]:
     """``data.dataset`` -> ``(train_dataset, eval_dataset_or_None)``."""
     obj = spec
@@ -83,6 +101,7 @@ def resolve_user_dataset(spec: Any, cfg: SpeedtronicConfig) -> tuple[Any, Any | 
         factory = getattr(module, attr, None)
         if not callable(factory):
             raise ConfigError(f"data.dataset: {module_name!r} has no callable {attr!r}")
+        _check_factory_signature(factory, spec)
         obj = factory(cfg)
     train, held = obj, None
     if isinstance(obj, dict):

@@ -16,7 +16,7 @@ datasets = pytest.importorskip("datasets")
 from speedtronic.cli import main  # noqa: E402
 from speedtronic.config import ConfigError, load_config  # noqa: E402
 from speedtronic.data import build_data, check_data  # noqa: E402
-from speedtronic.data.prepare import prepare  # noqa: E402
+from speedtronic.data.prepare import _source_fingerprint, prepare  # noqa: E402
 from speedtronic.data.sources import stdlib_corpus  # noqa: E402
 from speedtronic.runtime import train_from_config  # noqa: E402
 
@@ -173,6 +173,7 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, tokenizer_json, case, message
     assert main(["prepare", "--config", str(config)]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert not list(tmp_path.glob("p/*.tmp-*"))  # a failed prepare leaves no temp folder
 
 
 def test_prepare_command_reports_what_it_wrote(tmp_path, tokenizer_json, text_dir, capsys):
@@ -183,3 +184,76 @@ def test_prepare_command_reports_what_it_wrote(tmp_path, tokenizer_json, text_di
     assert main(["prepare", "--config", str(config)]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("prepared: ") and "vocab 400" in last
+
+
+@pytest.fixture(scope="module")
+def narrow_tokenizer_json(tmp_path_factory) -> Path:
+    """A BPE that knows only ASCII letters and whose unknown token is not in its vocabulary:
+    encoding 'café' raises a plain ``Exception`` inside the tokenizers library."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["the cat sat on the mat"] * 20,
+                            trainers.BpeTrainer(vocab_size=60, special_tokens=["<|endoftext|>"]))
+    path = tmp_path_factory.mktemp("narrow") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_tokenizer_that_fails_on_the_text_is_one_line_exit_2(tmp_path, narrow_tokenizer_json,
+                                                                workers, capsys):
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("the cat sat on the mat\n" * 50)
+    (texts / "b.txt").write_text("the cat sat at the café\n")
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({"data": {"tokenizer": str(narrow_tokenizer_json),
+                                           "text_path": str(texts),
+                                           "prepare_dir": str(tmp_path / "p")}}))
+    assert main(["prepare", "--config", str(config), "--workers", str(workers)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith(f"speedtronic: error: data.tokenizer: {str(narrow_tokenizer_json)!r} "
+                          f"failed to encode data.text_path file {str(texts / 'b.txt')!r}: ")
+    assert "[UNK]" in err
+    assert not list((tmp_path / "p").iterdir())  # no temp folder left, no shards either
+
+
+def test_prepare_workers_must_be_a_positive_integer(tmp_path, tokenizer_json, text_dir, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({"data": {"tokenizer": str(tokenizer_json),
+                                           "text_path": str(text_dir),
+                                           "prepare_dir": str(tmp_path / "p")}}))
+    for bad in ("-2", "0", "two"):
+        with pytest.raises(SystemExit) as info:
+            main(["prepare", "--config", str(config), "--workers", bad])
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"argument --workers: must be a positive integer (tokenizer processes), got " \
+               f"'{bad}'" in err and "Traceback" not in err
+    with pytest.raises(ConfigError, match="workers must be a positive integer"):
+        prepare(cfg(tmp_path, {"tokenizer": str(tokenizer_json), "text_path": str(text_dir)}),
+                workers=0)
+    assert not (tmp_path / "p").exists()  # refused before anything was written
+
+
+def test_a_local_hf_dataset_folder_is_keyed_by_its_files(tmp_path, tokenizer_json, corpus_text,
+                                                         monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    files = tmp_path / "jsonl"
+    files.mkdir()
+    rows = [{"text": corpus_text[i:i + 3000]} for i in range(0, 30_000, 3000)]
+    (files / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    c = cfg(tmp_path, {"tokenizer": str(tokenizer_json), "hf_dataset": str(files)})
+    first = prepare(c)
+    (files / ".notes").write_text("hidden files are not data\n")
+    assert prepare(c)["key"] == first["key"]
+    (files / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:4]) + "\n")
+    second = prepare(c)
+    assert second["key"] != first["key"] and second["tokens"] < first["tokens"]
+    # A Hub name is keyed by name, config, split and field only, as before.
+    hub = cfg(tmp_path, {"tokenizer": str(tokenizer_json), "hf_dataset": "someone/corpus"})
+    assert _source_fingerprint(hub) == {"hf_dataset": "someone/corpus", "config": None,
+                                        "split": "train", "text_field": "text"}

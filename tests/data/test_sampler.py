@@ -4,11 +4,15 @@ shards.
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 import torch
 from _data_fixtures import arange_iter, assert_same, config, take
 
 from speedtronic.data import build_data
+from speedtronic.errors import SpeedtronicError
 
 
 def test_labels_are_inputs_shifted_exactly_once():
@@ -70,3 +74,44 @@ def test_rank_shards_are_disjoint_and_cover_the_epoch():
         seen.append(set(starts[: len(starts) - 2]))  # last batch may spill into epoch 1
     assert not (seen[0] & seen[1] or seen[0] & seen[2] or seen[1] & seen[2])
     assert len(seen[0] | seen[1] | seen[2]) >= 124 - 6
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("T", [1, 4, 32])
+def test_too_few_train_tokens_states_the_real_minimum(T, world, shuffle):
+    def accepts(n: int) -> bool:
+        try:
+            arange_iter(n=n, T=T, B=1, world=world, shuffle=shuffle)
+        except SpeedtronicError:
+            return False
+        return True
+
+    least = next(n for n in range(1, 10 * T + 10) if accepts(n))
+    assert all(accepts(n) for n in range(least, least + 3 * T))  # and every longer store
+    with pytest.raises(SpeedtronicError) as info:
+        arange_iter(n=least - 1, T=T, B=1, world=world, shuffle=shuffle, name="data.x 'f.bin'")
+    message = str(info.value)
+    assert message.startswith("data.x 'f.bin': only")
+    assert int(re.search(r"need at least (\d+) train tokens", message).group(1)) == least
+
+
+def test_short_token_files_name_the_file_key_and_the_right_fix(tmp_path):
+    np.arange(32, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    np.arange(33, dtype=np.uint16).tofile(tmp_path / "train33.bin")
+    np.arange(20, dtype=np.uint16).tofile(tmp_path / "val.bin")
+    np.arange(600, dtype=np.uint16).tofile(tmp_path / "val600.bin")
+    with pytest.raises(SpeedtronicError) as info:
+        build_data(config({"tokens_path": str(tmp_path / "train.bin"),
+                           "eval_tokens_path": str(tmp_path / "val600.bin")}))
+    assert (f"data.tokens_path {str(tmp_path / 'train.bin')!r}: only 32 train tokens" in
+            str(info.value)) and "need at least 33 train tokens" in str(info.value)
+    build_data(config({"tokens_path": str(tmp_path / "train33.bin"),
+                       "eval_tokens_path": str(tmp_path / "val600.bin")}))  # 33 is enough
+    with pytest.raises(SpeedtronicError) as info:
+        build_data(config({"tokens_path": str(tmp_path / "train33.bin"),
+                           "eval_tokens_path": str(tmp_path / "val.bin")}))
+    message = str(info.value)
+    assert message.startswith(f"data.eval_tokens_path {str(tmp_path / 'val.bin')!r}: only 20 "
+                              "eval tokens, fewer than block_size+1=33")
+    assert "use a longer data.eval_tokens_path" in message and "eval_fraction" not in message

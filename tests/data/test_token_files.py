@@ -13,7 +13,10 @@ from speedtronic.config import ConfigError, load_config
 from speedtronic.data import build_data, check_data
 from speedtronic.data.token_files import (
     HEADER_MAGIC,
+    LLAMA3_MAGIC,
     TokenFileStore,
+    expand_paths,
+    max_token_id,
     open_token_file,
     resolve_token_paths,
     write_shard,
@@ -192,3 +195,78 @@ def test_a_run_trains_from_token_files_and_resumes_mid_shard(tmp_path):
     # Same batches after the resume: the last step's loss and the final weights agree exactly.
     assert resumed.final_loss == reference.final_loss
     assert resumed.final_eval_loss == reference.final_eval_loss
+
+
+def llmc_file(path, magic: int, version: int, tokens: np.ndarray) -> None:
+    """An llm.c shard: 256 int32 (magic, version, count, zeros), then the ids."""
+    header = np.zeros(256, np.int32)
+    header[:3] = (magic, version, tokens.size)
+    path.write_bytes(header.tobytes() + tokens.tobytes())
+
+
+def test_largest_id_cache_tells_apart_reads_of_one_file_as_uint16_and_uint32(tmp_path,
+                                                                            monkeypatch):
+    monkeypatch.setenv("SPEEDTRONIC_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "train.bin"
+    tokens = np.arange(4000, dtype=np.uint32) % 300
+    tokens[17] = 70_000  # as uint16 halves: 4464 and 1
+    tokens.tofile(path)
+    as16 = open_token_file(path, "uint16", "data.tokens_path")
+    assert max_token_id(as16) == 4464
+    as32 = open_token_file(path, "uint32", "data.tokens_path")
+    assert max_token_id(as32) == 70_000  # was the cached uint16 answer
+    assert max_token_id(open_token_file(path, "uint16", "data.tokens_path")) == 4464
+    check_data(cfg(tmp_path, {"tokens_path": str(path), "tokens_dtype": "uint16"},
+                   vocab_size=65_536))
+    with pytest.raises(ConfigError, match=r"token id 70000; set model.vocab_size >= 70001"):
+        check_data(cfg(tmp_path, {"tokens_path": str(path), "tokens_dtype": "uint32"},
+                       vocab_size=65_536))
+
+
+def test_llmc_llama3_shards_are_read_as_uint32_ids(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEEDTRONIC_CACHE_DIR", str(tmp_path / "cache"))
+    tokens = (np.arange(3000, dtype=np.uint32) * 37) % 128_256  # Llama-3 ids reach past 2**16
+    path = tmp_path / "fineweb_train_000001.bin"
+    llmc_file(path, LLAMA3_MAGIC, 7, tokens)
+    f = open_token_file(path, "auto", "data.tokens_path")
+    assert f.layout == "header" and f.tokens.dtype == np.uint32 and f.n == 3000
+    np.testing.assert_array_equal(np.asarray(f.tokens), tokens)
+    check_data(cfg(tmp_path, {"tokens_path": str(path)}, vocab_size=128_256))
+    llmc_file(path, LLAMA3_MAGIC, 1, tokens)
+    with pytest.raises(ConfigError, match=r"header of version 1 with the llm.c Llama-3 magic "
+                                          r"20240801; known: 7 \(uint32 ids\)"):
+        open_token_file(path, "auto", "data.tokens_path")
+
+
+def test_a_header_with_an_unknown_magic_is_named_when_its_ids_do_not_fit(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPEEDTRONIC_CACHE_DIR", str(tmp_path / "cache"))
+    tokens = ids(4000, vocab=500)
+    odd = tmp_path / "odd.bin"
+    llmc_file(odd, 20240521, 1, tokens)  # a typo'd magic: read as raw uint16 ids
+    with pytest.raises(ConfigError, match="unrecognised magic 20240521") as info:
+        check_data(cfg(tmp_path, {"tokens_path": str(odd)}, vocab_size=1000))
+    assert "may have an unrecognised header" in str(info.value)
+    # Genuine raw uint16 ids of the same size still read, and a real vocabulary overflow in
+    # them says nothing about headers.
+    raw = tmp_path / "raw.bin"
+    big = ids(4000 + 512, vocab=500)
+    big.tofile(raw)
+    check_data(cfg(tmp_path, {"tokens_path": str(raw)}, vocab_size=500))
+    big[100] = 900
+    big.tofile(raw)
+    with pytest.raises(ConfigError, match="token id 900") as info:
+        check_data(cfg(tmp_path, {"tokens_path": str(raw)}, vocab_size=500))
+    assert "unrecognised" not in str(info.value)
+
+
+def test_directories_skip_hidden_files_and_everything_in_hidden_folders(tmp_path):
+    root = tmp_path / ".corpora" / "texts"  # a dot folder above the root is the user's choice
+    for rel in ("a.txt", "sub/b.txt", ".notes.txt", ".git/HEAD", ".git/objects/x.txt",
+                "sub/.cache/c.txt"):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("x\n")
+    found = expand_paths(str(root), "data.text_path", recursive=True)
+    assert [p.relative_to(root).as_posix() for p in found] == ["a.txt", "sub/b.txt"]
+    (root / ".hidden.bin").write_bytes(b"\x00\x00")
+    (root / "t.bin").write_bytes(b"\x00\x00")
+    assert [p.name for p in resolve_token_paths(str(root), "data.tokens_path")] == ["t.bin"]

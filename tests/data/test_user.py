@@ -72,3 +72,34 @@ def test_user_iterable_pairs_from_import_string(monkeypatch):
     assert [int(x[0, 0]) for x, _ in bundle.eval_batches(2)] == [0, 4]
     with pytest.raises(ConfigError, match="package.module:factory"):
         build_data(config({"dataset": "no_colon_here"}))
+
+
+def test_a_factory_that_cannot_take_the_config_is_a_config_error(monkeypatch, tmp_path, capsys):
+    module = types.ModuleType("speedtronic_test_factories")
+    module.no_args = lambda: Sequences(50, 32)
+    module.two_args = lambda cfg, split: Sequences(50, 32)
+
+    def buggy(cfg):  # the right signature, a bug inside: the user's own TypeError stays as is
+        return len(None)
+
+    module.buggy = buggy
+    monkeypatch.setitem(sys.modules, "speedtronic_test_factories", module)
+    for spec in ("speedtronic_test_factories:no_args", "speedtronic_test_factories:two_args",
+                 "os:getcwd"):
+        with pytest.raises(ConfigError, match=r"data.dataset: .* cannot be called as "
+                                              r"factory\(cfg\)") as info:
+            build_data(config({"dataset": spec}))
+        assert spec in str(info.value) and "one positional argument" in str(info.value)
+    with pytest.raises(TypeError, match="NoneType") as info:
+        build_data(config({"dataset": "speedtronic_test_factories:buggy"}))
+    assert not isinstance(info.value, ConfigError)
+
+    from speedtronic.cli import main
+
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model: {{vocab_size: 256, max_seq_len: 32, n_layer: 1, n_head: 2, "
+                   f"d_model: 16}}\nrun: {{output_dir: {tmp_path / 'runs'}, max_steps: 1, "
+                   "device: cpu}\n")
+    assert main(["train", "--config", str(run), "--set", "data.dataset=os:getcwd"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "data.dataset: 'os:getcwd'" in err and len(err.splitlines()) == 1, err
