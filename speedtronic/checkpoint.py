@@ -12,8 +12,11 @@ its final name -> fsync the directory -> rewrite ``latest`` atomically -> prune 
 A crash leaves at worst an orphaned temp file (removed at the next start) and an older ``latest``.
 
 Loading never unpickles arbitrary objects: ``torch.load(weights_only=True)``. A checkpoint whose
-digest does not match, or that fails to load, is skipped with a warning and the next older one is
-used, so one torn or bit-flipped file never loses a run.
+digest does not match, whose digest file is missing (every save writes it before the checkpoint
+appears, and pruning deletes it last, so only a copy or a hand edit loses it), or that fails to
+load, is skipped with a warning and the next older one is used, so one torn or bit-flipped file
+never loses a run. Bit flips inside tensor data still unpickle fine: without the digest nothing
+would notice them.
 """
 
 from __future__ import annotations
@@ -203,16 +206,26 @@ class CheckpointManager:
                 continue
             return state, path
         if candidates:
-            raise CheckpointError(f"no loadable checkpoint in {self.directory} "
-                                  f"({len(candidates)} found, all corrupt)")
+            raise CheckpointError(f"no usable checkpoint in {self.directory} ({len(candidates)} "
+                                  "found, all corrupt, unverifiable or unloadable: see the "
+                                  "warnings above)")
         return None
 
-    def load(self, path: str | Path) -> dict[str, Any]:
-        """Verify ``path`` against its digest and load it with ``weights_only=True``."""
+    def load(self, path: str | Path, *, verify: bool = True) -> dict[str, Any]:
+        """Verify ``path`` against its digest and load it with ``weights_only=True``.
+
+        ``verify=False`` skips the digest (for a checkpoint copied without its ``.sha256``, at
+        your own risk); otherwise a missing or unreadable digest is a :class:`CheckpointError`.
+        """
         path = Path(path)
         digest_file = path.with_suffix(".sha256")
-        if digest_file.is_file():
-            expected = digest_file.read_text(encoding="utf-8").strip()
+        if verify:
+            try:
+                expected = digest_file.read_text(encoding="utf-8").strip()
+            except OSError:
+                raise CheckpointError(f"{path.name} cannot be verified: its digest file "
+                                      f"{digest_file.name} is missing or unreadable (every save "
+                                      "writes one; copy it along with the checkpoint)") from None
             if _sha256_file(path) != expected:
                 raise CheckpointError(f"{path.name} is corrupt (sha256 mismatch)")
         try:

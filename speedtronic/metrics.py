@@ -10,11 +10,12 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from .errors import SpeedtronicError
 
@@ -66,7 +67,8 @@ class MetricsLogger:
     """Fans every event out to metrics.jsonl, the console, the progress bar and the hooks.
 
     Args:
-        path: the ``metrics.jsonl`` file (appended to, so a resumed run continues it).
+        path: the ``metrics.jsonl`` file (appended to, so a resumed run continues it; opened
+            at the first record, so building a logger writes nothing).
         max_steps: the step target (for the console line and the bar).
         hooks: ``(event, payload)`` callables.
         progress_bar: tqdm bar; None = only when stdout is a terminal.
@@ -76,8 +78,7 @@ class MetricsLogger:
     def __init__(self, path: str | Path, *, max_steps: int, hooks: Iterable[Hook] = (),
                  progress_bar: bool | None = None, start_step: int = 0) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        self._file: TextIO | None = None  # opened by the first emit()
         self.max_steps = max_steps
         self.hooks: list[Hook] = list(hooks)
         self._failed_hooks: set[int] = set()
@@ -100,6 +101,8 @@ class MetricsLogger:
     def emit(self, event: str, payload: dict[str, Any]) -> None:
         """Record ``event`` in metrics.jsonl and pass it to every hook."""
         record = {"event": event, "time": round(time.time() - self._t0, 3), **payload}
+        if self._file is None:
+            self._file = self._open()
         self._file.write(json.dumps(_jsonable(record)) + "\n")
         self._file.flush()
         for hook in self.hooks:
@@ -110,6 +113,22 @@ class MetricsLogger:
                     self._failed_hooks.add(id(hook))
                     logger.warning("metrics hook %r failed on %r: %s: %s (reported once; "
                                    "training continues)", hook, event, type(exc).__name__, exc)
+
+    def _open(self) -> TextIO:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        torn = False
+        try:
+            with open(self.path, "rb") as existing:
+                existing.seek(0, os.SEEK_END)
+                if existing.tell() > 0:
+                    existing.seek(-1, os.SEEK_END)
+                    torn = existing.read(1) != b"\n"
+        except FileNotFoundError:
+            pass
+        f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+        if torn:  # a crash mid-write left half a line: end it, or the next record joins it
+            f.write("\n")
+        return f
 
     def advance(self, steps: int = 1, postfix: dict[str, Any] | None = None) -> None:
         """Move the progress bar (no-op without one)."""
@@ -126,35 +145,58 @@ class MetricsLogger:
             close = getattr(hook, "close", None)
             if callable(close):
                 close()
-        if not self._file.closed:
+        if self._file is not None and not self._file.closed:
             self._file.close()
 
 
-def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """Parse a metrics.jsonl file; a torn last line (crash mid-write) is ignored."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
+def iter_metrics(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` for every JSON-object line of a metrics.jsonl file.
+
+    Damaged lines (not UTF-8, not JSON, or JSON that is not an object) are skipped, so a file
+    torn by a crash still reads. Skips other than a torn last line are logged once, with the
+    file and line numbers: they mean something else damaged or wrote into the file.
+    """
+    damaged: list[str] = []
+    lineno, data = 0, b"\n"
+    with open(path, "rb") as f:  # bytes: a crash can tear a multi-byte character too
+        for lineno, data in enumerate(f, 1):
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+                text = data.decode("utf-8").strip()
+                record = json.loads(text) if text else None
+            except UnicodeDecodeError:
+                damaged.append(f"line {lineno}: not UTF-8")
                 continue
-    return records
+            except ValueError:  # JSONDecodeError, and int() limits on huge numbers
+                damaged.append(f"line {lineno}: not valid JSON")
+                continue
+            if text and not isinstance(record, dict):
+                damaged.append(f"line {lineno}: a JSON {type(record).__name__}, not an object")
+            elif text:
+                yield lineno, record
+    if damaged and not data.endswith(b"\n") and damaged[-1].startswith(f"line {lineno}:"):
+        damaged.pop()  # the torn last line of a crashed run: expected, not worth a warning
+    if damaged:
+        more = f" and {len(damaged) - 3} more" if len(damaged) > 3 else ""
+        logger.warning("%s: skipped %d damaged line(s) (%s%s)", path, len(damaged),
+                       "; ".join(damaged[:3]), more)
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """The records of a metrics.jsonl file, damaged lines skipped (see :func:`iter_metrics`)."""
+    return [record for _, record in iter_metrics(path)]
 
 
 class TensorBoardHook:
     """Writes numeric payload values as ``<event>/<key>`` scalars at ``payload['step']``."""
 
-    def __init__(self, log_dir: str | Path) -> None:
+    def __init__(self, log_dir: str | Path, purge_step: int | None = None) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise SpeedtronicError("logging.tensorboard: true needs TensorBoard; install it with "
                                    "pip install 'speedtronic[tensorboard]'") from None
-        self._writer = SummaryWriter(log_dir=str(log_dir))
+        # purge_step: a resumed run drops the interrupted run's events from that step on.
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def __call__(self, event: str, payload: dict[str, Any]) -> None:
         step = payload.get("step")

@@ -7,11 +7,12 @@ compared in one picture. matplotlib is an optional extra (``speedtronic[plot]``)
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import SpeedtronicError
-from .metrics import read_metrics
+from .metrics import iter_metrics
 
 
 def matplotlib_available() -> bool:
@@ -29,19 +30,47 @@ def _curves(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, flo
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise SpeedtronicError(f"no metrics.jsonl in {str(run_dir)!r} (is it a run directory?)")
-    train: dict[int, float] = {}
-    evals: dict[int, float] = {}
-    for rec in read_metrics(path):
-        # A resumed run re-logs steps after its checkpoint; the later value wins.
-        if rec.get("event") == "train_step" and isinstance(rec.get("loss"), (int, float)):
-            train[int(rec["step"])] = float(rec["loss"])
-        elif rec.get("event") == "eval" and isinstance(rec.get("eval_loss"), (int, float)):
-            evals[int(rec["step"])] = float(rec["eval_loss"])
-    return sorted(train.items()), sorted(evals.items())
+    curves: dict[str, dict[int, float]] = {"train_step": {}, "eval": {}}
+    for lineno, rec in iter_metrics(path):
+        event = rec.get("event")
+        loss = rec.get("loss" if event == "train_step" else "eval_loss")
+        if event not in curves or not _is_number(loss):
+            continue  # other events, and "nan"/"inf" losses (JSON has no non-finite numbers)
+        step = rec.get("step")
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise SpeedtronicError(f"{path}: line {lineno}: a {event} record needs an integer "
+                                   f"'step', got {step!r}")
+        curves[event][step] = float(loss)  # a resumed run re-logs steps; the later value wins
+    return sorted(curves["train_step"].items()), sorted(curves["eval"].items())
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _output_path(out: str | Path | None, first_run: Path, formats: dict[str, str]) -> Path:
+    """The file to write. matplotlib picks the format from the suffix and, without one, appends
+    ``.png`` itself (``-o runs`` wrote ``runs.png``), so settle the name here and report it."""
+    if out is None:
+        return first_run / "loss.png"
+    path = Path(out)
+    if path.is_dir() or str(out).endswith(("/", os.sep)):
+        return path / "loss.png"
+    if not path.suffix:
+        return path.with_name(path.name + ".png")
+    if path.suffix[1:].lower() not in formats:
+        raise SpeedtronicError(f"plot: cannot write {str(path)!r}: '{path.suffix}' is not an "
+                               f"image type matplotlib writes (use .png, .svg, .pdf or a "
+                               f"directory for <dir>/loss.png)")
+    return path
 
 
 def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> Path:
-    """Plot train/eval loss of ``run_dirs`` into ``out`` (default ``<first run>/loss.png``)."""
+    """Plot train/eval loss of ``run_dirs`` into ``out`` and return the path written.
+
+    ``out``: a file (no suffix = ``.png``), a directory (``<dir>/loss.png``) or None
+    (``<first run>/loss.png``).
+    """
     if not run_dirs:
         raise SpeedtronicError("plot: give at least one run directory")
     if not matplotlib_available():
@@ -52,10 +81,10 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> 
     from matplotlib.figure import Figure
 
     dirs = [Path(d) for d in run_dirs]
+    out_path = _output_path(out, dirs[0], FigureCanvasAgg.get_supported_filetypes())
     data = [(d, *_curves(d)) for d in dirs]
     if not any(train or evals for _, train, evals in data):
         raise SpeedtronicError("plot: no loss values in " + ", ".join(str(d) for d in dirs))
-    out_path = Path(out) if out is not None else dirs[0] / "loss.png"
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig = Figure(figsize=(8, 5), dpi=110)
     FigureCanvasAgg(fig)

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from . import host_memory, optim
-from .checkpoint import CheckpointManager
-from .config import SpeedtronicConfig, load_config
+from .checkpoint import CheckpointError, CheckpointManager
+from .config import ConfigError, SpeedtronicConfig, load_config
 from .data import DataBundle, build_data, check_data
 from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook
 from .models import build_model
@@ -120,10 +120,13 @@ def _build_data(cfg: SpeedtronicConfig, device: torch.device) -> DataBundle:
     return build_data(cfg, rank=rank, world=world, device=device)
 
 
-def _metric_hooks(cfg: SpeedtronicConfig, run_dir: Path) -> list[Hook]:
+def _metric_hooks(cfg: SpeedtronicConfig, run_dir: Path, start_step: int) -> list[Hook]:
     hooks: list[Hook] = []
     if cfg.logging.tensorboard:
-        hooks.append(TensorBoardHook(run_dir / "tensorboard"))
+        # A resumed run rewrites the steps after its checkpoint: TensorBoard drops the
+        # interrupted run's events from start_step + 1 on (purge_step) instead of showing both.
+        hooks.append(TensorBoardHook(run_dir / "tensorboard",
+                                     purge_step=start_step + 1 if start_step else None))
     if cfg.logging.wandb:
         hooks.append(WandbHook(cfg.logging.wandb_project, cfg.run.name, cfg.to_dict(redact=True),
                                run_dir))
@@ -138,19 +141,30 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
 
     ``model`` / ``data`` replace the registry model and the configured data (for Python users
     and tests); ``device`` overrides ``run.device``.
+
+    Nothing in the run directory changes until every part is built and, with ``resume``, the
+    checkpoint is loaded and accepted: a bad device, model, data source or checkpoint leaves an
+    earlier run (its config.yaml, checkpoints and metrics) exactly as it was.
     """
     cfg = config if isinstance(config, SpeedtronicConfig) else load_config(config)
     resume = resume or cfg.checkpoint.resume
     run_dir = cfg.run_dir
-    _prepare_run_dir(run_dir, resume)
+    blocked = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
+    if blocked is not None and not blocked.is_dir():
+        raise ConfigError(f"run directory {run_dir} (run.output_dir / run.name) cannot be "
+                          f"created: {blocked} is a file; choose another run.output_dir or "
+                          "run.name")
     level = getattr(logging, cfg.logging.level)
     logging.getLogger("speedtronic").setLevel(level)
     if cfg.logging.file:
-        handler = logging.FileHandler(cfg.logging.file, encoding="utf-8")
+        try:
+            handler = logging.FileHandler(cfg.logging.file, encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"logging.file: cannot open {cfg.logging.file} for appending "
+                              f"({exc.strerror or exc}); give a writable file path") from None
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handler.set_name("speedtronic-run-file")
         logging.getLogger("speedtronic").addHandler(handler)
-    cfg.save(run_dir / "config.yaml")
 
     if cfg.run.num_threads is not None:
         torch.set_num_threads(cfg.run.num_threads)
@@ -180,39 +194,66 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
         from .diloco import build_callbacks
 
         callbacks.extend(build_callbacks(cfg))
-    checkpoints = None
-    if cfg.checkpoint.enabled:
-        checkpoints = CheckpointManager(run_dir / cfg.checkpoint.directory,
-                                        keep_last=cfg.checkpoint.keep_last)
-    metrics = MetricsLogger(run_dir / "metrics.jsonl", max_steps=cfg.run.max_steps,
-                            hooks=[*_metric_hooks(cfg, run_dir), *hooks],
-                            progress_bar=cfg.logging.progress_bar)
+    ckpt_dir = run_dir / cfg.checkpoint.directory
+    # The trainer is built before the run directory is touched; its metrics logger opens no
+    # file until the first record, and the real one (with hooks) is attached below.
     trainer = Trainer(model, optimizer, data, cfg, device=dev, precision=plan,
-                      scheduler=scheduler, checkpoints=checkpoints, metrics=metrics,
-                      callbacks=callbacks, run_dir=run_dir)
+                      scheduler=scheduler, checkpoints=None, callbacks=callbacks, run_dir=run_dir)
     if resume:
-        _resume(trainer, checkpoints, run_dir / cfg.checkpoint.directory)
+        _resume(trainer, ckpt_dir)
+    _prepare_run_dir(run_dir, resume)
+    cfg.save(run_dir / "config.yaml")
+    if cfg.checkpoint.enabled:
+        trainer.checkpoints = CheckpointManager(ckpt_dir, keep_last=cfg.checkpoint.keep_last)
+    trainer.metrics = MetricsLogger(run_dir / "metrics.jsonl", max_steps=cfg.run.max_steps,
+                                    hooks=[*_metric_hooks(cfg, run_dir, trainer.step), *hooks],
+                                    progress_bar=cfg.logging.progress_bar,
+                                    start_step=trainer.step)
     return trainer
 
 
-def _resume(trainer: Trainer, checkpoints: CheckpointManager | None, directory: Path) -> None:
-    manager = checkpoints or CheckpointManager(directory, keep_last=None)
-    found = manager.load_latest()
+#: Model keys a resumed run may change: they change how the same weights are trained or run,
+#: not which function they compute. Any other model.* change is refused (a different n_head or
+#: rope_base over the same tensors would silently train another model).
+_RESUMABLE_MODEL_KEYS = frozenset({"dropout", "gradient_checkpointing", "max_seq_len"})
+
+
+def _resume(trainer: Trainer, directory: Path) -> bool:
+    """Load the newest usable checkpoint of ``directory`` into ``trainer``; True if one was.
+
+    Raises (before anything is written) when the checkpoint does not fit this run."""
+    found = CheckpointManager(directory, keep_last=None).load_latest()
     if found is None:
         logger.warning("resume: no checkpoint in %s; starting from step 0", directory)
-        return
+        return False
     state, path = found
     saved = state.get("config") or {}
     current = trainer.config.to_dict(redact=True)
+    saved_model, current_model = saved.get("model") or {}, current.get("model") or {}
+    refused = [k for k in sorted(set(saved_model) | set(current_model))
+               if k not in _RESUMABLE_MODEL_KEYS and saved_model.get(k) != current_model.get(k)]
+    if refused:
+        what = "; ".join(f"model.{k} is {current_model.get(k)!r} here but "
+                         f"{saved_model.get(k)!r} in the checkpoint" for k in refused[:4])
+        raise CheckpointError(f"cannot resume from {path}: {what}. A resumed run keeps the "
+                              "model's architecture: set those keys back, or train a fresh run "
+                              "(without --resume, or under another run.name)")
     changed = [f"{sec}.{k}" for sec in ("model", "scheduler", "data", "optimizer")
                for k, v in (saved.get(sec) or {}).items()
                if (current.get(sec) or {}).get(k) != v]
     if changed:
         logger.warning("resume: config differs from the checkpoint's in %s; the run will not "
                        "match an uninterrupted one", ", ".join(changed[:8]))
+    step, target = int(state["step"]), trainer.config.run.max_steps
+    if step > target:
+        raise CheckpointError(f"cannot resume from {path}: it is at step {step}, beyond "
+                              f"run.max_steps {target}; set --max-steps (run.max_steps) above "
+                              f"{step} to train further")
     trainer.load_state_dict(state)
-    logger.info("resume: loaded %s (step %d of %d)", path, trainer.step,
-                trainer.config.run.max_steps)
+    logger.info("resume: loaded %s (step %d of %d)%s", path, trainer.step, target,
+                "; nothing left to train (raise run.max_steps to continue)"
+                if step == target else "")
+    return True
 
 
 def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: bool = False,

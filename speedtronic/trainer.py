@@ -148,6 +148,12 @@ class Trainer:
         self._tflops_history: list[float] = []
         self._last_saved_step = -1
         self._replaced: str | None = None
+        # The open log interval: the summed micro-batch losses (fp32 on device) and their count
+        # since the last logged step. Checkpointed, so a run resumed between two log steps logs
+        # the same mean loss there as an uninterrupted one.
+        self._loss_sum: torch.Tensor | None = None
+        self._micro_since_log = 0
+        self._restored_window: tuple[float, int] = (0.0, 0)
         self._configure_features()
 
     # ----------------------------------------------------------------------------- setup
@@ -227,6 +233,11 @@ class Trainer:
             "callbacks": {self._cb_name(cb): cb.state_dict() for cb in self.callbacks
                           if callable(getattr(cb, "state_dict", None))},
             "config": self.config.to_dict(redact=True),
+            # One host read per checkpoint (the save reads every tensor anyway).
+            "log_window": {"loss_sum": float(self._loss_sum) if self._loss_sum is not None
+                           else 0.0, "micro_batches": self._micro_since_log},
+            "last_loss": self.last_loss,
+            "last_eval_loss": self.last_eval_loss,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -253,6 +264,11 @@ class Trainer:
         self.tokens = int(state.get("tokens", 0))
         self.samples = int(state.get("samples", 0))
         self._last_saved_step = self.step
+        self.last_loss = state.get("last_loss")
+        self.last_eval_loss = state.get("last_eval_loss")
+        window = state.get("log_window") or {}
+        self._restored_window = (float(window.get("loss_sum", 0.0)),
+                                 int(window.get("micro_batches", 0)))
         restore_rng_state(state["rng"])
 
     @staticmethod
@@ -409,7 +425,8 @@ class Trainer:
         if self.step == 0 and self.step < target:
             self.evaluate()  # baseline: the loss of the untrained model
         loss_sum = torch.zeros((), device=self.device)  # fp32, summed on device between logs
-        micro_since_log = 0
+        loss_sum.fill_(self._restored_window[0])  # exact: an fp32 value read back as a float
+        self._loss_sum, self._micro_since_log = loss_sum, self._restored_window[1]
         t_log, steps_at_log = time.perf_counter(), self.step
         tokens_at_log, samples_at_log = self.tokens, self.samples
         grad_norm: torch.Tensor | None = None
@@ -424,7 +441,7 @@ class Trainer:
                         loss_sum += self._first_compiled_micro_step(x, y)
                     else:
                         loss_sum += self._micro_step(x, y)
-                    micro_since_log += 1
+                    self._micro_since_log += 1
                     self.tokens += x.numel()
                     self.samples += x.shape[0]
                 last = self.step + 1 == target
@@ -444,7 +461,7 @@ class Trainer:
                     else:
                         loss_value, norm_value = torch.stack(
                             [loss_sum, grad_norm.detach().float()]).tolist()
-                    self.last_loss = loss_value / max(1, micro_since_log)
+                    self.last_loss = loss_value / max(1, self._micro_since_log)
                     record = {
                         "step": self.step,
                         "loss": self.last_loss,
@@ -462,7 +479,7 @@ class Trainer:
                     self.metrics.advance(self.step - steps_at_log,
                                          {"loss": f"{self.last_loss:.3f}"})
                     loss_sum.zero_()
-                    micro_since_log = 0
+                    self._micro_since_log = 0
                     t_log, steps_at_log = time.perf_counter(), self.step
                     tokens_at_log, samples_at_log = self.tokens, self.samples
                 eval_due = bool(eval_every and self.step % eval_every == 0) or last

@@ -96,16 +96,19 @@ def _save_three(directory: Path) -> CheckpointManager:
     return mgr
 
 
-@pytest.mark.parametrize("damage", ["bitflip", "truncate"])
+@pytest.mark.parametrize("damage", ["bitflip", "truncate", "bitflip_and_digest_deleted"])
 def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog, damage):
     mgr = _save_three(tmp_path)
     newest = mgr.path_for(3)
     data = bytearray(newest.read_bytes())
-    if damage == "bitflip":
+    if damage.startswith("bitflip"):
+        # inside the tensor payload (the file ends with the zip directory): still unpickles
         data[len(data) // 2] ^= 0x01
     else:
         data = data[: len(data) // 2]
     newest.write_bytes(bytes(data))
+    if damage.endswith("digest_deleted"):
+        newest.with_suffix(".sha256").unlink()
     with caplog.at_level(logging.WARNING, logger="speedtronic.checkpoint"):
         state, path = mgr.load_latest()
     assert state["step"] == 2 and path == mgr.path_for(2)
@@ -117,7 +120,7 @@ def test_all_corrupt_is_an_error_and_empty_is_none(tmp_path):
     mgr = _save_three(tmp_path)
     for _, p in mgr.list():
         p.write_bytes(b"garbage")
-    with pytest.raises(CheckpointError, match="all corrupt"):
+    with pytest.raises(CheckpointError, match="all corrupt, unverifiable"):
         mgr.load_latest()
 
 
@@ -147,7 +150,19 @@ def test_loading_never_unpickles_arbitrary_objects(tmp_path):
     path = tmp_path / "step_00000001.pt"
     torch.save({"step": 1, "model": {}, "payload": _Evil()}, path)
     with pytest.raises(CheckpointError, match="cannot be loaded"):
-        CheckpointManager(tmp_path).load(path)
+        CheckpointManager(tmp_path).load(path, verify=False)
+
+
+def test_a_checkpoint_without_its_digest_is_not_trusted(tmp_path):
+    mgr = _save_three(tmp_path)
+    mgr.path_for(3).with_suffix(".sha256").unlink()
+    with pytest.raises(CheckpointError, match="step_00000003.sha256 is missing"):
+        mgr.load(mgr.path_for(3))
+    assert mgr.load(mgr.path_for(3), verify=False)["step"] == 3
+    for step in (1, 2):
+        mgr.path_for(step).with_suffix(".sha256").unlink()
+    with pytest.raises(CheckpointError, match="all corrupt, unverifiable"):
+        mgr.load_latest()
 
 
 def test_rng_state_round_trip():

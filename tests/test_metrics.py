@@ -85,3 +85,43 @@ def test_plot_compares_runs_in_one_png(tmp_path):
     assert out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 10_000
     with pytest.raises(SpeedtronicError, match="no metrics.jsonl"):
         plot_runs([tmp_path / "missing"])
+
+
+def test_resumed_logger_starts_a_fresh_line_after_a_torn_one(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    torn = b'{"event": "train_step", "step": 1, "loss": 3.0}\n{"event": "train_st'
+    path.write_bytes(torn)
+    m = MetricsLogger(path, max_steps=10, progress_bar=False)
+    assert path.read_bytes() == torn  # building a logger writes nothing
+    m.emit("train_step", {"step": 2, "loss": 2.5})
+    m.emit("train_step", {"step": 3, "loss": 2.0})
+    m.close()
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    whole = tmp_path / "whole.jsonl"  # a file that ends cleanly gets no blank line
+    whole.write_bytes(b'{"event": "eval", "step": 1}\n')
+    m = MetricsLogger(whole, max_steps=10, progress_bar=False)
+    m.emit("eval", {"step": 2})
+    m.close()
+    assert whole.read_bytes().count(b"\n") == 2 and b"\n\n" not in whole.read_bytes()
+
+
+def test_read_metrics_skips_and_flags_lines_that_are_not_json_objects(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"event": "train_step", "step": 1, "loss": 3.0}\n[1, 2]\n"text"\n'
+                     b'\xff\xfe\n{"event": "train_step", "step": 2, "loss": 2.5}\n'
+                     b'{"event": "eval", "name": "\xc3')  # torn inside a 2-byte character
+    with caplog.at_level(logging.WARNING, logger="speedtronic.metrics"):
+        records = read_metrics(path)
+    assert [r["step"] for r in records] == [1, 2]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(f"{path}: skipped 3 damaged line(s)")
+    assert "line 2: a JSON list" in warning and "line 3: a JSON str" in warning
+    assert "line 4: not UTF-8" in warning and "line 6" not in warning  # torn tail: expected
+
+
+def test_a_torn_last_line_alone_is_skipped_quietly(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"event": "eval", "step": 1}\n{"event": "ev')
+    with caplog.at_level(logging.WARNING, logger="speedtronic.metrics"):
+        assert read_metrics(path) == [{"event": "eval", "step": 1}]
+    assert not caplog.records

@@ -28,7 +28,25 @@ _FLOAT_RE = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)$")
 
 
 class _Loader(yaml.SafeLoader):
-    pass
+    def construct_mapping(self, node: yaml.Node, deep: bool = False) -> dict[Any, Any]:
+        """PyYAML keeps the last of two equal keys; refuse them (naming the key and both lines)
+        so a second ``run:`` block cannot silently replace the first."""
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' may override by design
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.get(key)
+                except TypeError:  # unhashable key: the base class reports it
+                    continue
+                if first is not None:
+                    raise yaml.constructor.ConstructorError(
+                        problem=f"duplicate key {key!r} (first on line {first}); each key may "
+                                "appear once per mapping", problem_mark=key_node.start_mark)
+                seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -38,6 +56,7 @@ _Loader.add_implicit_resolver(
 
 _ROOT_TO_RUN = ("name", "seed", "device", "max_steps", "output_dir")
 _ROOT_TO_OPTIMIZER = ("muon_plus", "cautious")
+_SECTION_SHORTHANDS = {"optimizer": "name", "precision": "mode"}  # `optimizer: muon` sets .name
 
 
 def _parse_yaml(text: str, origin: str) -> Any:
@@ -95,10 +114,9 @@ def _move(raw: dict[str, Any], key: str, section: str) -> None:
 
 
 def _expand_shorthands(raw: dict[str, Any]) -> dict[str, Any]:
-    if isinstance(raw.get("optimizer"), str):
-        raw["optimizer"] = {"name": raw["optimizer"]}
-    if isinstance(raw.get("precision"), str):
-        raw["precision"] = {"mode": raw["precision"]}
+    for section, key in _SECTION_SHORTHANDS.items():
+        if isinstance(raw.get(section), str):
+            raw[section] = {key: raw[section]}
     if isinstance(raw.get("compile"), dict):
         extra = sorted(set(raw["compile"]) - {"enabled"})
         if extra:
@@ -121,6 +139,24 @@ def _expand_shorthands(raw: dict[str, Any]) -> dict[str, Any]:
     return raw
 
 
+def _long_form(keys: list[str], value: Any) -> list[str]:
+    """The key a shorthand override stands for. Overriding that key, not the shorthand, keeps the
+    rest of the file's section (``--set optimizer=muon`` keeps ``optimizer.lr``) and lets
+    ``--set seed=5`` replace a ``run.seed`` from the file instead of conflicting with it."""
+    head = keys[0]
+    if len(keys) == 1 and isinstance(value, str) and head in _SECTION_SHORTHANDS:
+        return [head, _SECTION_SHORTHANDS[head]]
+    if len(keys) == 1 and head in _ROOT_TO_RUN:
+        return ["run", head]
+    if len(keys) == 1 and head in _ROOT_TO_OPTIMIZER:
+        return ["optimizer", head]
+    if keys == ["log_every"]:
+        return ["logging", "every_steps"]
+    if head == "diloco":  # the file's `diloco:` section is already `distributed` here
+        return ["distributed", *keys[1:]]
+    return keys
+
+
 def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> None:
     for item in overrides:
         if "=" not in item:
@@ -130,6 +166,7 @@ def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> None:
         if not all(keys):
             raise ConfigError(f"--set {item!r}: bad key {dotted!r}")
         value = _parse_yaml(text, f"--set {dotted}") if text.strip() else None
+        keys = _long_form(keys, value)
         node = raw
         for depth, key in enumerate(keys[:-1]):
             child = node.get(key)

@@ -9,14 +9,17 @@ A run is described by one :class:`SpeedtronicConfig`. It is built from YAML, JSO
 * applies ``--set section.key=value`` overrides (values parsed as YAML);
 * rejects unknown keys with the full dotted name and the closest valid key;
 * checks every value's type against the field annotation (the string ``"false"`` is not a bool;
-  an int is accepted where a float is expected) and every range rule.
+  an int is accepted where a float is expected), that every float is finite (only the wait
+  timeouts marked ``_INF_IS_NO_LIMIT`` take ``.inf``) and every range rule.
 
 Field docstrings (the string under each field) are the reference documentation for each key.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +49,34 @@ __all__ = [
 def _check(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")
+
+
+# Field metadata of the few floats where YAML ``.inf`` has a meaning: a wait without a limit.
+_INF_IS_NO_LIMIT = {"inf_is_no_limit": True}
+
+
+def _check_finite(section: Any, prefix: str = "") -> None:
+    """Refuse inf and NaN in every float field and float-list item of ``section`` (recursively).
+
+    One check here instead of one per field: ``lr > 0`` is true for inf, and NaN slips past any
+    rule written as ``not (x < 0)`` or on list items, and either ends a run in NaN losses.
+    """
+    for f in dataclasses.fields(section):
+        key = f"{prefix}.{f.name}" if prefix else f.name
+        value = getattr(section, f.name)
+        if f.type == "Any":  # user objects (data.dataset), not numbers we interpret
+            continue
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, key)
+            continue
+        no_limit = bool(f.metadata.get("inf_is_no_limit"))
+        is_list = isinstance(value, (list, tuple))
+        for item in value if is_list else (value,):
+            if isinstance(item, float) and not math.isfinite(item) \
+                    and not (no_limit and item == math.inf):
+                rule = "a finite number or .inf (no limit)" if no_limit else "a finite number"
+                _check(False, key, f"{'every item ' if is_list else ''}must be {rule}, "
+                       f"got {list(value) if is_list else value!r}")
 
 
 @dataclass
@@ -487,16 +518,16 @@ class DistributedConfig:
     the quantization error is kept and sent with the next delta."""
     reset_inner_optimizer: bool = True
     """Reset the inner optimizer state after each confirmed delta upload."""
-    start_timeout: float = 600.0
-    """Seconds a node waits at start for the first published global."""
-    shutdown_timeout: float = 120.0
-    """Seconds a node waits at the end for its last deltas to upload."""
-    final_sync_timeout: float = 0.0
+    start_timeout: float = field(default=600.0, metadata=_INF_IS_NO_LIMIT)
+    """Seconds a node waits at start for the first published global (``.inf`` = no limit)."""
+    shutdown_timeout: float = field(default=120.0, metadata=_INF_IS_NO_LIMIT)
+    """Seconds a node waits at the end for its last deltas to upload (``.inf`` = no limit)."""
+    final_sync_timeout: float = field(default=0.0, metadata=_INF_IS_NO_LIMIT)
     """Seconds a worker waits at the end for a global containing its last delta and installs
-    it (0 = end with local weights)."""
-    master_idle_timeout: float = 600.0
+    it (0 = end with local weights, ``.inf`` = no limit)."""
+    master_idle_timeout: float = field(default=600.0, metadata=_INF_IS_NO_LIMIT)
     """A master node keeps aggregating after its own training until every node it has seen is
-    done, or this many seconds pass without a new delta."""
+    done, or this many seconds pass without a new delta (``.inf`` = no limit)."""
     lease_ttl: float = 300.0
     """Seconds without renewal after which a standby master takes the lease over."""
     keep_versions: int = 4
@@ -612,6 +643,7 @@ class SpeedtronicConfig:
             self.scheduler.max_steps = self.run.max_steps
         if self.gradient_checkpointing or self.model.gradient_checkpointing:
             self.gradient_checkpointing = self.model.gradient_checkpointing = True
+        _check_finite(self)  # first: range rules below read inf as a valid large value
         for name in _SECTIONS:
             getattr(self, name).validate(name)
         _check(1 <= self.ooo_streams <= 8, "ooo_streams",

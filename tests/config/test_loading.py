@@ -161,3 +161,124 @@ def test_saved_config_round_trips(tmp_path):
     cfg = load_config({"optimizer": "muon", "seed": 11, "model": {"d_ff": 96}})
     cfg.save(tmp_path / "c.yaml")
     assert load_config(tmp_path / "c.yaml").to_dict() == cfg.to_dict()
+
+
+# ------------------------------------------------------------------ non-finite floats
+@pytest.mark.parametrize("override, message", [
+    ("optimizer.lr=.inf", "optimizer.lr: must be a finite number, got inf"),
+    ("optimizer.weight_decay=.inf", "optimizer.weight_decay: must be a finite number, got inf"),
+    ("optimizer.eps=.inf", "optimizer.eps: must be a finite number, got inf"),
+    ("model.rope_base=.inf", "model.rope_base: must be a finite number, got inf"),
+    ("distributed.outer_lr=.inf", "distributed.outer_lr: must be a finite number, got inf"),
+    ("run.peak_tflops=-.inf", "run.peak_tflops: must be a finite number, got -inf"),
+    ("optimizer.lr=.nan", "optimizer.lr: must be a finite number, got nan"),
+    ("optimizer.muon_coefficients=[.nan, 1, 1]",
+     "optimizer.muon_coefficients: every item must be a finite number, got [nan, 1.0, 1.0]"),
+    ("optimizer.betas=[0.9, .inf]",
+     "optimizer.betas: every item must be a finite number, got [0.9, inf]"),
+])
+def test_non_finite_floats_are_refused_naming_the_key(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config({}, [override])
+    assert str(info.value) == message
+
+
+def _float_fields() -> list[tuple[str, str, str]]:
+    """(section, key, annotation) of every float-typed field of every section."""
+    import dataclasses
+
+    out = []
+    for section in dataclasses.fields(SpeedtronicConfig):
+        if section.default_factory is dataclasses.MISSING:  # a root switch
+            assert "float" not in str(section.type), "extend this test to root floats"
+            continue
+        out += [(section.name, f.name, str(f.type))
+                for f in dataclasses.fields(section.default_factory) if "float" in str(f.type)]
+    return out
+
+
+_NO_LIMIT = {"distributed.start_timeout", "distributed.shutdown_timeout",
+             "distributed.final_sync_timeout", "distributed.master_idle_timeout"}
+
+
+def test_every_float_field_refuses_inf_except_the_no_limit_waits():
+    fields = _float_fields()
+    assert len(fields) > 25  # the walk found the schema's floats
+    for section, key, annotation in fields:
+        dotted = f"{section}.{key}"
+        value = [float("inf")] * annotation.count("float") if "[" in annotation \
+            else float("inf")  # tuple[float, float] -> 2 items, list[float] -> 1
+        if dotted in _NO_LIMIT:
+            assert getattr(getattr(load_config({section: {key: value}}), section), key) \
+                == float("inf")
+            continue
+        with pytest.raises(ConfigError, match=rf"^{dotted.replace('.', '[.]')}: .*finite"):
+            load_config({section: {key: value}})
+
+
+def test_no_limit_waits_take_inf_but_not_nan_and_round_trip(tmp_path):
+    cfg = load_config({}, ["distributed.start_timeout=.inf",
+                           "distributed.master_idle_timeout=.inf"])
+    assert cfg.distributed.start_timeout == cfg.distributed.master_idle_timeout == float("inf")
+    cfg.save(tmp_path / "c.yaml")
+    assert load_config(tmp_path / "c.yaml").to_dict() == cfg.to_dict()
+    with pytest.raises(ConfigError, match=r"distributed\.shutdown_timeout: must be a finite "
+                                          r"number or \.inf \(no limit\), got nan"):
+        load_config({}, ["distributed.shutdown_timeout=.nan"])
+    with pytest.raises(ConfigError, match=r"got -inf"):
+        load_config({}, ["distributed.start_timeout=-.inf"])
+
+
+def test_configs_built_in_python_are_checked_too():
+    from speedtronic.config import OptimizerConfig
+
+    cfg = SpeedtronicConfig(optimizer=OptimizerConfig(lr=float("inf")))
+    with pytest.raises(ConfigError, match=r"optimizer\.lr: must be a finite number"):
+        cfg.finalize()
+
+
+# ------------------------------------------------------------------ shorthand overrides
+def test_section_shorthand_override_sets_only_its_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer: {lr: 0.005, weight_decay: 0.0}\nprecision: {mode: fp32}\n")
+    cfg = load_config(path, ["optimizer=muon", "precision=bf16"])
+    assert cfg.optimizer.name == "muon"
+    assert (cfg.optimizer.lr, cfg.optimizer.weight_decay) == (0.005, 0.0)
+    assert cfg.precision.mode == "bf16"
+    # a mapping still replaces the whole section, as any YAML value replaces its key
+    assert load_config(path, ["optimizer={name: muon}"]).optimizer.lr == 3e-4
+
+
+def test_root_shorthand_overrides_replace_the_files_long_form(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("run: {name: a, seed: 3}\noptimizer: {cautious: false}\n"
+                    "logging: {every_steps: 7}\ndiloco: {inner_steps: 9}\n")
+    cfg = load_config(path, ["name=b", "seed=4", "cautious=true", "log_every=3",
+                             "diloco.inner_steps=11"])
+    assert (cfg.run.name, cfg.run.seed, cfg.optimizer.cautious) == ("b", 4, True)
+    assert (cfg.logging.every_steps, cfg.distributed.inner_steps) == (3, 11)
+    with pytest.raises(ConfigError, match=r"optimizer\.name: expected 'adamw' \| 'muon'"):
+        load_config(path, ["optimizer=sgd"])
+
+
+# ------------------------------------------------------------------ duplicate keys
+@pytest.mark.parametrize("name, text, where, key", [
+    ("top.yaml", "optimizer: {lr: 0.1}\nrun: {name: a}\nrun: {name: b}\n", "line 3", "run"),
+    ("nested.yaml", "run:\n  name: a\n  seed: 1\n  name: b\n", "line 4", "name"),
+    ("flow.yaml", "run: {seed: 1, seed: 2}\n", "line 1", "seed"),
+    ("dup.json", '{"run": {"name": "a"},\n "run": {"name": "b"}}\n', "line 2", "run"),
+])
+def test_duplicate_keys_are_refused_naming_key_file_and_line(tmp_path, name, text, where, key):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: {where},") and f"duplicate key '{key}'" in message
+
+
+def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
+    path = tmp_path / "merge.yaml"
+    path.write_text("optimizer:\n  <<: {lr: 0.1, eps: 1.0e-6}\n  lr: 0.2\n")
+    cfg = load_config(path)
+    assert (cfg.optimizer.lr, cfg.optimizer.eps) == (0.2, 1e-6)

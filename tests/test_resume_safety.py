@@ -1,0 +1,106 @@
+"""A run that fails to start leaves an earlier run alone; resume refuses what it cannot honour
+and logs the same numbers as an uninterrupted run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from speedtronic.checkpoint import CheckpointError
+from speedtronic.cli import main
+from speedtronic.runtime import train_from_config
+
+from ._engine_fixtures import one_thread, tiny_config, tiny_raw  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _snapshot(run_dir: Path) -> dict[str, str]:
+    return {str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture()
+def finished_run(tmp_path: Path) -> tuple[Path, Path]:
+    """A 4-step run with checkpoints; returns (its YAML, its run dir)."""
+    import yaml
+
+    raw = tiny_raw(tmp_path / "runs", name="base", run={"max_steps": 4, "eval_every": 0})
+    cfg_path = tmp_path / "base.yaml"
+    cfg_path.write_text(yaml.safe_dump(raw))
+    train_from_config(tiny_config(tmp_path / "runs", name="base",
+                                  run={"max_steps": 4, "eval_every": 0}), plot=False)
+    return cfg_path, tmp_path / "runs" / "base"
+
+
+@pytest.mark.parametrize("resume", [False, True])
+@pytest.mark.parametrize("bad", [["--set", "model.name=no_such_model"],
+                                 ["--set", "data.tokens_path=/no/such/tokens.bin"],
+                                 ["--set", "model.n_head=4"]])
+def test_a_failed_start_changes_nothing_on_disk(finished_run, capsys, resume, bad):
+    cfg_path, run_dir = finished_run
+    if bad[-1] == "model.n_head=4" and not resume:
+        pytest.skip("a changed architecture is only an error when resuming")
+    before = _snapshot(run_dir)
+    args = ["train", "--config", str(cfg_path), *bad] + (["--resume"] if resume else [])
+    assert main(args) == 2
+    assert "Traceback" not in capsys.readouterr().err
+    assert _snapshot(run_dir) == before  # config.yaml, checkpoints and metrics untouched
+    assert [p.name for p in run_dir.parent.iterdir()] == ["base"]  # nothing moved aside
+
+
+def test_resume_refuses_an_architecture_change_but_not_dropout(finished_run, capsys):
+    cfg_path, run_dir = finished_run
+    with pytest.raises(CheckpointError, match=r"model.n_head is 4 here but 2 in the checkpoint"):
+        train_from_config(tiny_config(run_dir.parent, name="base", model={"n_head": 4},
+                                      run={"max_steps": 6, "eval_every": 0}),
+                          resume=True, plot=False)
+    result = train_from_config(tiny_config(run_dir.parent, name="base", model={"dropout": 0.1},
+                                           run={"max_steps": 6, "eval_every": 0}),
+                               resume=True, plot=False)
+    assert result.steps == 6
+
+
+def test_resume_beyond_max_steps_is_refused_and_a_finished_run_keeps_its_numbers(finished_run):
+    _, run_dir = finished_run
+    with pytest.raises(CheckpointError, match="at step 4, beyond run.max_steps 2"):
+        train_from_config(tiny_config(run_dir.parent, name="base",
+                                      run={"max_steps": 2, "eval_every": 0}),
+                          resume=True, plot=False)
+    again = train_from_config(tiny_config(run_dir.parent, name="base",
+                                          run={"max_steps": 4, "eval_every": 0}),
+                              resume=True, plot=False)
+    assert again.steps == 4 and again.final_loss is not None  # restored, not n/a
+
+
+class _StopAfter:
+    """Interrupts the run after ``step`` (as Ctrl-C would)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def after_optimizer_step(self, trainer, step: int) -> None:
+        if step == self.step:
+            raise KeyboardInterrupt
+
+
+def _train_steps(metrics: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return {r["step"]: r["loss"] for r in rows if r.get("event") == "train_step"}
+
+
+def test_resume_between_log_steps_logs_the_uninterrupted_mean_loss(tmp_path):
+    # Log every 4 steps, checkpoint every 3: the resume point (6) is inside the 5-8 interval.
+    sections = dict(run={"max_steps": 8, "eval_every": 0}, logging={"every_steps": 4},
+                    checkpoint={"every_steps": 3})
+    straight = train_from_config(tiny_config(tmp_path, name="straight", **sections), plot=False)
+    with pytest.raises(KeyboardInterrupt):
+        train_from_config(tiny_config(tmp_path, name="cut", **sections),
+                          callbacks=[_StopAfter(7)], plot=False)
+    train_from_config(tiny_config(tmp_path, name="cut", **sections), resume=True, plot=False)
+    want = _train_steps(straight.metrics_path)
+    got = _train_steps(tmp_path / "cut" / "metrics.jsonl")
+    assert want[8] == got[8]  # the mean over steps 5-8, not over 7-8 only
