@@ -245,9 +245,17 @@ class Trainer:
         try:
             self.model.load_state_dict(state["model"])
         except RuntimeError as exc:
-            raise SpeedtronicError(f"checkpoint does not fit this model (did model.* change?): "
-                                   f"{str(exc).splitlines()[0]}") from None
-        self.optimizer.load_state_dict(state["optimizer"])
+            # torch's first line only says "Error(s) in loading state_dict for X:"; the lines
+            # after it name the missing / unexpected / mis-shaped tensors.
+            details = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()]
+            raise SpeedtronicError("checkpoint does not fit this model (did model.* change?): "
+                                   + ("; ".join(details[:3]) or str(exc))[:600]) from None
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except ValueError as exc:
+            raise SpeedtronicError(f"the checkpoint's optimizer state does not fit this "
+                                   f"optimizer ({exc}); did the model, its routing or "
+                                   "optimizer.name change?") from None
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):

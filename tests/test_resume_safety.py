@@ -104,3 +104,20 @@ def test_resume_between_log_steps_logs_the_uninterrupted_mean_loss(tmp_path):
     want = _train_steps(straight.metrics_path)
     got = _train_steps(tmp_path / "cut" / "metrics.jsonl")
     assert want[8] == got[8]  # the mean over steps 5-8, not over 7-8 only
+
+
+def test_a_checkpoint_of_another_model_names_the_mismatched_tensors(tmp_path):
+    from torch import nn
+
+    from speedtronic.errors import SpeedtronicError
+    from speedtronic.runtime import build_trainer
+
+    from ._engine_fixtures import FixedData, TinyLM
+
+    cfg = tiny_config(tmp_path, name="m", run={"max_steps": 2, "eval_every": 0})
+    state = build_trainer(cfg, model=TinyLM(), data=FixedData()).state_dict()
+    other = TinyLM()
+    other.extra = nn.Linear(3, 3)  # one tensor more than the checkpoint holds
+    trainer = build_trainer(cfg, model=other, data=FixedData())
+    with pytest.raises(SpeedtronicError, match=r'Missing key\(s\) in state_dict: "extra.weight"'):
+        trainer.load_state_dict(state)
