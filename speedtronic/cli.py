@@ -15,8 +15,10 @@ import argparse
 import gc
 import json
 import logging
+import math
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from .errors import SpeedtronicError
 
@@ -145,6 +147,24 @@ def _add_validate(sub: argparse._SubParsersAction) -> None:
     _add_set(p)
 
 
+def _strict_json(data: Any) -> str:
+    """JSON without ``Infinity`` (not JSON; a DiLoCo wait may be ``.inf``, "no limit"): an
+    infinite float is written as ``1e999``, which JSON readers and our loader read back as inf."""
+    marker = "\x00speedtronic-inf\x00"
+
+    def swap(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [swap(v) for v in value]
+        if isinstance(value, float) and math.isinf(value):
+            return marker if value > 0 else "-" + marker
+        return value
+
+    text = json.dumps(swap(data), indent=2, allow_nan=False)
+    return text.replace(json.dumps("-" + marker), "-1e999").replace(json.dumps(marker), "1e999")
+
+
 def _cmd_validate(args: argparse.Namespace) -> int:
     import yaml
 
@@ -152,7 +172,7 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     data = load_config(args.config, args.overrides).to_dict(redact=True)
     if args.format == "json":
-        print(json.dumps(data, indent=2))
+        print(_strict_json(data))
     else:
         print(yaml.safe_dump(data, sort_keys=False), end="")
     return 0

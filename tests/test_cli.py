@@ -100,6 +100,19 @@ def test_validate_prints_resolved_redacted_config(tmp_path, capsys):
     assert "tok123" not in json.dumps(out)
 
 
+def test_validate_json_is_strict_json_that_reads_back(tmp_path, capsys):
+    # distributed.start_timeout: .inf means "no limit"; JSON has no Infinity token.
+    cfg = _write(tmp_path / "inf.yaml", {"distributed": {"start_timeout": float("inf")}})
+    assert main(["validate", "--config", str(cfg), "--format", "json"]) == 0
+    text = capsys.readouterr().out
+    out = json.loads(text, parse_constant=lambda name: pytest.fail(f"non-JSON token {name}"))
+    assert out["distributed"]["start_timeout"] == float("inf")
+    again = tmp_path / "again.json"
+    again.write_text(text)
+    assert main(["validate", "--config", str(again)]) == 0
+    assert "start_timeout: .inf" in capsys.readouterr().out
+
+
 def test_train_end_to_end_leaves_metrics_config_and_plot(tmp_path, capsys):
     cfg = _write(tmp_path / "tiny.yaml", tiny_raw(tmp_path / "ignored", name="cli"))
     out_dir = tmp_path / "runs"
