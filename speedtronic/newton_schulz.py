@@ -321,10 +321,12 @@ def orthogonalize(G: Tensor, steps: int, coefficients: Sequence[float], eps: flo
     if normalized:
         X = X.to(dtype)                                           # no copy when it already is
     else:
-        # Normalization in fp32 (or fp64) even when the iteration runs in 16 bits.
-        norm_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
-        X = (X.to(norm_dtype) / norm.clamp(min=eps)).to(dtype)  # fresh; G untouched
+        # Normalization in fp32 (fp64 for fp64 in or out) even when the iteration runs in 16
+        # bits. The norm accumulates in fp64: in fp32 its sum of squares overflowed once
+        # ||G||_F passed ~1.8e19 and a finite matrix came out as zeros.
+        norm_dtype = torch.float64 if torch.float64 in (dtype, G.dtype) else torch.float32
+        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
+        X = (X.to(norm_dtype) / norm.clamp(min=eps).to(norm_dtype)).to(dtype)  # G untouched
     coeffs = _iter_coefficients(coefficients, steps)
     m, n = X.size(-2), X.size(-1)
     # bf16 stays standard: its Gram error is ~2x standard's (gram_restarts.md, bf16 rows).

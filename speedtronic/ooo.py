@@ -15,7 +15,11 @@ an executor:
 At the end of every backward pass (an autograd-engine final callback, which runs on the caller's
 stream) the current stream waits for the side streams and the deferred sums are folded into
 ``.grad``. The fold reproduces autograd's order - ``prev + (sum of this pass)`` - so fp32 gradients
-equal the standard backward bit for bit, with gradient accumulation and with tied weights.
+equal the standard backward bit for bit, with gradient accumulation and with tied weights. When
+autograd itself also adds into a deferred weight's ``.grad`` in the same pass (the second pass of
+a double backward over a tied weight, or the weight also used outside its ``nn.Linear``), the
+fold adds the same terms in another order: equal up to fp32 rounding (2.4e-7 on a 16x16 tied
+pair), not bitwise.
 :meth:`OOOScheduler.flush` (the trainer calls it before clipping/stepping) is then a cheap guard:
 it discards the work of a backward that raised and makes the current stream wait for all streams.
 

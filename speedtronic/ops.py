@@ -145,7 +145,7 @@ def newton_schulz(G: Tensor, steps: int = 5, coefficients: Sequence[float] = QUI
     every iteration) or ``3 * steps`` floats (a per-iteration schedule, e.g.
     :func:`polar_express_coefficients`).
     With the default quintic, singular values above ~0.3% of ``||G||_F`` land in roughly
-    [0.68, 1.15] rather than at 1 (smaller ones stay below the band).
+    [0.68, 1.20] rather than at 1 (smaller ones stay below the band).
 
     ``compute_dtype`` is the matmul dtype: None = fp16 on CUDA, fp32 elsewhere (fp64 input stays
     fp64). ``method``: ``"standard"``, ``"gram"`` (iterate on ``X X^T``; for rectangular shapes
@@ -217,9 +217,14 @@ def _(U, eps=1e-8):
 # cautious_mask_
 # ---------------------------------------------------------------------------------------------
 
-def _cautious_mask_impl(updates: Sequence[Tensor], grads: Sequence[Tensor], rescale: bool) -> None:
+def _check_mask_args(updates: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+    # Shared by the real and the fake kernel: bad arguments fail while torch.compile traces.
     if len(updates) != len(grads):
         raise ValueError(f"cautious_mask_: {len(updates)} updates but {len(grads)} grads")
+
+
+def _cautious_mask_impl(updates: Sequence[Tensor], grads: Sequence[Tensor], rescale: bool) -> None:
+    _check_mask_args(updates, grads)
     # One tensor at a time: the only temporaries are one mask (and one product) of the
     # largest tensor, never a copy of every parameter.
     for u, g in zip(updates, grads, strict=True):
@@ -246,7 +251,7 @@ def cautious_mask_(updates: Sequence[Tensor], grads: Sequence[Tensor],
 
 @cautious_mask_.register_fake
 def _(updates, grads, rescale=True):
-    return None
+    _check_mask_args(updates, grads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,8 +267,7 @@ def _check_same_shape(tensors: Sequence[Tensor], what: str) -> None:
                          f"{sorted({tuple(t.shape) for t in tensors})}")
 
 
-def _muon_pre_impl(bufs: Sequence[Tensor], grads: Sequence[Tensor], momentum: float,
-                   nesterov: bool, eps: float, out_dtype: torch.dtype) -> Tensor:
+def _check_pre_args(bufs: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
     _check_same_shape(bufs, "muon_pre_orthogonalize_")
     if len(grads) != len(bufs):
         raise ValueError(f"muon_pre_orthogonalize_: {len(bufs)} buffers but {len(grads)} grads")
@@ -271,6 +275,11 @@ def _muon_pre_impl(bufs: Sequence[Tensor], grads: Sequence[Tensor], momentum: fl
         if buf.dtype != torch.float32:
             raise ValueError(f"muon_pre_orthogonalize_: momentum buffers must be float32, got "
                              f"{buf.dtype}")
+
+
+def _muon_pre_impl(bufs: Sequence[Tensor], grads: Sequence[Tensor], momentum: float,
+                   nesterov: bool, eps: float, out_dtype: torch.dtype) -> Tensor:
+    _check_pre_args(bufs, grads)
     m, n = bufs[0].shape
     out = torch.empty((len(bufs), m, n), dtype=torch.float32, device=bufs[0].device)  # (b, m, n)
     views = list(out.unbind(0))
@@ -304,7 +313,7 @@ def muon_pre_orthogonalize_(momentum_buffers: Sequence[Tensor], grads: Sequence[
 
 @muon_pre_orthogonalize_.register_fake
 def _(momentum_buffers, grads, momentum, nesterov, eps, out_dtype):
-    _check_same_shape(momentum_buffers, "muon_pre_orthogonalize_")
+    _check_pre_args(momentum_buffers, grads)
     m, n = momentum_buffers[0].shape
     return momentum_buffers[0].new_empty((len(momentum_buffers), m, n), dtype=out_dtype)
 
@@ -313,12 +322,19 @@ def _(momentum_buffers, grads, momentum, nesterov, eps, out_dtype):
 # muon_post_update_
 # ---------------------------------------------------------------------------------------------
 
-def _muon_post_impl(params: Sequence[Tensor], orth: Tensor, grads: Sequence[Tensor], lr: float,
-                    weight_decay: float, lr_scale: float, muon_plus: bool, norm_eps: float,
-                    cautious: bool, cautious_rescale: bool) -> None:
+def _check_post_args(params: Sequence[Tensor], orth: Tensor, grads: Sequence[Tensor],
+                     cautious: bool) -> None:
     if orth.dim() != 3 or orth.size(0) != len(params):
         raise ValueError(f"muon_post_update_: orthogonalized must be (b, m, n) with b="
                          f"{len(params)}, got {tuple(orth.shape)}")
+    if cautious:
+        _check_mask_args(params, grads)
+
+
+def _muon_post_impl(params: Sequence[Tensor], orth: Tensor, grads: Sequence[Tensor], lr: float,
+                    weight_decay: float, lr_scale: float, muon_plus: bool, norm_eps: float,
+                    cautious: bool, cautious_rescale: bool) -> None:
+    _check_post_args(params, orth, grads, cautious)
     if muon_plus:
         upd = _muon_plus_impl(orth.float(), norm_eps)             # fresh fp32 (b, m, n)
     elif cautious or orth.dtype != torch.float32:
@@ -377,7 +393,7 @@ def muon_post_update_(params: Sequence[Tensor], orthogonalized: Tensor, grads: S
 @muon_post_update_.register_fake
 def _(params, orthogonalized, grads, lr, weight_decay, lr_scale, muon_plus, norm_eps, cautious,
       cautious_rescale):
-    return None
+    _check_post_args(params, orthogonalized, grads, cautious)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -401,15 +417,19 @@ def _chunks(n_items: int, numels: Sequence[int]) -> list[range]:
     return out
 
 
+def _check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, step) -> None:
+    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(params)):
+        raise ValueError("cautious_adamw_step_: params, grads, exp_avgs and exp_avg_sqs must have "
+                         "the same length")
+    if not isinstance(step, Tensor) and step < 1:
+        raise ValueError(f"cautious_adamw_step_: step must be >= 1 (1-based), got {step}")
+
+
 def _adamw_impl(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step,
                 cautious, cautious_rescale) -> None:
     n = len(params)
-    if not (len(grads) == len(exp_avgs) == len(exp_avg_sqs) == n):
-        raise ValueError("cautious_adamw_step_: params, grads, exp_avgs and exp_avg_sqs must have "
-                         "the same length")
+    _check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, step)
     traced = isinstance(step, Tensor)  # a 0-d step tensor: see adamw_traceable
-    if not traced and step < 1:
-        raise ValueError(f"cautious_adamw_step_: step must be >= 1 (1-based), got {step}")
     bias1 = 1.0 - beta1 ** step
     bias2_sqrt = (1.0 - beta2 ** step).sqrt() if traced else math.sqrt(1.0 - beta2 ** step)
     for idx in _chunks(n, [p.numel() for p in params]):
@@ -466,7 +486,7 @@ def cautious_adamw_step_(params: Sequence[Tensor], grads: Sequence[Tensor],
 @cautious_adamw_step_.register_fake
 def _(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, weight_decay, step, cautious,
       cautious_rescale):
-    return None
+    _check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, step)
 
 
 # CUDA implementations of the ops above (speedtronic._C), registered when available; otherwise

@@ -156,6 +156,46 @@ def test_newton_schulz_compute_dtype_and_float64() -> None:
     bf16 = ops.newton_schulz(G, compute_dtype=torch.bfloat16)
     assert bf16.dtype == torch.float32 and 1e-5 < _rel(bf16, ref) < 5e-2
     assert _rel(ops.newton_schulz(G.double()), ref) < 1e-12  # fp64 input stays fp64
+    # fp64 in, a narrower matmul dtype: the result keeps G's dtype (the norm once refused to
+    # narrow fp64 to fp32 and raised)
+    narrow = ops.newton_schulz(G.double(), compute_dtype=torch.float32)
+    assert narrow.dtype == torch.float64 and _rel(narrow, ref) < 1e-5
+
+
+def test_newton_schulz_of_a_huge_finite_matrix_is_its_polar_factor() -> None:
+    # ||G||_F ~ 2e19: its fp32 sum of squares overflows; the output was all zeros.
+    G = _randn(16, 32, seed=8) * 1e18
+    ref = ref_newton_schulz(G, list(ops.QUINTIC), 5)
+    assert _rel(ops.newton_schulz(G), ref) < 1e-5
+
+
+def test_fake_kernels_refuse_what_the_real_ones_refuse() -> None:
+    # Under torch.compile the fake kernels run at trace time: a bad call must fail there too.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def calls(t):
+        m = [t(4, 4), t(4, 4)]
+        return {
+            "pre: count": lambda: ops.muon_pre_orthogonalize_(m, m[:1], 0.9, True, 1e-7,
+                                                                torch.float32),
+            "pre: bf16 buffers": lambda: ops.muon_pre_orthogonalize_(
+                [x.bfloat16() for x in m], m, 0.9, True, 1e-7, torch.float32),
+            "mask: count": lambda: ops.cautious_mask_(m, []),
+            "post: batch": lambda: ops.muon_post_update_(m, t(3, 4, 4), m, 0.1, 0.0, 1.0, False,
+                                                         1e-8, False, True),
+            "adamw: lengths": lambda: ops.cautious_adamw_step_(m, m[:1], m, m, 1e-3, 0.9, 0.99,
+                                                               1e-8, 0.0, 1, False, True),
+            "adamw: step 0": lambda: ops.cautious_adamw_step_(m, m, m, m, 1e-3, 0.9, 0.99, 1e-8,
+                                                              0.0, 0, False, True),
+        }
+
+    for real in calls(torch.zeros).values():
+        with pytest.raises(ValueError):
+            real()
+    with FakeTensorMode():
+        for fake in calls(torch.zeros).values():
+            with pytest.raises(ValueError):
+                fake()
 
 
 def test_newton_schulz_bad_arguments() -> None:
