@@ -186,6 +186,22 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [record for _, record in iter_metrics(path)]
 
 
+_TENSORBOARD_MISSING = ("logging.tensorboard: true needs TensorBoard; install it with "
+                        "pip install 'speedtronic[tensorboard]'")
+_WANDB_MISSING = "logging.wandb: true needs wandb; install it with pip install 'speedtronic[wandb]'"
+
+
+def require_hook_packages(*, tensorboard: bool, wandb: bool) -> None:
+    """Raise a hook's missing-package error now, without importing it: the runtime checks
+    before it touches the run directory, and builds the hooks only after."""
+    from importlib.util import find_spec
+
+    if tensorboard and find_spec("tensorboard") is None:
+        raise SpeedtronicError(_TENSORBOARD_MISSING)
+    if wandb and find_spec("wandb") is None:
+        raise SpeedtronicError(_WANDB_MISSING)
+
+
 class TensorBoardHook:
     """Writes numeric payload values as ``<event>/<key>`` scalars at ``payload['step']``."""
 
@@ -193,8 +209,7 @@ class TensorBoardHook:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise SpeedtronicError("logging.tensorboard: true needs TensorBoard; install it with "
-                                   "pip install 'speedtronic[tensorboard]'") from None
+            raise SpeedtronicError(_TENSORBOARD_MISSING) from None
         # purge_step: a resumed run drops the interrupted run's events from that step on.
         self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
@@ -218,8 +233,7 @@ class WandbHook:
         try:
             import wandb
         except ImportError:
-            raise SpeedtronicError("logging.wandb: true needs wandb; install it with "
-                                   "pip install 'speedtronic[wandb]'") from None
+            raise SpeedtronicError(_WANDB_MISSING) from None
         self._wandb = wandb
         self._run = wandb.init(project=project or "speedtronic", name=run_name, config=config,
                                dir=str(run_dir))

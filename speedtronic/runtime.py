@@ -26,7 +26,7 @@ from . import host_memory, optim
 from .checkpoint import CheckpointError, CheckpointManager
 from .config import ConfigError, SpeedtronicConfig, load_config
 from .data import DataBundle, build_data, check_data
-from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook
+from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook, require_hook_packages
 from .models import build_model
 from .precision import resolve_device, resolve_precision
 from .trainer import Trainer, TrainerCallback, TrainResult
@@ -83,7 +83,7 @@ def _warn_about_schedule(cfg: SpeedtronicConfig, horizon: int) -> None:
                        "its peak learning rate (it ends at %.0f%% of it); set "
                        "scheduler.warmup_steps below %d, e.g. %d (10%% of the run)",
                        s.warmup_steps, steps, 100.0 * steps / max(1, s.warmup_steps), steps,
-                       max(1, steps // 10))
+                       steps // 10)
     elif s.name == "cosine" and horizon < steps:
         logger.warning("scheduler: the cosine ends at scheduler.max_steps=%d but the run lasts "
                        "run.max_steps=%d, so the last %d steps stay at min_lr_ratio=%g; set "
@@ -201,6 +201,7 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
                       scheduler=scheduler, checkpoints=None, callbacks=callbacks, run_dir=run_dir)
     if resume:
         _resume(trainer, ckpt_dir)
+    require_hook_packages(tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb)
     _prepare_run_dir(run_dir, resume)
     cfg.save(run_dir / "config.yaml")
     if cfg.checkpoint.enabled:

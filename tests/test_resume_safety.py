@@ -121,3 +121,20 @@ def test_a_checkpoint_of_another_model_names_the_mismatched_tensors(tmp_path):
     trainer = build_trainer(cfg, model=other, data=FixedData())
     with pytest.raises(SpeedtronicError, match=r'Missing key\(s\) in state_dict: "extra.weight"'):
         trainer.load_state_dict(state)
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_a_missing_metrics_package_is_reported_before_the_run_dir_changes(
+        finished_run, capsys, monkeypatch, resume):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    cfg_path, run_dir = finished_run
+    before = _snapshot(run_dir)
+    args = ["train", "--config", str(cfg_path), "--set", "logging.tensorboard=true"]
+    assert main(args + (["--resume", "--max-steps", "6"] if resume else [])) == 2
+    assert "needs TensorBoard" in capsys.readouterr().err
+    assert _snapshot(run_dir) == before
+    assert [p.name for p in run_dir.parent.iterdir()] == ["base"]
