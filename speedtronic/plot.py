@@ -85,6 +85,10 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> 
     data = [(d, *_curves(d)) for d in dirs]
     if not any(train or evals for _, train, evals in data):
         raise SpeedtronicError("plot: no loss values in " + ", ".join(str(d) for d in dirs))
+    blocked = next((p for p in out_path.parents if p.exists()), None)
+    if blocked is not None and not blocked.is_dir():
+        raise SpeedtronicError(f"plot: cannot write {str(out_path)!r}: {blocked} is a file, not a "
+                               "folder; give -o a path in a folder")
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig = Figure(figsize=(8, 5), dpi=110)
     FigureCanvasAgg(fig)

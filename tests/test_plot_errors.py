@@ -63,3 +63,16 @@ def test_a_non_image_output_is_refused_and_left_untouched(tmp_path):
     with pytest.raises(SpeedtronicError, match=r"'\.jsonl' is not an image type"):
         plot_runs([run], run / "metrics.jsonl")
     assert (run / "metrics.jsonl").read_bytes() == metrics
+
+
+def test_an_output_under_a_file_names_the_file(tmp_path, capsys):
+    from speedtronic.cli import main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"event": "train_step", "step": 1, "loss": 2.0}\n')
+    a_file = tmp_path / "base.yaml"
+    a_file.write_text("run: {}\n")
+    assert main(["plot", str(run), "-o", str(a_file / "x.png")]) == 2
+    assert f"{a_file} is a file" in capsys.readouterr().err
+    assert a_file.read_text() == "run: {}\n"
