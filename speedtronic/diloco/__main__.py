@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.set)
         expect = {n for n in args.expect_nodes.split(",") if n} or None
         master = run_master(cfg, expect_nodes=expect, idle_timeout=args.idle_timeout)
-    except (SpeedtronicError, ValueError, FileNotFoundError) as exc:
+    except (SpeedtronicError, ValueError, OSError) as exc:  # OSError: what the CLI reports too
         print(f"speedtronic: error: {exc}", file=sys.stderr)
         return 2
     print(f"master done at v{master.pointer.version if master.pointer else -1}")

@@ -120,9 +120,17 @@ class Master:
         self.node_last_version: dict[str, int] = {}
         self.totals = {"applied": 0, "rejected": 0, "versions": 0, "bytes_down": 0, "bytes_up": 0}
         self.done_sessions: set[str] = set()
-        self.seen_sessions: set[str] = set()
+        self.seen_sessions: set[str] = set()  # sessions with an accepted delta
         self.skip: set[str] = set()
         self.last_new_delta = time.monotonic()
+        # In memory only (a restarted master starts them afresh): the version at which each
+        # pending delta was first listed, and per session the round it last listed a new delta
+        # or its done marker, for all_done().
+        self._listed_at: dict[str, int] = {}
+        self._round = 0
+        self._last_new: dict[str, int] = {}
+        self._done_round: dict[str, int] = {}
+        self._overlap_rounds: dict[str, int] = {}
 
     # ------------------------------------------------------------------ lease
     def _lease_bytes(self, epoch: int, renewals: int) -> bytes:
@@ -253,6 +261,9 @@ class Master:
         self.outer.load(tensors, meta.get("outer", {}))
         self.hwm = {k: int(v) for k, v in meta.get("hwm", {}).items()}
         self.quarantined = meta.get("quarantined", [])
+        # Quarantined keys never move a high-water mark (a forged name with a huge seq would hide
+        # the real deltas below it): the recorded ones are skipped by name after a restart too.
+        self.skip.update(str(record[0]) for record in self.quarantined if record)
         self.node_last_version = meta.get("node_last_version", {})
         self.totals.update(meta.get("totals", {}))
         self.pointer, self.pointer_etag = pointer, etag
@@ -363,24 +374,37 @@ class Master:
         assert self.pointer is not None, "call load_or_bootstrap() first"
         self.renew_lease()
         version = self.pointer.version
+        self._round += 1
         stats = MasterStats(version=version)
-        new: list[tuple[str, str, int, int]] = []
+        pending: dict[str, list[tuple[str, str, int, int]]] = {}
         for key in self.store.list("nodes/"):
             parts = key.split("/")
             if len(parts) == 4 and parts[3] == "done.json":
-                self.done_sessions.add(f"{parts[1]}/{parts[2]}")
+                session_key = f"{parts[1]}/{parts[2]}"
+                if session_key not in self.done_sessions:
+                    self.done_sessions.add(session_key)
+                    self._done_round[session_key] = self._round
                 continue
             parsed = codec.parse_delta_key(key)
             if parsed is None:
                 continue
             node, session, seq, _base = parsed
-            self.seen_sessions.add(f"{node}/{session}")
             if seq > self.hwm.get(f"{node}/{session}", -1) and key not in self.skip:
-                new.append((key, node, session, seq))
-        new.sort(key=lambda item: (item[1], item[2], item[3]))
-        # Bounded memory: at most max_deltas_per_round per version; the rest stay above their
-        # session's high-water mark and are found again next round (sorted, so no gaps).
-        new = new[:self.cfg.max_deltas_per_round]
+                pending.setdefault(f"{node}/{session}", []).append((key, node, session, seq))
+                if key not in self._listed_at:
+                    self._listed_at[key] = version
+                    self._last_new[f"{node}/{session}"] = self._round
+        listed = {item[0] for items in pending.values() for item in items}
+        self._listed_at = {k: v for k, v in self._listed_at.items() if k in listed}
+        self._warn_about_shared_node_ids()
+        # Fair and gap-free: each session's pending deltas in seq order, taken round-robin
+        # (every session's oldest first, then the lowest seq: sorting by node id once starved
+        # the last-named node into staleness), at most max_deltas_per_round per version. The
+        # rest stay above their session's high-water mark and are found again next round.
+        ranked = [(rank, item) for items in pending.values()
+                  for rank, item in enumerate(sorted(items, key=lambda it: it[3]))]
+        ranked.sort(key=lambda r: (r[0], r[1][3], r[1][1], r[1][2]))
+        new = [item for _, item in ranked[:self.cfg.max_deltas_per_round]]
         stats.found = len(new)
         # One decoded delta at a time is added into the running weighted sum (fp32, like the
         # weights): memory is 2x the model whatever the backlog.
@@ -389,7 +413,6 @@ class Master:
         staleness: list[int] = []
         hwm = dict(self.hwm)
         for key, node, session, seq in new:
-            hwm[f"{node}/{session}"] = max(seq, hwm.get(f"{node}/{session}", -1))
             try:
                 info = self.store.stat(key)
                 if info is not None and info.size > self.max_object_bytes:
@@ -414,7 +437,10 @@ class Master:
                 self._quarantine(key, f"header ({header.node}/{header.session}/{header.seq}, "
                                  f"base {header.base_version}) does not match its name", stats)
                 continue
-            stale = version - header.base_version
+            # Versions the master published while this delta waited in its own queue (the
+            # per-round cap, a backlog after an outage) do not count against it: staleness is
+            # measured from the version at which the master first listed it.
+            stale = self._listed_at.get(key, version) - header.base_version
             if stale < 0:
                 # Ahead of us: either a newer master published (we are deposed; the fence
                 # says so) or the sender lies about its base.
@@ -435,6 +461,8 @@ class Master:
             del delta
             applied_keys.append(key)
             staleness.append(stale)
+            hwm[f"{node}/{session}"] = max(seq, hwm.get(f"{node}/{session}", -1))
+            self.seen_sessions.add(f"{node}/{session}")
         self.totals["bytes_down"] += stats.bytes_down
         if new:
             self.last_new_delta = time.monotonic()
@@ -511,14 +539,43 @@ class Master:
             "diloco/master_bytes_down": stats.bytes_down, "diloco/master_bytes_up": stats.bytes_up,
         })
 
+    def _warn_about_shared_node_ids(self) -> None:
+        """Two sessions of one node listing new deltas in the same round, three rounds over:
+        two live workers share a ``distributed.node_id`` (a restarted worker's dead session stops
+        uploading). Their deltas are all applied and all_done waits for both; say it once."""
+        active: dict[str, list[str]] = {}
+        for session_key, last in self._last_new.items():
+            if last == self._round:
+                node, session = session_key.split("/")
+                active.setdefault(node, []).append(session)
+        for node, sessions in active.items():
+            if len(sessions) < 2:
+                continue
+            self._overlap_rounds[node] = self._overlap_rounds.get(node, 0) + 1
+            if self._overlap_rounds[node] == 3:
+                logger.warning("diloco master: node %s has %d sessions uploading at the same time "
+                               "(%s): do two workers share distributed.node_id? Give each its "
+                               "own.", node, len(sessions), ", ".join(sorted(sessions)))
+
     # ------------------------------------------------------------------ loop
     def all_done(self, expected_nodes: set[str] | None = None, min_nodes: int = 0) -> bool:
-        """Every node seen (or every expected node) has a finished session. A node restarted
-        after a crash counts as finished once its new session is done: the dead session's
-        uploaded deltas were processed (the caller checks after a round that found nothing)."""
+        """Every node with an accepted delta (or every expected node) has finished: a session
+        of it is done, and each of its other sessions is done too or listed no new delta since
+        (a restarted worker's dead session stops; a second live worker under the same node id
+        does not, and is waited for). The caller checks after a round that found nothing."""
         seen = {s.split("/")[0] for s in self.seen_sessions | set(self.hwm)}
-        finished = {s.split("/")[0] for s in self.done_sessions}
         nodes = expected_nodes if expected_nodes is not None else seen
+        sessions: dict[str, set[str]] = {}
+        for s in self.seen_sessions | set(self.hwm) | self.done_sessions:
+            sessions.setdefault(s.split("/")[0], set()).add(s)
+        finished = set()
+        for node, node_sessions in sessions.items():
+            done = node_sessions & self.done_sessions
+            if not done:
+                continue
+            last_done = max(self._done_round.get(s, 0) for s in done)
+            if all(self._last_new.get(s, -1) <= last_done for s in node_sessions - done):
+                finished.add(node)
         return bool(nodes) and nodes <= finished and len(finished) >= min_nodes
 
     def run(self, stop: threading.Event, *, until: Callable[[Master], bool] | None = None,

@@ -35,13 +35,18 @@ from typing import Any
 
 import torch
 
-from ..config import DistributedConfig
+from ..config import ConfigError, DistributedConfig
 from . import codec
 from .codec import POINTER_KEY, FormatError, Pointer
 from .faults import crash_point
 from .store import ObjectExists, ObjectNotFound, Store, StoreError, open_store
 
 logger = logging.getLogger("speedtronic.diloco.node")
+
+
+class ModelMismatch(FormatError):
+    """A published global whose tensors do not fit this node's model (a different model.*):
+    no later global will fit either, so a node that has none yet stops instead of waiting."""
 
 
 def default_node_id() -> str:
@@ -126,6 +131,10 @@ class Worker:
         while self._candidate is None:  # every node starts from the published global
             try:
                 self._poll_once()
+            except ModelMismatch as exc:  # permanent: waiting start_timeout would not help
+                raise ConfigError(f"diloco: {exc}. Every node must build the master's model: "
+                                  "use the same model.* settings (and vocab) on every "
+                                  "node") from None
             except (StoreError, FormatError) as exc:
                 logger.warning("diloco worker %s: waiting for the first global: %s",
                                self.node_id, exc)
@@ -361,12 +370,12 @@ class Worker:
         tensors = codec.decode_global(data, pointer)  # verifies sha256 + digest
         missing = set(self._params) - set(tensors) if self._params else set()
         if missing:
-            raise FormatError(f"global v{pointer.version} lacks {sorted(missing)[:3]}")
+            raise ModelMismatch(f"global v{pointer.version} lacks {sorted(missing)[:3]}")
         for k, param in self._params.items():
             # copy_ would broadcast a (1, n) tensor into an (m, n) parameter without a word.
             got = tensors[k]
             if tuple(got.shape) != tuple(param.shape) or not got.is_floating_point():
-                raise FormatError(f"global v{pointer.version}: {k!r} is {got.dtype} "
+                raise ModelMismatch(f"global v{pointer.version}: {k!r} is {got.dtype} "
                                   f"{tuple(got.shape)}, the model has {param.dtype} "
                                   f"{tuple(param.shape)}; not installed")
         keep = self._params or tensors

@@ -42,7 +42,12 @@ class DirectoryStore(Store):
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"distributed.store: cannot create the store folder {self.root} "
+                             f"({exc.strerror or exc}); give a folder this process can "
+                             "write") from None
         self.url = f"file://{self.root}"
 
     def _path(self, key: str) -> Path:

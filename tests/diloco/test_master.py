@@ -234,3 +234,97 @@ def test_a_fenced_master_never_quarantines_deltas_from_the_new_masters_version(t
     with pytest.raises(LeaseLost, match="fenced"):
         m.run_once()  # m still thinks the version is 0: the delta is "ahead" of it
     assert store.stat(ahead) is not None and not store.list("rejected/")
+
+
+# ----------------------------------------------------------------------------- QA regressions
+def test_a_bad_object_with_a_huge_seq_does_not_hide_the_sessions_real_deltas(tmp_path):
+    store, m = _master(tmp_path)
+    w = initial_weights()
+    good = {k: 0.01 * torch.ones_like(v) for k, v in w.items()}
+    _put_delta(store, good, 0)
+    store.put("nodes/w1/s1/d00000900-b00000000.safetensors", b"\x00junk" * 1000)
+    m.run_once()
+    assert "nodes/w1/s1/d00000900-b00000000.safetensors" in dict(m.quarantined)
+    assert m.hwm["w1/s1"] == 0  # the quarantined name did not move the high-water mark
+    for seq in (1, 2):
+        _put_delta(store, good, seq, base=m.pointer.version)
+    assert m.run_once().applied == 2
+    assert m.hwm["w1/s1"] == 2
+    # a restarted master skips the quarantined name without downloading it again
+    store2 = open_store(f"file://{tmp_path}/store")
+    m.store.delete("master/lease.json")
+    m2 = Master(store2, m.cfg, "m1")
+    assert m2.acquire_lease(threading.Event(), timeout=5)
+    m2.load_or_bootstrap()
+    assert m2.run_once().found == 0
+
+
+def test_a_node_with_only_bad_objects_is_not_waited_for(tmp_path):
+    store, m = _master(tmp_path)
+    w = initial_weights()
+    good = {k: 0.01 * torch.ones_like(v) for k, v in w.items()}
+    _put_delta(store, good, 0)
+    store.put("nodes/w1/s1/done.json", b'{"last_seq": 0}')
+    store.put("nodes/evil/x/d00000000-b00000000.safetensors", b"truncated")
+    m.run_once()
+    assert m.all_done()  # "evil" never had a delta accepted: not a node to wait for
+
+
+def test_a_backlog_is_drained_fairly_and_its_wait_is_not_staleness(tmp_path):
+    # 3 workers x 8 deltas queued at base 0 (a master outage); 4 per version: the drain
+    # publishes 6 versions, more than max_staleness=2, yet nothing is dropped as stale.
+    store, m = _master(tmp_path, max_staleness=2, max_deltas_per_round=4)
+    w = initial_weights()
+    good = {k: 0.01 * torch.ones_like(v) for k, v in w.items()}
+    for seq in range(8):
+        for node in ("w1", "w2", "w3"):
+            _put_delta(store, good, seq, node=node)
+    per_round = []
+    while True:
+        before = dict(m.hwm)
+        stats = m.run_once()
+        if stats.found == 0:
+            break
+        assert stats.stale_dropped == 0 and stats.rejected == 0
+        per_round.append({n: m.hwm.get(f"{n}/s1", -1) - before.get(f"{n}/s1", -1)
+                          for n in ("w1", "w2", "w3")})
+    assert sum(sum(r.values()) for r in per_round) == 24
+    # round-robin: no node is two deltas ahead of another after any round
+    done = {"w1": 0, "w2": 0, "w3": 0}
+    for r in per_round:
+        for n, k in r.items():
+            done[n] += k
+        assert max(done.values()) - min(done.values()) <= 1
+
+
+def test_two_live_workers_under_one_node_id_are_both_waited_for(tmp_path, caplog):
+    store, m = _master(tmp_path)
+    w = initial_weights()
+    good = {k: 0.01 * torch.ones_like(v) for k, v in w.items()}
+    with caplog.at_level("WARNING", logger="speedtronic.diloco.master"):
+        for seq in range(3):
+            _put_delta(store, good, seq, base=m.pointer.version, session="a")
+            _put_delta(store, good, seq, base=m.pointer.version, session="b")
+            m.run_once()
+    assert "share distributed.node_id" in caplog.text
+    store.put("nodes/w1/a/done.json", b'{"last_seq": 2}')
+    m.run_once()
+    _put_delta(store, good, 3, base=m.pointer.version, session="b")  # b still uploads
+    m.run_once()
+    assert not m.all_done()
+    store.put("nodes/w1/b/done.json", b'{"last_seq": 3}')
+    m.run_once()
+    assert m.all_done() and m.hwm["w1/b"] == 3
+
+
+def test_a_restarted_worker_counts_as_finished_when_its_new_session_is(tmp_path):
+    store, m = _master(tmp_path)
+    w = initial_weights()
+    good = {k: 0.01 * torch.ones_like(v) for k, v in w.items()}
+    _put_delta(store, good, 0, session="old")  # then the process died: no done marker
+    m.run_once()
+    _put_delta(store, good, 0, base=m.pointer.version, session="new")
+    m.run_once()
+    store.put("nodes/w1/new/done.json", b'{"last_seq": 0}')
+    m.run_once()
+    assert m.all_done()

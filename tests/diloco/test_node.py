@@ -116,6 +116,30 @@ def test_worker_refuses_a_global_whose_tensors_do_not_fit_the_model(tmp_path, co
     assert worker._candidate is None
 
 
+def test_a_worker_whose_model_cannot_take_the_global_stops_at_once(tmp_path):
+    """A global that does not fit the model never will: the worker raises a config error at
+    start instead of waiting start_timeout and then blaming the master."""
+    from speedtronic.config import ConfigError
+
+    url = f"file://{tmp_path}/store"
+    store = open_store(url)
+    weights = initial_weights()
+    weights["fc1.weight"] = torch.zeros(32, 8)  # the master's model is wider
+    data = codec.encode_global(weights, 0)
+    path = codec.global_key(0, 0, "abc")
+    store.put(path, data)
+    pointer = codec.Pointer(version=0, path=path, sha256=codec.sha256(data),
+                            weights_digest=codec.tensor_digest(weights), outer_step=0,
+                            master_epoch=0, state_path="", state_sha256="")
+    store.put(codec.POINTER_KEY, pointer.to_bytes())
+    worker = Worker(make_cfg(url, start_timeout=600.0), node_id="w0")
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"'fc1.weight'.*same model\.\* settings"):
+        worker.on_train_start(FakeTrainer(TinyModel(0)))
+    assert time.monotonic() - t0 < 30
+    worker.close()
+
+
 def test_a_dead_master_thread_fails_the_run_with_one_line(tmp_path, monkeypatch):
     """role: master trains as a worker and aggregates in a thread; when that thread dies the
     run must stop with the cause, not train on and exit 0."""

@@ -190,3 +190,17 @@ def test_a_master_refuses_a_store_that_ignores_conditional_writes(tmp_path, igno
     assert thread.join(10)
     assert isinstance(thread.error, StoreError) and what in str(thread.error)
     assert lying.stat("global/latest.json") is None  # it never published anything
+
+
+def test_a_store_folder_that_cannot_be_created_is_one_user_error(tmp_path):
+    from speedtronic.diloco.store import StoreError
+
+    a_file = tmp_path / "plain"
+    a_file.write_text("x")
+    with pytest.raises(StoreError, match=r"distributed.store: cannot create the store folder"):
+        open_store(f"file://{a_file}/store")
+    from speedtronic.diloco.__main__ import main
+
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text(f"distributed: {{enabled: true, role: master, store: 'file://{a_file}/s'}}\n")
+    assert main(["master", "--config", str(cfg)]) == 2
