@@ -78,10 +78,10 @@ def build_scheduler(optimizer: torch.optim.Optimizer,
 def _warn_about_schedule(cfg: SpeedtronicConfig, horizon: int) -> None:
     """A schedule that cannot do what it says gets one warning naming both numbers."""
     s, steps = cfg.scheduler, cfg.run.max_steps
-    if s.warmup_steps >= steps:
-        logger.warning("scheduler: warmup_steps=%d >= run.max_steps=%d, so the run never reaches "
+    if s.warmup_steps > steps:  # lr_factor reaches 1.0 at step warmup_steps (1-based)
+        logger.warning("scheduler: warmup_steps=%d > run.max_steps=%d, so the run never reaches "
                        "its peak learning rate (it ends at %.0f%% of it); set "
-                       "scheduler.warmup_steps below %d, e.g. %d (10%% of the run)",
+                       "scheduler.warmup_steps to at most %d, e.g. %d (10%% of the run)",
                        s.warmup_steps, steps, 100.0 * steps / max(1, s.warmup_steps), steps,
                        steps // 10)
     elif s.name == "cosine" and horizon < steps:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,6 +29,9 @@ from .ooo_trial import OOOTrial
 from .precision import PrecisionPlan, decide_compile, max_memory_bytes
 
 logger = logging.getLogger("speedtronic.trainer")
+
+IGNORE_INDEX = -100
+"""Label value that counts for no token (the reference model's and Hugging Face's)."""
 
 
 @runtime_checkable
@@ -154,6 +158,7 @@ class Trainer:
         self._loss_sum: torch.Tensor | None = None
         self._micro_since_log = 0
         self._restored_window: tuple[float, int] = (0.0, 0)
+        self._lr_used: Any = 0.0  # the lr of the last log step (read before the schedule moves)
         self._configure_features()
 
     # ----------------------------------------------------------------------------- setup
@@ -326,20 +331,44 @@ class Trainer:
             if callable(fn):
                 fn(self, *args)
 
-    def _next_batch(self, it: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        x, y = next(it)
+    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nb = self.device.type == "cuda"
         return x.to(self.device, non_blocking=nb), y.to(self.device, non_blocking=nb)
 
-    def _micro_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Forward + backward of one micro-batch; returns the detached loss (on device)."""
+    def _micro_weights(self, labels: list[torch.Tensor]) -> list[Any] | None:
+        """Each micro-batch's share of the step's counted label tokens (not ``IGNORE_INDEX``).
+
+        A micro-batch's loss is a mean over its own counted tokens; weighting it by its share
+        makes an accumulated step equal one big batch (a mean over all the step's tokens) also
+        when padding leaves micro-batches with different counts (a 4 x 4 accumulation once moved
+        weights 4.5e-3 away from one batch of 16 over three steps). None when every micro-batch
+        counts the same tokens: each then weighs 1 / k, as plain averaging does. Labels still on
+        the host are counted there (no device sync); labels a user's data yields on the device
+        are weighted by device tensors, read by nobody."""
+        if len(labels) < 2:
+            return None
+        if all(y.device.type == "cpu" for y in labels):
+            counts = [int(np.count_nonzero(y.numpy() != IGNORE_INDEX)) for y in labels]
+            total = sum(counts)
+            if total == 0 or len(set(counts)) == 1:
+                return None
+            return [c / total for c in counts]
+        counted = torch.stack([(y != IGNORE_INDEX).sum() for y in labels]).float()  # (k,)
+        return list((counted / counted.sum().clamp(min=1)).unbind())
+
+    def _micro_step(self, x: torch.Tensor, y: torch.Tensor, weight: Any = None) -> torch.Tensor:
+        """Forward + backward of one micro-batch; returns the detached loss (on device).
+
+        ``weight``: this micro-batch's share of the step (see :meth:`_micro_weights`); None is
+        ``1 / accumulation_steps``."""
         with self.precision.autocast():
             loss = extract_loss(self._forward(x, y))
-        scaled = loss / self.accumulation_steps
+        scaled = loss / self.accumulation_steps if weight is None else loss * weight
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return loss.detach().float()
 
-    def _first_compiled_micro_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _first_compiled_micro_step(self, x: torch.Tensor, y: torch.Tensor,
+                                   weight: Any = None) -> torch.Tensor:
         """Run the first compiled forward; on a *compiler* failure, fall back to eager.
 
         Only compiler exceptions are caught: a model bug raises again from the eager re-run, so
@@ -349,7 +378,7 @@ class Trainer:
         rng = torch.get_rng_state()
         t0 = time.perf_counter()
         try:
-            loss = self._micro_step(x, y)
+            loss = self._micro_step(x, y, weight)
             logger.info("torch.compile: compiled in %.1f s (first forward + backward)",
                         time.perf_counter() - t0)
             return loss
@@ -360,7 +389,7 @@ class Trainer:
             self._forward = self.model
             self.optimizer.zero_grad(set_to_none=True)
             torch.set_rng_state(rng)
-            return self._micro_step(x, y)
+            return self._micro_step(x, y, weight)
 
     def evaluate(self) -> float:
         """Mean loss over the fixed held-out batches (the same batches every call)."""
@@ -400,6 +429,9 @@ class Trainer:
             if grads:
                 norm = torch.linalg.vector_norm(
                     torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+        if need_norm:  # the lr this step uses, for its log row (the schedule moves it below)
+            lr = self.optimizer.param_groups[0]["lr"]
+            self._lr_used = lr.clone() if isinstance(lr, torch.Tensor) else lr
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -443,12 +475,17 @@ class Trainer:
                 trial = self._ooo_trial
                 if trial is not None:
                     trial.begin_step()
-                for _ in range(self.accumulation_steps):
-                    x, y = self._next_batch(it)
+                micro = [next(it) for _ in range(self.accumulation_steps)]  # ids: small
+                weights = self._micro_weights([y for _, y in micro])
+                for i, (x, y) in enumerate(micro):
+                    x, y = self._to_device(x, y)
+                    w = None if weights is None else weights[i]
                     if self._compile_pending:
-                        loss_sum += self._first_compiled_micro_step(x, y)
+                        loss = self._first_compiled_micro_step(x, y, w)
                     else:
-                        loss_sum += self._micro_step(x, y)
+                        loss = self._micro_step(x, y, w)
+                    # The logged mean weighs micro-batches as the step did (k * w: 1 if equal).
+                    loss_sum += loss if w is None else loss * (self.accumulation_steps * w)
                     self._micro_since_log += 1
                     self.tokens += x.numel()
                     self.samples += x.shape[0]
@@ -473,7 +510,7 @@ class Trainer:
                     record = {
                         "step": self.step,
                         "loss": self.last_loss,
-                        "lr": float(self.optimizer.param_groups[0]["lr"]),
+                        "lr": float(self._lr_used),
                         "grad_norm": norm_value,
                         "tokens_per_sec": (self.tokens - tokens_at_log) / dt,
                         "samples_per_sec": (self.samples - samples_at_log) / dt,

@@ -20,8 +20,19 @@ def test_warmup_longer_than_the_run_names_both_numbers(caplog):
     with caplog.at_level(logging.WARNING, logger="speedtronic.runtime"):
         _sched(run={"max_steps": 60}, scheduler={"warmup_steps": 100})
     (msg,) = [r.getMessage() for r in caplog.records]
-    assert "warmup_steps=100 >= run.max_steps=60" in msg and "ends at 60%" in msg
-    assert "below 60, e.g. 6" in msg
+    assert "warmup_steps=100 > run.max_steps=60" in msg and "ends at 60%" in msg
+    assert "at most 60, e.g. 6" in msg
+
+
+def test_warmup_equal_to_the_run_reaches_the_peak_and_is_not_warned(caplog):
+    with caplog.at_level(logging.WARNING, logger="speedtronic.runtime"):
+        sched = _sched(run={"max_steps": 4}, scheduler={"warmup_steps": 4, "name": "constant"})
+    assert not caplog.records
+    lrs = []
+    for _ in range(4):
+        lrs.append(sched.optimizer.param_groups[0]["lr"])
+        sched.step()
+    assert lrs[-1] == lrs[0] * 4  # the last step runs at the peak
 
 
 def test_cosine_horizon_shorter_than_the_run_is_said(caplog):

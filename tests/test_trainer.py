@@ -326,3 +326,75 @@ def test_evaluation_and_checkpoint_time_is_not_charged_to_step_timing(tmp_path, 
             if r["event"] == "checkpoint"] == [3, 6]
     # Intervals 3-4 and 5-6 follow an eval (step 2, 4) and a checkpoint (step 3).
     assert all(r["step_ms"] < 1000.0 for r in recs), [r["step_ms"] for r in recs]
+
+
+class _Batches:
+    """Fixed (x, y) micro-batches, in order (resumable like the real data)."""
+
+    def __init__(self, batches: list) -> None:
+        self.train = _FixedCycle(batches)
+
+    def eval_batches(self, n: int) -> list:
+        return self.train.batches[:n]
+
+
+class _FixedCycle:
+    def __init__(self, batches: list) -> None:
+        self.batches, self.pos = batches, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        b = self.batches[self.pos % len(self.batches)]
+        self.pos += 1
+        return b
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+def test_accumulation_with_padding_equals_one_big_batch(tmp_path):
+    # 4 micro-batches of 2 x 8 with 16, 9, 3 and 12 counted tokens (-100 = padding): the
+    # accumulated step must be the token mean of all 40, like one batch of 8.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, 32, (8, 8), generator=g)
+    y = torch.randint(0, 32, (8, 8), generator=g)
+    for row, keep in zip(range(8), (8, 8, 5, 4, 3, 0, 6, 6), strict=True):
+        y[row, keep:] = -100
+    runs = {}
+    for name, micro in (("accumulated", 2), ("one_batch", 8)):
+        cfg = tiny_config(tmp_path, name=name, run={"max_steps": 1, "eval_every": 0},
+                          optimizer={"grad_clip": None}, checkpoint={"enabled": False},
+                          data={"micro_batch_size": micro, "target_batch_size": 8})
+        torch.manual_seed(0)
+        model = TinyLM()
+        batches = [(x[i:i + micro], y[i:i + micro]) for i in range(0, 8, micro)]
+        trainer = build_trainer(cfg, model=model, data=_Batches(batches))
+        result = trainer.fit()
+        trainer.metrics.close()
+        runs[name] = ({k: v.detach().clone() for k, v in model.state_dict().items()},
+                      result.final_loss)
+    (acc, acc_loss), (one, one_loss) = runs["accumulated"], runs["one_batch"]
+    assert abs(acc_loss - one_loss) < 1e-5  # the logged loss is the token mean too
+    for k in one:
+        assert torch.allclose(acc[k], one[k], atol=1e-6, rtol=0), k
+
+
+def test_the_lr_column_is_the_lr_the_step_used(tmp_path):
+    seen = []
+    cfg = tiny_config(tmp_path, name="lr", run={"max_steps": 6, "eval_every": 0},
+                      logging={"every_steps": 1}, checkpoint={"enabled": False},
+                      scheduler={"warmup_steps": 3, "name": "cosine", "min_lr_ratio": 0.2})
+    trainer = build_trainer(cfg, model=TinyLM(), data=FixedData())
+    trainer.optimizer.register_step_pre_hook(
+        lambda opt, args, kwargs: seen.append(opt.param_groups[0]["lr"]))
+    result = trainer.fit()
+    trainer.metrics.close()
+    rows = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+    logged = [r["lr"] for r in rows if r.get("event") == "train_step"]
+    assert logged == pytest.approx(seen) and len(seen) == 6
+    assert logged[0] == pytest.approx(cfg.optimizer.lr / 3)  # the first warmup step's lr

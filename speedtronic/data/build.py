@@ -235,7 +235,7 @@ def _user_bundle(cfg: SpeedtronicConfig, T: int, B: int, seed: int, rank: int, w
     if eval_ds is not None:
         held_note = f"eval = a separate {type(eval_ds).__name__}"
     elif not iterable:
-        train_idx, eval_idx = holdout_split(len(train_ds), d.eval_fraction, B)
+        train_idx, eval_idx = holdout_split(len(train_ds), d.eval_fraction)
         eval_ds = train_ds
         held_note = f"eval = the last {len(eval_idx)} items"
     else:

@@ -219,9 +219,12 @@ class UserIterator:
         self.epoch, self.batch, self._it = int(state["epoch"]), int(state["batch"]), None
 
 
-def holdout_split(n: int, eval_fraction: float, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Map-style dataset without an eval set: hold out the last share of the indices."""
-    k = min(max(batch_size, math.ceil(n * eval_fraction)), n // 2)
+def holdout_split(n: int, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """Map-style dataset without an eval set: hold out the last share of the indices.
+
+    Independent of the batch size (eval batches cycle over a short eval set): trading micro-batch
+    size for accumulation at the same target batch once changed which items were trained on."""
+    k = min(max(1, math.ceil(n * eval_fraction)), n // 2)
     return np.arange(n - k), np.arange(n - k, n)
 
 

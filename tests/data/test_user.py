@@ -41,7 +41,7 @@ def test_user_map_dataset_shift_resume_and_holdout():
     ds = Sequences(50, 32)
     cfg = config({"dataset": ds})
     bundle = build_data(cfg)
-    reference = take(bundle.train, 30)  # crosses epochs (45 train items / 4 per batch)
+    reference = take(bundle.train, 30)  # crosses epochs (47 train items / 4 per batch)
     for x, y in reference:
         assert torch.equal(y, x + 1)
     held = {int(x[i, 0]) // 1000 for x, _ in bundle.eval_batches(2) for i in range(4)}
@@ -53,6 +53,15 @@ def test_user_map_dataset_shift_resume_and_holdout():
     resumed = build_data(cfg)
     resumed.train.load_state_dict(state)
     assert_same(take(resumed.train, 17), reference[13:])
+
+
+def test_the_holdout_does_not_depend_on_the_micro_batch_size():
+    # The same samples in the same order for micro 4 x 4 and micro 16 at target 16.
+    ds = Sequences(256, 32)
+    small = build_data(config({"dataset": ds, "micro_batch_size": 4, "target_batch_size": 16}))
+    big = build_data(config({"dataset": ds, "micro_batch_size": 16, "target_batch_size": 16}))
+    ids = [int(x[i, 0]) // 1000 for x, _ in take(small.train, 8) for i in range(4)]
+    assert ids == [int(x[i, 0]) // 1000 for x, _ in take(big.train, 2) for i in range(16)]
 
 
 def test_user_iterable_pairs_from_import_string(monkeypatch):
