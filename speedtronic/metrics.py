@@ -63,6 +63,30 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def _drop_torn_tail(path: Path) -> None:
+    """A crash mid-write leaves half a record after the last newline: cut it off, or the next
+    record joins it (and is lost), and every later read would report it as damaged. Only bytes
+    after the last complete line go; nothing a reader could parse."""
+    try:
+        f = open(path, "r+b")  # noqa: SIM115 - closed below
+    except FileNotFoundError:
+        return
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        pos = end
+        while pos > 0:
+            step = min(65536, pos)
+            f.seek(pos - step)
+            block = f.read(step)
+            cut = block.rfind(b"\n")
+            if cut >= 0:
+                pos = pos - step + cut + 1
+                break
+            pos -= step
+        if pos < end:
+            f.truncate(pos)
+
+
 class MetricsLogger:
     """Fans every event out to metrics.jsonl, the console, the progress bar and the hooks.
 
@@ -116,19 +140,8 @@ class MetricsLogger:
 
     def _open(self) -> TextIO:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        torn = False
-        try:
-            with open(self.path, "rb") as existing:
-                existing.seek(0, os.SEEK_END)
-                if existing.tell() > 0:
-                    existing.seek(-1, os.SEEK_END)
-                    torn = existing.read(1) != b"\n"
-        except FileNotFoundError:
-            pass
-        f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-        if torn:  # a crash mid-write left half a line: end it, or the next record joins it
-            f.write("\n")
-        return f
+        _drop_torn_tail(self.path)
+        return open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
 
     def advance(self, steps: int = 1, postfix: dict[str, Any] | None = None) -> None:
         """Move the progress bar (no-op without one)."""

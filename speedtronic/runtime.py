@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from . import host_memory, optim
-from .checkpoint import CheckpointError, CheckpointManager
+from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, restore_rng_state
 from .config import ConfigError, SpeedtronicConfig, load_config
 from .data import DataBundle, build_data, check_data
 from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook, require_hook_packages
@@ -156,15 +156,7 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
                           "run.name")
     level = getattr(logging, cfg.logging.level)
     logging.getLogger("speedtronic").setLevel(level)
-    if cfg.logging.file:
-        try:
-            handler = logging.FileHandler(cfg.logging.file, encoding="utf-8")
-        except OSError as exc:
-            raise ConfigError(f"logging.file: cannot open {cfg.logging.file} for appending "
-                              f"({exc.strerror or exc}); give a writable file path") from None
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        handler.set_name("speedtronic-run-file")
-        logging.getLogger("speedtronic").addHandler(handler)
+    log_file = _check_log_file(cfg, run_dir)  # opened once the run dir is prepared
 
     if cfg.run.num_threads is not None:
         torch.set_num_threads(cfg.run.num_threads)
@@ -203,14 +195,47 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
         _resume(trainer, ckpt_dir)
     require_hook_packages(tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb)
     _prepare_run_dir(run_dir, resume)
+    if log_file is not None:
+        _open_log_file(log_file)
     cfg.save(run_dir / "config.yaml")
     if cfg.checkpoint.enabled:
         trainer.checkpoints = CheckpointManager(ckpt_dir, keep_last=cfg.checkpoint.keep_last)
+    # The hooks (TensorBoard, wandb) are built after a resume restored the RNG streams: keep
+    # whatever they draw out of the training run's streams, or resume would not be bitwise.
+    rng = capture_rng_state()
     trainer.metrics = MetricsLogger(run_dir / "metrics.jsonl", max_steps=cfg.run.max_steps,
                                     hooks=[*_metric_hooks(cfg, run_dir, trainer.step), *hooks],
                                     progress_bar=cfg.logging.progress_bar,
                                     start_step=trainer.step)
+    restore_rng_state(rng)
     return trainer
+
+
+def _check_log_file(cfg: SpeedtronicConfig, run_dir: Path) -> Path | None:
+    """``logging.file``, checked before anything is written: an existing directory, or a folder
+    that does not exist outside the run directory (which is created later), is an error."""
+    if not cfg.logging.file:
+        return None
+    path = Path(cfg.logging.file)
+    parent = path.parent.resolve()
+    inside_run = parent == run_dir.resolve() or run_dir.resolve() in parent.parents
+    if path.is_dir() or (not parent.is_dir() and not inside_run):
+        raise ConfigError(f"logging.file: cannot append to {path} ("
+                          f"{'it is a directory' if path.is_dir() else 'its folder does not exist'}"
+                          "); give a file path in an existing folder or in the run directory")
+    return path
+
+
+def _open_log_file(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)  # a folder inside the run directory
+    try:
+        handler = logging.FileHandler(path, encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"logging.file: cannot open {path} for appending "
+                          f"({exc.strerror or exc}); give a writable file path") from None
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.set_name("speedtronic-run-file")
+    logging.getLogger("speedtronic").addHandler(handler)
 
 
 #: Model keys a resumed run may change: they change how the same weights are trained or run,
@@ -232,7 +257,8 @@ def _resume(trainer: Trainer, directory: Path) -> bool:
     current = trainer.config.to_dict(redact=True)
     saved_model, current_model = saved.get("model") or {}, current.get("model") or {}
     refused = [k for k in sorted(set(saved_model) | set(current_model))
-               if k not in _RESUMABLE_MODEL_KEYS and saved_model.get(k) != current_model.get(k)]
+               if saved_model and k not in _RESUMABLE_MODEL_KEYS
+               and saved_model.get(k) != current_model.get(k)]
     if refused:
         what = "; ".join(f"model.{k} is {current_model.get(k)!r} here but "
                          f"{saved_model.get(k)!r} in the checkpoint" for k in refused[:4])

@@ -467,6 +467,7 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)  # fp32, summed on device between logs
         loss_sum.fill_(self._restored_window[0])  # exact: an fp32 value read back as a float
         self._loss_sum, self._micro_since_log = loss_sum, self._restored_window[1]
+        self._restored_window = (0.0, 0)  # used once: a second fit() starts a fresh interval
         t_log, steps_at_log = time.perf_counter(), self.step
         tokens_at_log, samples_at_log = self.tokens, self.samples
         grad_norm: torch.Tensor | None = None

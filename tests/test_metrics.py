@@ -97,6 +97,8 @@ def test_resumed_logger_starts_a_fresh_line_after_a_torn_one(tmp_path):
     m.emit("train_step", {"step": 3, "loss": 2.0})
     m.close()
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+    # the torn half record is gone, so later reads have nothing to report as damaged
+    assert b"train_st\n" not in path.read_bytes() and len(path.read_bytes().splitlines()) == 3
     whole = tmp_path / "whole.jsonl"  # a file that ends cleanly gets no blank line
     whole.write_bytes(b'{"event": "eval", "step": 1}\n')
     m = MetricsLogger(whole, max_steps=10, progress_bar=False)

@@ -138,3 +138,14 @@ def test_a_missing_metrics_package_is_reported_before_the_run_dir_changes(
     assert "needs TensorBoard" in capsys.readouterr().err
     assert _snapshot(run_dir) == before
     assert [p.name for p in run_dir.parent.iterdir()] == ["base"]
+
+
+def test_a_log_file_inside_the_run_dir_follows_the_new_run(tmp_path):
+    run_dir = tmp_path / "runs" / "logged"
+    for attempt in range(2):  # the second fresh run moves the first aside
+        train_from_config(tiny_config(tmp_path / "runs", name="logged",
+                                      run={"max_steps": 2, "eval_every": 0},
+                                      logging={"file": str(run_dir / "train.log")}), plot=False)
+        assert "step 2/2" in (run_dir / "train.log").read_text(), attempt
+    moved = [p for p in (tmp_path / "runs").iterdir() if p.name.startswith("logged.old-")]
+    assert len(moved) == 1 and (moved[0] / "train.log").read_text().count("step 2/2") == 1

@@ -1,7 +1,7 @@
 // Muon's elementwise passes around Newton-Schulz, for one shape group of b (m, n) matrices.
 //
 // pre:  B <- lerp(B, g, 1-mu) (fp32, in place); d = nesterov ? lerp(g, B, mu) : B;
-//       out[i] = d / (||d||_F + eps), cast to the NS dtype, written straight into the (b, m, n)
+//       out[i] = d / max(||d||_F, eps), cast to the NS dtype, written straight into the (b, m, n)
 //       batch. Two launches: momentum + per-chunk sum of squares, then scale + cast (the norm
 //       is a reduction over the whole matrix). Partial sums are reduced in a fixed order, so the
 //       result is deterministic.

@@ -499,7 +499,9 @@ class DistributedConfig:
     """Deltas per round (M) for delayed Nesterov, and how many finished nodes a master waits
     for before it stops; None = nodes that sent a delta recently / every node it has seen."""
     max_staleness: int = 8
-    """Master drops (quarantines) deltas whose base is more than this many versions old."""
+    """Master drops (quarantines) deltas whose base is more than this many versions older than
+    the version at which the master first listed them (time a delta waits in the master's own
+    queue does not count)."""
     staleness_weighting: Literal["none", "inverse", "inverse_sqrt"] = "none"
     """Scale of a delta s versions stale: 1, 1/(1+s) or 1/sqrt(1+s)."""
     max_delta_norm: float | None = None

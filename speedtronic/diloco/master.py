@@ -129,8 +129,10 @@ class Master:
         self._listed_at: dict[str, int] = {}
         self._round = 0
         self._last_new: dict[str, int] = {}
-        self._done_round: dict[str, int] = {}
         self._overlap_rounds: dict[str, int] = {}
+        self._clock: Callable[[], float] = time.monotonic
+        self._last_new_time: dict[str, float] = {}  # per session: when it last listed a new delta
+        self._gap: dict[str, float] = {}  # per session: seconds between its last two new deltas
 
     # ------------------------------------------------------------------ lease
     def _lease_bytes(self, epoch: int, renewals: int) -> bytes:
@@ -260,6 +262,7 @@ class Master:
         tensors, meta = codec.decode(state_bytes)
         self.outer.load(tensors, meta.get("outer", {}))
         self.hwm = {k: int(v) for k, v in meta.get("hwm", {}).items()}
+        self.seen_sessions.update(self.hwm)  # sessions the published state counts as processed
         self.quarantined = meta.get("quarantined", [])
         # Quarantined keys never move a high-water mark (a forged name with a huge seq would hide
         # the real deltas below it): the recorded ones are skipped by name after a restart too.
@@ -380,10 +383,7 @@ class Master:
         for key in self.store.list("nodes/"):
             parts = key.split("/")
             if len(parts) == 4 and parts[3] == "done.json":
-                session_key = f"{parts[1]}/{parts[2]}"
-                if session_key not in self.done_sessions:
-                    self.done_sessions.add(session_key)
-                    self._done_round[session_key] = self._round
+                self.done_sessions.add(f"{parts[1]}/{parts[2]}")
                 continue
             parsed = codec.parse_delta_key(key)
             if parsed is None:
@@ -393,7 +393,11 @@ class Master:
                 pending.setdefault(f"{node}/{session}", []).append((key, node, session, seq))
                 if key not in self._listed_at:
                     self._listed_at[key] = version
-                    self._last_new[f"{node}/{session}"] = self._round
+                    session_key, now = f"{node}/{session}", self._clock()
+                    if session_key in self._last_new_time:
+                        self._gap[session_key] = now - self._last_new_time[session_key]
+                    self._last_new_time[session_key] = now
+                    self._last_new[session_key] = self._round
         listed = {item[0] for items in pending.values() for item in items}
         self._listed_at = {k: v for k, v in self._listed_at.items() if k in listed}
         self._warn_about_shared_node_ids()
@@ -463,6 +467,12 @@ class Master:
             staleness.append(stale)
             hwm[f"{node}/{session}"] = max(seq, hwm.get(f"{node}/{session}", -1))
             self.seen_sessions.add(f"{node}/{session}")
+        for key, node, session, seq in new:  # each session's keys in seq order
+            # A quarantined delta moves the mark only when it is the next one in its session
+            # (a real upload that failed a check: a restarted master must not fetch it again);
+            # a junk name far ahead never does, or it would hide the real deltas below it.
+            if key in self.skip and seq == hwm.get(f"{node}/{session}", -1) + 1:
+                hwm[f"{node}/{session}"] = seq
         self.totals["bytes_down"] += stats.bytes_down
         if new:
             self.last_new_delta = time.monotonic()
@@ -560,21 +570,28 @@ class Master:
     # ------------------------------------------------------------------ loop
     def all_done(self, expected_nodes: set[str] | None = None, min_nodes: int = 0) -> bool:
         """Every node with an accepted delta (or every expected node) has finished: a session
-        of it is done, and each of its other sessions is done too or listed no new delta since
-        (a restarted worker's dead session stops; a second live worker under the same node id
-        does not, and is waited for). The caller checks after a round that found nothing."""
-        seen = {s.split("/")[0] for s in self.seen_sessions | set(self.hwm)}
+        of it is done, and each of its other sessions is done too or gone quiet. The caller
+        checks after a round that found nothing.
+
+        Best effort, as nothing but uploads says a worker is alive: a session counts as gone
+        once it has listed no new delta for three of its own upload intervals (its node's, when
+        it uploaded once; at least three poll intervals). A restarted worker's dead session so
+        stops counting, while a second live worker under the same node id is waited for as
+        long as it keeps its pace."""
+        seen = {s.split("/")[0] for s in self.seen_sessions}
         nodes = expected_nodes if expected_nodes is not None else seen
         sessions: dict[str, set[str]] = {}
-        for s in self.seen_sessions | set(self.hwm) | self.done_sessions:
+        for s in self.seen_sessions | self.done_sessions:
             sessions.setdefault(s.split("/")[0], set()).add(s)
-        finished = set()
+        now, finished = self._clock(), set()
         for node, node_sessions in sessions.items():
             done = node_sessions & self.done_sessions
             if not done:
                 continue
-            last_done = max(self._done_round.get(s, 0) for s in done)
-            if all(self._last_new.get(s, -1) <= last_done for s in node_sessions - done):
+            node_gap = max((self._gap[s] for s in node_sessions if s in self._gap), default=0.0)
+            if all(now - self._last_new_time.get(s, -math.inf)
+                   > 3 * max(self._gap.get(s, node_gap), self.cfg.poll_interval)
+                   for s in node_sessions - done):
                 finished.add(node)
         return bool(nodes) and nodes <= finished and len(finished) >= min_nodes
 

@@ -297,34 +297,58 @@ def test_a_backlog_is_drained_fairly_and_its_wait_is_not_staleness(tmp_path):
         assert max(done.values()) - min(done.values()) <= 1
 
 
+class _Clock:
+    """The master's clock, moved by hand: one round = ``round_s`` seconds."""
+
+    def __init__(self, round_s: float) -> None:
+        self.t, self.round_s = 0.0, round_s
+
+    def __call__(self) -> float:
+        return self.t
+
+    def rounds(self, m, n: int = 1) -> None:
+        for _ in range(n):
+            self.t += self.round_s
+            m.run_once()
+
+
 def test_two_live_workers_under_one_node_id_are_both_waited_for(tmp_path, caplog):
+    # Workers upload every 10 s; the master polls every 5 s (two rounds per upload).
     store, m = _master(tmp_path)
+    m._clock = clock = _Clock(5.0)
     w = initial_weights()
     good = {k: 0.01 * torch.ones_like(v) for k, v in w.items()}
     with caplog.at_level("WARNING", logger="speedtronic.diloco.master"):
         for seq in range(3):
             _put_delta(store, good, seq, base=m.pointer.version, session="a")
             _put_delta(store, good, seq, base=m.pointer.version, session="b")
-            m.run_once()
+            clock.rounds(m, 2)
     assert "share distributed.node_id" in caplog.text
     store.put("nodes/w1/a/done.json", b'{"last_seq": 2}')
-    m.run_once()
-    _put_delta(store, good, 3, base=m.pointer.version, session="b")  # b still uploads
-    m.run_once()
+    clock.rounds(m)
+    assert not m.all_done()  # b is between uploads (15 s quiet, its pace is 10 s)
+    _put_delta(store, good, 3, base=m.pointer.version, session="b")
+    clock.rounds(m, 2)
     assert not m.all_done()
     store.put("nodes/w1/b/done.json", b'{"last_seq": 3}')
-    m.run_once()
+    clock.rounds(m)
     assert m.all_done() and m.hwm["w1/b"] == 3
 
 
 def test_a_restarted_worker_counts_as_finished_when_its_new_session_is(tmp_path):
     store, m = _master(tmp_path)
+    m._clock = clock = _Clock(5.0)
     w = initial_weights()
     good = {k: 0.01 * torch.ones_like(v) for k, v in w.items()}
-    _put_delta(store, good, 0, session="old")  # then the process died: no done marker
-    m.run_once()
-    _put_delta(store, good, 0, base=m.pointer.version, session="new")
-    m.run_once()
-    store.put("nodes/w1/new/done.json", b'{"last_seq": 0}')
-    m.run_once()
-    assert m.all_done()
+    for seq in range(2):
+        _put_delta(store, good, seq, base=m.pointer.version, session="old")
+        clock.rounds(m, 2)
+    # the process died (no done marker); its restart uploads and finishes
+    for seq in range(2):
+        _put_delta(store, good, seq, base=m.pointer.version, session="new")
+        clock.rounds(m, 2)
+    store.put("nodes/w1/new/done.json", b'{"last_seq": 1}')
+    clock.rounds(m)
+    assert not m.all_done()  # "old" quiet for 30 s: not yet over 3 x its 10 s pace
+    clock.rounds(m)
+    assert m.all_done()  # 35 s
