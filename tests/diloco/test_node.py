@@ -89,6 +89,16 @@ def test_distributed_config_validation():
         load_config({"distributed": {"outer_optimizer": "adam"}})
 
 
+def _put_global(store, weights: dict, version: int) -> codec.Pointer:
+    """Write ``weights`` as global ``version`` (no master state); return its pointer."""
+    data = codec.encode_global(weights, version)
+    path = codec.global_key(version, 0, "abc")
+    store.put(path, data)
+    return codec.Pointer(version=version, path=path, sha256=codec.sha256(data),
+                         weights_digest=codec.tensor_digest(weights), outer_step=version,
+                         master_epoch=0, state_path="", state_sha256="")
+
+
 @pytest.mark.parametrize("corrupt", ["broadcastable_shape", "integer_dtype"])
 def test_worker_refuses_a_global_whose_tensors_do_not_fit_the_model(tmp_path, corrupt):
     """copy_ would broadcast a (1, n) tensor into an (m, n) parameter; the worker checks every
@@ -105,12 +115,7 @@ def test_worker_refuses_a_global_whose_tensors_do_not_fit_the_model(tmp_path, co
         weights[name] = weights[name][:1].clone()
     else:
         weights[name] = weights[name].to(torch.int32)
-    data = codec.encode_global(weights, 1)
-    path = codec.global_key(1, 0, "abc")
-    store.put(path, data)
-    pointer = codec.Pointer(version=1, path=path, sha256=codec.sha256(data),
-                            weights_digest=codec.tensor_digest(weights), outer_step=1,
-                            master_epoch=0, state_path="", state_sha256="")
+    pointer = _put_global(store, weights, version=1)
     with pytest.raises(codec.FormatError, match=f"{name!r} is .* not installed"):
         worker._stage(pointer)
     assert worker._candidate is None
@@ -125,13 +130,7 @@ def test_a_worker_whose_model_cannot_take_the_global_stops_at_once(tmp_path):
     store = open_store(url)
     weights = initial_weights()
     weights["fc1.weight"] = torch.zeros(32, 8)  # the master's model is wider
-    data = codec.encode_global(weights, 0)
-    path = codec.global_key(0, 0, "abc")
-    store.put(path, data)
-    pointer = codec.Pointer(version=0, path=path, sha256=codec.sha256(data),
-                            weights_digest=codec.tensor_digest(weights), outer_step=0,
-                            master_epoch=0, state_path="", state_sha256="")
-    store.put(codec.POINTER_KEY, pointer.to_bytes())
+    store.put(codec.POINTER_KEY, _put_global(store, weights, version=0).to_bytes())
     worker = Worker(make_cfg(url, start_timeout=600.0), node_id="w0")
     t0 = time.monotonic()
     with pytest.raises(ConfigError, match=r"'fc1.weight'.*same model\.\* settings"):
