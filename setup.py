@@ -79,6 +79,8 @@ def _why_not_cuda() -> str | None:
     nvcc = os.path.join(home, "bin", "nvcc") if home else shutil.which("nvcc")
     if not nvcc or not os.path.exists(nvcc):
         return "nvcc not found (set CUDA_HOME or put nvcc on PATH)"
+    if not os.path.isfile(os.path.join(ROOT, CSRC, "ops.cpp")):
+        return f"the CUDA sources are missing ({os.path.join(ROOT, CSRC)}; an incomplete sdist?)"
     return None
 
 
