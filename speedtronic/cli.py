@@ -16,6 +16,7 @@ import gc
 import json
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -187,8 +188,16 @@ def _add_env(sub: argparse._SubParsersAction) -> None:
 def _cmd_env(args: argparse.Namespace) -> int:
     from .env import collect_env, format_env
 
-    info = collect_env()
-    print(json.dumps(info, indent=2) if args.json else format_env(info))
+    # Collecting the kernel status loads the kernels, whose loader logs its decision line: the
+    # report already holds it (kernels.reason), and with --json stdout must be JSON alone.
+    quiet = logging.getLogger("speedtronic")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)
+    try:
+        info = collect_env()
+    finally:
+        quiet.setLevel(level)
+    print(_strict_json(info) if args.json else format_env(info))
     return 0
 
 
@@ -261,6 +270,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(debug)
     try:
         return SUBCOMMANDS[args.command][1](args)
+    except BrokenPipeError:
+        # The reader went away (`speedtronic env | head`): not an error of ours. Point stdout at
+        # /dev/null so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a command killed by it
     except _USER_ERRORS as exc:
         if debug:
             raise

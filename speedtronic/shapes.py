@@ -147,8 +147,11 @@ def resolve_alignment(sv: ShapeValidationConfig, device: torch.device | str,
         return None, "shape_validation.enabled: false"
     if sv.alignment == "none":
         return None, "shape_validation.alignment: none"
+    # A GPU config's explicit alignment stays quiet on a CPU, where the alignment costs nothing;
+    # warn_on_cpu previews it.
     if device.type != "cuda" and not sv.warn_on_cpu:
-        return None, f"{device.type}: not applicable (shape_validation.warn_on_cpu: false)"
+        return None, (f"{device.type}: not applicable "
+                      "(shape_validation.warn_on_cpu: true previews it)")
     if isinstance(sv.alignment, int):
         return sv.alignment, "explicit"
     fp8 = dtype.is_floating_point and dtype.itemsize == 1

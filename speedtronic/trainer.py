@@ -190,8 +190,10 @@ class Trainer:
             self._shape_report = shapes.check_shapes(self.model, self.config, self.device,
                                                      self.precision.dtype)
             table = self._shape_report.format_table()
-            if table:  # "" when the check is off (alignment: none, CPU): print nothing
+            if table:
                 self.metrics.line(table)
+            else:  # off (alignment: none, or CPU): the decision line, never a warning
+                logger.info("shape check: off (%s)", self._shape_report.reason)
         self._ooo = ooo.build_ooo_scheduler(self.model, self.config, self.device)
         if self._ooo is not None:
             if self.config.ooo_trial_pairs > 0:

@@ -149,6 +149,16 @@ def test_unavailable_device_is_a_user_error(tmp_path, capsys):
     assert "CUDA is not available" in capsys.readouterr().err
 
 
+def test_env_json_is_json_alone_in_a_fresh_process():
+    # A fresh process loads the kernels while collecting, and their loader logs a line.
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "speedtronic", "env", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "kernels" in json.loads(out.stdout)
+
+
 def test_env_and_plot_commands(tmp_path, capsys):
     assert main(["env", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

@@ -398,3 +398,17 @@ def test_the_lr_column_is_the_lr_the_step_used(tmp_path):
     logged = [r["lr"] for r in rows if r.get("event") == "train_step"]
     assert logged == pytest.approx(seen) and len(seen) == 6
     assert logged[0] == pytest.approx(cfg.optimizer.lr / 3)  # the first warmup step's lr
+
+
+def test_an_off_shape_check_is_one_decision_line(tmp_path, caplog):
+    cfg = tiny_config(tmp_path, name="shape",
+                      run={"max_steps": 1, "eval_every": 0, "device": "cpu"},
+                      shape_validation={"enabled": True}, checkpoint={"enabled": False})
+    trainer = build_trainer(cfg, model=TinyLM(), data=FixedData())
+    with caplog.at_level(logging.INFO, logger="speedtronic"):
+        trainer.fit()
+    trainer.metrics.close()
+    lines = [r.getMessage() for r in caplog.records if "shape check" in r.getMessage()]
+    assert lines == ["shape check: off (cpu: not applicable (shape_validation.warn_on_cpu: true "
+                     "previews it))"]
+    assert all(r.levelno == logging.INFO for r in caplog.records if "shape" in r.getMessage())

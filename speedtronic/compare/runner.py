@@ -88,7 +88,11 @@ def result_config(cfg_dict: dict[str, Any]) -> dict[str, Any]:
     out = {sec: cfg_dict.get(sec) for sec in _RESULT_SECTIONS}
     out.update({k: cfg_dict.get(k) for k in _RESULT_ROOT})
     run = cfg_dict.get("run") or {}
-    out["run"] = {"seed": run.get("seed"), "max_steps": run.get("max_steps")}
+    # The eval grid and the log interval decide the report's numbers too (steps-to-target is
+    # read off the eval rows, the final train loss off the log rows): a rerun with another
+    # --eval-every once reused every old run and labelled them with the new interval.
+    out["run"] = {k: run.get(k) for k in ("seed", "max_steps", "eval_every", "eval_batches")}
+    out["logging"] = {"every_steps": (cfg_dict.get("logging") or {}).get("every_steps")}
     return out
 
 

@@ -105,6 +105,12 @@ def test_interrupted_compare_resumes_and_skips_finished_variants(tiny_yaml, tmp_
     with pytest.raises(SpeedtronicError, match="different config .*weight_decay"):
         run_compare(tiny_yaml, ["adamw"], **{**kwargs, "overrides": [
             "checkpoint.every_steps=2", "optimizer.weight_decay=0.0"]})
+    # So is another eval grid or log interval: the report's numbers are read off those rows.
+    for changed, key in (("run.eval_batches=1", "eval_batches"),
+                         ("logging.every_steps=3", "every_steps")):
+        with pytest.raises(SpeedtronicError, match=f"different config .*{key}"):
+            run_compare(tiny_yaml, ["adamw"], **{**kwargs, "overrides": [
+                "checkpoint.every_steps=2", changed]})
 
 
 def test_lr_sweep_picks_best_and_reports_it(tiny_yaml, tmp_path):
