@@ -26,6 +26,7 @@ changes the model or the config. Suggested micro-batch sizes always divide ``tar
 from __future__ import annotations
 
 import logging
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -248,12 +249,15 @@ def _head_dim_extra(module: nn.Module, head_dim: int) -> int | None:
 
 
 def _check_model(model: nn.Module, col: _Collector, vocab: int, sv: ShapeValidationConfig) -> None:
-    seen_vocab_weights: list[torch.Tensor] = []
+    counted: list[tuple[torch.Tensor, int]] = []
 
-    def vocab_extra(weight: torch.Tensor, per_unit: int) -> int:
-        if any(weight is w for w in seen_vocab_weights):
-            return 0  # tied head/embedding: one tensor, counted once
-        seen_vocab_weights.append(weight)
+    def once(weight: torch.Tensor, axis: int, per_unit: int) -> int:
+        """Extra parameters of padding ``axis`` of ``weight``, counted once per tensor axis: a
+        tied head and embedding are one (V, d) tensor, so its V and its d are each padded once
+        (the head's in_features and the embedding's dim were both charged before)."""
+        if any(weight is w and axis == ax for w, ax in counted):
+            return 0
+        counted.append((weight, axis))
         return per_unit
 
     for name, m in model.named_modules():
@@ -263,17 +267,20 @@ def _check_model(model: nn.Module, col: _Collector, vocab: int, sv: ShapeValidat
             if m.out_features == vocab:
                 if sv.check_vocab:
                     col.add(f"{name}.out_features", "vocab", vocab,
-                            vocab_extra(m.weight, m.in_features + bias))
+                            once(m.weight, 0, m.in_features + bias))
             elif sv.check_model:
-                col.add(f"{name}.out_features", "linear", m.out_features, m.in_features + bias)
+                col.add(f"{name}.out_features", "linear", m.out_features,
+                        once(m.weight, 0, m.in_features + bias))
             if sv.check_model:
-                col.add(f"{name}.in_features", "linear", m.in_features, m.out_features)
+                col.add(f"{name}.in_features", "linear", m.in_features,
+                        once(m.weight, 1, m.out_features))
         elif isinstance(m, nn.Embedding):
             if m.num_embeddings == vocab and sv.check_vocab:
                 col.add(f"{name}.num_embeddings", "vocab", vocab,
-                        vocab_extra(m.weight, m.embedding_dim))
+                        once(m.weight, 0, m.embedding_dim))
             if sv.check_model:
-                col.add(f"{name}.embedding_dim", "embedding", m.embedding_dim, m.num_embeddings)
+                col.add(f"{name}.embedding_dim", "embedding", m.embedding_dim,
+                        once(m.weight, 1, m.num_embeddings))
         elif isinstance(m, nn.modules.conv._ConvNd) and sv.check_model:
             k = 1
             for s in m.kernel_size:
@@ -289,6 +296,22 @@ def _check_model(model: nn.Module, col: _Collector, vocab: int, sv: ShapeValidat
             if isinstance(head_dim, int) and not isinstance(head_dim, bool):
                 col.add(f"{name}.head_dim", "head_dim", head_dim, _head_dim_extra(m, head_dim),
                         align=min(col.a, _HEAD_DIM_CAP))
+
+
+def _suggest_width(col: _Collector, meta: dict[str, int], alignment: int) -> None:
+    """A head_dim row gets the d_model that aligns both: with head_dim = d_model / n_head,
+    padding each on its own (d_model 100 -> 104, head_dim 50 -> 56 at n_head 2) names two
+    sizes no model has."""
+    n_head, d_model = meta.get("n_head"), meta.get("d_model")
+    if not n_head or not d_model:
+        return
+    head_align = min(alignment, _HEAD_DIM_CAP)
+    step = math.lcm(alignment, n_head * head_align)
+    width = _next_multiple(d_model, step)
+    for (kind, _value), row in col.rows.items():
+        if kind == "head_dim" and width != d_model:
+            row.note = (f"model.d_model={width} aligns it and d_model (head_dim = d_model / "
+                        f"n_head={n_head})")
 
 
 def _batch_suggestion(micro: int, target: int, seq: int, max_seq: int,
@@ -341,6 +364,7 @@ def check_shapes(model: nn.Module, cfg: SpeedtronicConfig, device: torch.device 
                 col.add("head_dim", "head_dim", value, None, align=min(alignment, _HEAD_DIM_CAP))
         elif sv.check_model:
             col.add(key, "custom", value, None)
+    _suggest_width(col, meta, alignment)
     seq = cfg.data.block_size or cfg.model.max_seq_len
     if sv.check_sequence:
         note = ""
@@ -352,8 +376,10 @@ def check_shapes(model: nn.Module, cfg: SpeedtronicConfig, device: torch.device 
     micro = cfg.data.micro_batch_size
     if sv.check_batch and (micro * seq) % alignment:
         target = cfg.data.target_batch_size or micro
-        padded, note = _batch_suggestion(micro, target, seq, cfg.model.max_seq_len, alignment)
-        rows.append(ShapeRow("micro_batch_size x block_size", "tokens", micro * seq, padded,
+        tokens, note = _batch_suggestion(micro, target, seq, cfg.model.max_seq_len, alignment)
+        if tokens is not None:  # the fix may shrink the tokens per micro-batch: not a padding
+            note = f"{note}: {tokens} tokens"
+        rows.append(ShapeRow("micro_batch_size x block_size", "tokens", micro * seq, None,
                              None, 1, note))
     report.rows = rows
     return report

@@ -78,7 +78,8 @@ def test_crafted_model_rows_at_8() -> None:
     assert set(vocab.where) == {"embed.num_embeddings", "head.out_features"}
     lin = rows[("linear", 100)]
     assert lin.padded == 104 and lin.count == 4  # 2 x in_features + proj.out + head.in
-    assert lin.extra_params == 4 * 64 * 2 + 4 * 65 + 4 * 250
+    # The tied head's d is the embedding's d (one tensor axis): charged once, on the embedding.
+    assert lin.extra_params == 4 * 64 * 2 + 4 * 65
     assert rows[("embedding", 100)].extra_params == 4 * 250
     assert rows[("conv", 3)].padded == 8 and rows[("conv", 3)].extra_params == 5 * 20 * 9
     assert rows[("conv", 20)].padded == 24 and rows[("conv", 20)].extra_params == 4 * 3 * 9
@@ -114,7 +115,8 @@ def test_reference_engine_batch_example_never_breaks_the_batch_rule() -> None:
     cfg = _cfg(micro=12, target=24, block=101, alignment=8)
     report = check_shapes(nn.Linear(8, 8), cfg, "cuda", torch.bfloat16, capability=H100)
     tokens = _rows(report)[("tokens", 12 * 101)]
-    assert "micro_batch_size=8 " in tokens.note and tokens.padded == 8 * 101
+    assert "micro_batch_size=8 " in tokens.note and tokens.note.endswith(f"{8 * 101} tokens")
+    assert tokens.padded is None
     assert _rows(report)[("sequence", 101)].padded == 104
 
 
@@ -182,3 +184,16 @@ def test_broken_metadata_is_ignored_with_a_warning(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="speedtronic.shapes"):
         check_shapes(Crafted(), _cfg(alignment=8), "cuda", "bf16", capability=H100)
     assert "'bad'" in caplog.text
+
+
+def test_head_dim_row_names_the_d_model_that_aligns_both() -> None:
+    from speedtronic.models import build_model
+
+    cfg = load_config({"model": {"d_model": 100, "n_head": 2, "n_kv_head": 2, "n_layer": 1,
+                                 "max_seq_len": 64, "vocab_size": 256},
+                       "data": {"micro_batch_size": 8, "block_size": 64},
+                       "shape_validation": {"alignment": 8}})
+    report = check_shapes(build_model(cfg.model), cfg, "cuda", torch.bfloat16, capability=H100)
+    head = _rows(report)[("head_dim", 50)]
+    assert head.padded == 56  # alone it would ask for 56, i.e. d_model 112 at n_head 2
+    assert "model.d_model=112 " in head.note  # 104 (d_model alone) would leave head_dim 52
