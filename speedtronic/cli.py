@@ -261,6 +261,19 @@ def _one_line(exc: BaseException) -> str:
     return text
 
 
+def _stdout_closed() -> bool:
+    """Whether stdout's reader is gone (a broken pipe from elsewhere, a store socket say, is a
+    real error and is reported)."""
+    import select
+
+    try:
+        poller = select.poll()  # a pipe whose reader is gone polls POLLERR on the write end
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(event & (select.POLLERR | select.POLLHUP) for _, event in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll() (Windows), or no real stdout
+        return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``speedtronic`` console script; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -270,9 +283,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(debug)
     try:
         return SUBCOMMANDS[args.command][1](args)
-    except BrokenPipeError:
-        # The reader went away (`speedtronic env | head`): not an error of ours. Point stdout at
-        # /dev/null so the interpreter's final flush does not raise again.
+    except BrokenPipeError as exc:
+        if debug or not _stdout_closed():
+            if debug:
+                raise
+            print(f"speedtronic: error: {_one_line(exc)}", file=sys.stderr)
+            return EXIT_USER_ERROR
+        # The reader of our stdout went away (`speedtronic env | head`): not an error of ours.
+        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE, what a shell reports for a command killed by it
     except _USER_ERRORS as exc:

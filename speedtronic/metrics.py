@@ -66,7 +66,8 @@ def _jsonable(value: Any) -> Any:
 def _drop_torn_tail(path: Path) -> None:
     """A crash mid-write leaves half a record after the last newline: cut it off, or the next
     record joins it (and is lost), and every later read would report it as damaged. Only bytes
-    after the last complete line go; nothing a reader could parse."""
+    after the last complete line go, and only if they are not a whole JSON record (one that
+    lost just its newline is ended instead)."""
     try:
         f = open(path, "r+b")  # noqa: SIM115 - closed below
     except FileNotFoundError:
@@ -84,7 +85,17 @@ def _drop_torn_tail(path: Path) -> None:
                 break
             pos -= step
         if pos < end:
-            f.truncate(pos)
+            f.seek(pos)
+            tail = f.read(end - pos) if end - pos < (1 << 20) else b""
+            try:
+                whole = isinstance(json.loads(tail), dict)
+            except ValueError:  # JSONDecodeError and UnicodeDecodeError
+                whole = False
+            if whole:
+                f.seek(end)
+                f.write(b"\n")
+            else:
+                f.truncate(pos)
 
 
 class MetricsLogger:

@@ -9,6 +9,7 @@ except the CLI and ``compare``.
 from __future__ import annotations
 
 import logging
+import logging.handlers
 import math
 import os
 import random
@@ -156,8 +157,40 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
                           "run.name")
     level = getattr(logging, cfg.logging.level)
     logging.getLogger("speedtronic").setLevel(level)
-    log_file = _check_log_file(cfg, run_dir)  # opened once the run dir is prepared
+    log_buffer = _check_log_file(cfg, run_dir)  # written to the file once the run dir is ready
+    try:
+        trainer = _build_parts(cfg, resume=resume, device=device, callbacks=callbacks,
+                               model=model, data=data)
+        require_hook_packages(tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb)
+    except BaseException:
+        if log_buffer is not None:  # nothing was written: drop the held lines with the run
+            logging.getLogger("speedtronic").removeHandler(log_buffer)
+            log_buffer.close()
+        raise
+    _prepare_run_dir(run_dir, resume)
+    if log_buffer is not None:
+        _open_log_file(log_buffer)
+    cfg.save(run_dir / "config.yaml")
+    if cfg.checkpoint.enabled:
+        trainer.checkpoints = CheckpointManager(run_dir / cfg.checkpoint.directory,
+                                                keep_last=cfg.checkpoint.keep_last)
+    # The hooks (TensorBoard, wandb) are built after a resume restored the RNG streams: keep
+    # whatever they draw out of the training run's streams, or resume would not be bitwise.
+    rng = capture_rng_state()
+    trainer.metrics = MetricsLogger(run_dir / "metrics.jsonl", max_steps=cfg.run.max_steps,
+                                    hooks=[*_metric_hooks(cfg, run_dir, trainer.step), *hooks],
+                                    progress_bar=cfg.logging.progress_bar,
+                                    start_step=trainer.step)
+    restore_rng_state(rng)
+    return trainer
 
+
+def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.device | None,
+                 callbacks: Sequence[TrainerCallback], model: nn.Module | None,
+                 data: Any) -> Trainer:
+    """Device, model, data, optimizer, schedule, callbacks and trainer (resumed if asked):
+    everything that can fail on bad input, before the run directory is touched."""
+    run_dir = cfg.run_dir
     if cfg.run.num_threads is not None:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.run.seed)
@@ -193,40 +226,42 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
                       scheduler=scheduler, checkpoints=None, callbacks=callbacks, run_dir=run_dir)
     if resume:
         _resume(trainer, ckpt_dir)
-    require_hook_packages(tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb)
-    _prepare_run_dir(run_dir, resume)
-    if log_file is not None:
-        _open_log_file(log_file)
-    cfg.save(run_dir / "config.yaml")
-    if cfg.checkpoint.enabled:
-        trainer.checkpoints = CheckpointManager(ckpt_dir, keep_last=cfg.checkpoint.keep_last)
-    # The hooks (TensorBoard, wandb) are built after a resume restored the RNG streams: keep
-    # whatever they draw out of the training run's streams, or resume would not be bitwise.
-    rng = capture_rng_state()
-    trainer.metrics = MetricsLogger(run_dir / "metrics.jsonl", max_steps=cfg.run.max_steps,
-                                    hooks=[*_metric_hooks(cfg, run_dir, trainer.step), *hooks],
-                                    progress_bar=cfg.logging.progress_bar,
-                                    start_step=trainer.step)
-    restore_rng_state(rng)
     return trainer
 
 
-def _check_log_file(cfg: SpeedtronicConfig, run_dir: Path) -> Path | None:
-    """``logging.file``, checked before anything is written: an existing directory, or a folder
-    that does not exist outside the run directory (which is created later), is an error."""
+def _check_log_file(cfg: SpeedtronicConfig, run_dir: Path) -> logging.Handler | None:
+    """``logging.file``, checked before anything is written, with a handler that holds the
+    build's log lines in memory until :func:`_open_log_file` (after the run dir is prepared)
+    writes them to the file: a file inside the run dir must follow the new run, and the file
+    should still hold the device, model and resume lines.
+
+    A file outside the run dir is opened (for appending) right away, so a path that cannot be
+    written fails before an earlier run is moved aside."""
     if not cfg.logging.file:
         return None
     path = Path(cfg.logging.file)
-    parent = path.parent.resolve()
-    inside_run = parent == run_dir.resolve() or run_dir.resolve() in parent.parents
-    if path.is_dir() or (not parent.is_dir() and not inside_run):
-        raise ConfigError(f"logging.file: cannot append to {path} ("
-                          f"{'it is a directory' if path.is_dir() else 'its folder does not exist'}"
-                          "); give a file path in an existing folder or in the run directory")
-    return path
+    try:
+        parent = path.parent.resolve()
+        inside_run = parent == run_dir.resolve() or run_dir.resolve() in parent.parents
+        problem = ("it is a directory" if path.is_dir() else
+                   "its folder does not exist" if not parent.is_dir() and not inside_run else None)
+        if problem is None and not inside_run:
+            with open(path, "a", encoding="utf-8"):
+                pass
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+    if problem:
+        raise ConfigError(f"logging.file: cannot append to {str(path)[:300]} ({problem}); give "
+                          "a writable file path in an existing folder or in the run directory")
+    buffer = logging.handlers.MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1)
+    buffer.set_name("speedtronic-run-file")
+    buffer.speedtronic_path = path  # type: ignore[attr-defined]
+    logging.getLogger("speedtronic").addHandler(buffer)
+    return buffer
 
 
-def _open_log_file(path: Path) -> None:
+def _open_log_file(buffer: logging.Handler) -> None:
+    path: Path = buffer.speedtronic_path  # type: ignore[attr-defined]
     path.parent.mkdir(parents=True, exist_ok=True)  # a folder inside the run directory
     try:
         handler = logging.FileHandler(path, encoding="utf-8")
@@ -235,7 +270,12 @@ def _open_log_file(path: Path) -> None:
                           f"({exc.strerror or exc}); give a writable file path") from None
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.set_name("speedtronic-run-file")
-    logging.getLogger("speedtronic").addHandler(handler)
+    root = logging.getLogger("speedtronic")
+    buffer.setTarget(handler)  # type: ignore[attr-defined]
+    buffer.flush()  # the build's lines, in order, then the file handler takes over
+    root.removeHandler(buffer)
+    buffer.close()
+    root.addHandler(handler)
 
 
 #: Model keys a resumed run may change: they change how the same weights are trained or run,

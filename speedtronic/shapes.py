@@ -303,8 +303,8 @@ def _suggest_width(col: _Collector, meta: dict[str, int], alignment: int) -> Non
     padding each on its own (d_model 100 -> 104, head_dim 50 -> 56 at n_head 2) names two
     sizes no model has."""
     n_head, d_model = meta.get("n_head"), meta.get("d_model")
-    if not n_head or not d_model:
-        return
+    if not n_head or not d_model or meta.get("head_dim", d_model // n_head) != d_model // n_head:
+        return  # head_dim is not d_model / n_head here: no single width fixes both
     head_align = min(alignment, _HEAD_DIM_CAP)
     step = math.lcm(alignment, n_head * head_align)
     width = _next_multiple(d_model, step)

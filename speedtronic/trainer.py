@@ -159,6 +159,7 @@ class Trainer:
         self._micro_since_log = 0
         self._restored_window: tuple[float, int] = (0.0, 0)
         self._lr_used: Any = 0.0  # the lr of the last log step (read before the schedule moves)
+        self._grad_factor = 1.0  # token weighting of the current accumulated step (see fit)
         self._configure_features()
 
     # ----------------------------------------------------------------------------- setup
@@ -337,40 +338,33 @@ class Trainer:
         nb = self.device.type == "cuda"
         return x.to(self.device, non_blocking=nb), y.to(self.device, non_blocking=nb)
 
-    def _micro_weights(self, labels: list[torch.Tensor]) -> list[Any] | None:
-        """Each micro-batch's share of the step's counted label tokens (not ``IGNORE_INDEX``).
+    @staticmethod
+    def _counted_tokens(y: torch.Tensor) -> int | None:
+        """Label tokens of a micro-batch that count (not ``IGNORE_INDEX``), read on the host.
 
-        A micro-batch's loss is a mean over its own counted tokens; weighting it by its share
-        makes an accumulated step equal one big batch (a mean over all the step's tokens) also
-        when padding leaves micro-batches with different counts (a 4 x 4 accumulation once moved
-        weights 4.5e-3 away from one batch of 16 over three steps). None when every micro-batch
-        counts the same tokens: each then weighs 1 / k, as plain averaging does. Labels still on
-        the host are counted there (no device sync); labels a user's data yields on the device
-        are weighted by device tensors, read by nobody."""
-        if len(labels) < 2:
+        None (no token weighting) for labels that are not integer ids in host memory: labels a
+        user's data yields on the device would need a sync to count, and float labels are not
+        ids."""
+        if y.device.type != "cpu" or y.is_floating_point() or y.is_complex() \
+                or y.dtype == torch.bool:
             return None
-        if all(y.device.type == "cpu" for y in labels):
-            counts = [int(np.count_nonzero(y.numpy() != IGNORE_INDEX)) for y in labels]
-            total = sum(counts)
-            if total == 0 or len(set(counts)) == 1:
-                return None
-            return [c / total for c in counts]
-        counted = torch.stack([(y != IGNORE_INDEX).sum() for y in labels]).float()  # (k,)
-        return list((counted / counted.sum().clamp(min=1)).unbind())
+        return int(np.count_nonzero(y.numpy() != IGNORE_INDEX))
 
-    def _micro_step(self, x: torch.Tensor, y: torch.Tensor, weight: Any = None) -> torch.Tensor:
+    def _micro_step(self, x: torch.Tensor, y: torch.Tensor, rel: float = 1.0) -> torch.Tensor:
         """Forward + backward of one micro-batch; returns the detached loss (on device).
 
-        ``weight``: this micro-batch's share of the step (see :meth:`_micro_weights`); None is
-        ``1 / accumulation_steps``."""
+        ``rel``: this micro-batch's counted tokens relative to the step's first (see
+        :meth:`fit`); 1.0 backpropagates ``loss / accumulation_steps`` exactly as plain
+        averaging does."""
         with self.precision.autocast():
             loss = extract_loss(self._forward(x, y))
-        scaled = loss / self.accumulation_steps if weight is None else loss * weight
+        k = self.accumulation_steps
+        scaled = loss / k if rel == 1.0 else loss * (rel / k)
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return loss.detach().float()
 
     def _first_compiled_micro_step(self, x: torch.Tensor, y: torch.Tensor,
-                                   weight: Any = None) -> torch.Tensor:
+                                   rel: float = 1.0) -> torch.Tensor:
         """Run the first compiled forward; on a *compiler* failure, fall back to eager.
 
         Only compiler exceptions are caught: a model bug raises again from the eager re-run, so
@@ -380,7 +374,7 @@ class Trainer:
         rng = torch.get_rng_state()
         t0 = time.perf_counter()
         try:
-            loss = self._micro_step(x, y, weight)
+            loss = self._micro_step(x, y, rel)
             logger.info("torch.compile: compiled in %.1f s (first forward + backward)",
                         time.perf_counter() - t0)
             return loss
@@ -391,7 +385,7 @@ class Trainer:
             self._forward = self.model
             self.optimizer.zero_grad(set_to_none=True)
             torch.set_rng_state(rng)
-            return self._micro_step(x, y, weight)
+            return self._micro_step(x, y, rel)
 
     def evaluate(self) -> float:
         """Mean loss over the fixed held-out batches (the same batches every call)."""
@@ -420,6 +414,10 @@ class Trainer:
         """
         if self._ooo is not None:
             self._ooo.flush()  # deferred weight gradients must land before they are read
+        if self._grad_factor != 1.0:  # token weighting of an accumulated step (see fit)
+            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None],
+                                self._grad_factor)
+            self._grad_factor = 1.0
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         clip = self.config.optimizer.grad_clip
@@ -478,20 +476,40 @@ class Trainer:
                 trial = self._ooo_trial
                 if trial is not None:
                     trial.begin_step()
-                micro = [next(it) for _ in range(self.accumulation_steps)]  # ids: small
-                weights = self._micro_weights([y for _, y in micro])
-                for i, (x, y) in enumerate(micro):
-                    x, y = self._to_device(x, y)
-                    w = None if weights is None else weights[i]
-                    if self._compile_pending:
-                        loss = self._first_compiled_micro_step(x, y, w)
-                    else:
-                        loss = self._micro_step(x, y, w)
-                    # The logged mean weighs micro-batches as the step did (k * w: 1 if equal).
-                    loss_sum += loss if w is None else loss * (self.accumulation_steps * w)
+                # Token weighting (k > 1): each micro-batch's mean loss is backpropagated with
+                # rel = its counted tokens / the step's first micro-batch's, and the step's
+                # gradients are multiplied by k * n_first / n_total once all are in, so the
+                # step is a mean over all its tokens even with padding (a padded 4 x 4 step once
+                # moved weights 4.5e-3 from one batch of 16). Equal counts give rel = 1.0 and a
+                # factor of 1: the exact 1/k of plain averaging, no extra pass.
+                weigh = self.accumulation_steps > 1
+                n_first, n_total, step_loss = None, 0, None
+                for _ in range(self.accumulation_steps):
+                    x, y = next(it)
+                    n = self._counted_tokens(y) if weigh else None
                     self._micro_since_log += 1
                     self.tokens += x.numel()
                     self.samples += x.shape[0]
+                    if n == 0:
+                        continue  # all padding: nothing to learn, and its mean loss is NaN
+                    if n is not None and n_first is None:
+                        n_first = n
+                    rel = 1.0 if n is None or n == n_first else n / n_first
+                    if n_first is not None:  # labels not counted here weigh as the first's
+                        n_total += n_first if n is None else n
+                    x, y = self._to_device(x, y)
+                    if self._compile_pending:
+                        loss = self._first_compiled_micro_step(x, y, rel)
+                    else:
+                        loss = self._micro_step(x, y, rel)
+                    loss = loss if rel == 1.0 else loss * rel
+                    loss_sum += loss
+                    if weigh:
+                        step_loss = loss if step_loss is None else step_loss + loss
+                factor = (self.accumulation_steps * n_first / n_total) if n_first else 1.0
+                if factor != 1.0:
+                    self._grad_factor = factor
+                    loss_sum += step_loss * (factor - 1.0)  # the log's mean is per token too
                 last = self.step + 1 == target
                 log_now = (self.step + 1) % log_every == 0 or last
                 grad_norm = self._clip_and_step(need_norm=log_now)

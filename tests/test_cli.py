@@ -159,6 +159,19 @@ def test_env_json_is_json_alone_in_a_fresh_process():
     assert "kernels" in json.loads(out.stdout)
 
 
+def test_a_reader_that_goes_away_ends_the_cli_quietly(tmp_path):
+    import subprocess
+
+    cfg = _write(tmp_path / "ok.yaml", {"run": {"name": "x"}})
+    code = ("import sys; from speedtronic.cli import main; "
+            f"sys.exit(main(['validate', '--config', {str(cfg)!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # like `| head` exiting before the config is printed
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141 and "Traceback" not in err and "error" not in err
+
+
 def test_env_and_plot_commands(tmp_path, capsys):
     assert main(["env", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)

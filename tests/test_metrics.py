@@ -127,3 +127,13 @@ def test_a_torn_last_line_alone_is_skipped_quietly(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="speedtronic.metrics"):
         assert read_metrics(path) == [{"event": "eval", "step": 1}]
     assert not caplog.records
+
+
+def test_a_whole_last_record_without_its_newline_is_kept(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"event": "train_step", "step": 1, "loss": 3.0}\n'
+                     b'{"event": "train_step", "step": 2, "loss": 2.0}')
+    m = MetricsLogger(path, max_steps=10, progress_bar=False)
+    m.emit("train_step", {"step": 3, "loss": 1.0})
+    m.close()
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]

@@ -37,7 +37,8 @@ def finished_run(tmp_path: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.parametrize("resume", [False, True])
-@pytest.mark.parametrize("bad", [["--set", "model.name=no_such_model"],
+@pytest.mark.parametrize("bad", [["--set", "logging.file={cfg}/under_a_file.log"],
+                                 ["--set", "model.name=no_such_model"],
                                  ["--set", "data.tokens_path=/no/such/tokens.bin"],
                                  ["--set", "model.n_head=4"]])
 def test_a_failed_start_changes_nothing_on_disk(finished_run, capsys, resume, bad):
@@ -45,6 +46,7 @@ def test_a_failed_start_changes_nothing_on_disk(finished_run, capsys, resume, ba
     if bad[-1] == "model.n_head=4" and not resume:
         pytest.skip("a changed architecture is only an error when resuming")
     before = _snapshot(run_dir)
+    bad = [b.format(cfg=cfg_path) for b in bad]
     args = ["train", "--config", str(cfg_path), *bad] + (["--resume"] if resume else [])
     assert main(args) == 2
     assert "Traceback" not in capsys.readouterr().err
@@ -146,6 +148,7 @@ def test_a_log_file_inside_the_run_dir_follows_the_new_run(tmp_path):
         train_from_config(tiny_config(tmp_path / "runs", name="logged",
                                       run={"max_steps": 2, "eval_every": 0},
                                       logging={"file": str(run_dir / "train.log")}), plot=False)
-        assert "step 2/2" in (run_dir / "train.log").read_text(), attempt
+        text = (run_dir / "train.log").read_text()
+        assert "step 2/2" in text and "device: " in text, attempt  # build lines kept too
     moved = [p for p in (tmp_path / "runs").iterdir() if p.name.startswith("logged.old-")]
     assert len(moved) == 1 and (moved[0] / "train.log").read_text().count("step 2/2") == 1

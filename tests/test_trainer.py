@@ -412,3 +412,63 @@ def test_an_off_shape_check_is_one_decision_line(tmp_path, caplog):
     assert lines == ["shape check: off (cpu: not applicable (shape_validation.warn_on_cpu: true "
                      "previews it))"]
     assert all(r.levelno == logging.INFO for r in caplog.records if "shape" in r.getMessage())
+
+
+class _ReusedBuffer:
+    """Yields the same (x, y) tensors each time, refilled in place (a common loader trick)."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches, self.pos = batches, 0
+        self.x, self.y = batches[0][0].clone(), batches[0][1].clone()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        x, y = self.batches[self.pos % len(self.batches)]
+        self.pos += 1
+        self.x.copy_(x)
+        self.y.copy_(y)
+        return self.x, self.y
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+def test_accumulation_uses_each_micro_batch_before_fetching_the_next(tmp_path):
+    # A loader that refills one buffer must train like one that yields fresh tensors.
+    data = FixedData()
+    results = []
+    for train in (_FixedCycle(data.batches), _ReusedBuffer(data.batches)):
+        cfg = tiny_config(tmp_path, name=f"buf{len(results)}",
+                          run={"max_steps": 2, "eval_every": 0}, checkpoint={"enabled": False},
+                          data={"micro_batch_size": 4, "target_batch_size": 16})
+        torch.manual_seed(0)
+        model = TinyLM()
+        bundle = _Batches(data.batches)
+        bundle.train = train
+        trainer = build_trainer(cfg, model=model, data=bundle)
+        trainer.fit()
+        trainer.metrics.close()
+        results.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_labels_that_are_not_host_ids_train_unweighted(tmp_path):
+    class SoftLM(TinyLM):
+        def forward(self, x, y):  # y: float targets, as a distillation loss might take
+            return ((self.head(self.emb(x)).softmax(-1) - y) ** 2).mean()
+
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 32, (2, 8), generator=g),
+                torch.rand(2, 8, 32, generator=g).to(torch.bfloat16).float()) for _ in range(4)]
+    cfg = tiny_config(tmp_path, name="soft", run={"max_steps": 1, "eval_every": 0},
+                      checkpoint={"enabled": False},
+                      data={"micro_batch_size": 2, "target_batch_size": 8})
+    trainer = build_trainer(cfg, model=SoftLM(), data=_Batches(batches))
+    assert trainer.fit().steps == 1
+    trainer.metrics.close()

@@ -262,12 +262,15 @@ class Master:
         tensors, meta = codec.decode(state_bytes)
         self.outer.load(tensors, meta.get("outer", {}))
         self.hwm = {k: int(v) for k, v in meta.get("hwm", {}).items()}
-        self.seen_sessions.update(self.hwm)  # sessions the published state counts as processed
         self.quarantined = meta.get("quarantined", [])
-        # Quarantined keys never move a high-water mark (a forged name with a huge seq would hide
-        # the real deltas below it): the recorded ones are skipped by name after a restart too.
+        # A quarantined name far ahead never moves a high-water mark (it would hide the real
+        # deltas below it): the recorded ones are skipped by name after a restart too.
         self.skip.update(str(record[0]) for record in self.quarantined if record)
         self.node_last_version = meta.get("node_last_version", {})
+        # Sessions of nodes the published state applied deltas from (a session whose deltas
+        # were all quarantined has a mark too, but is nobody to wait for).
+        self.seen_sessions.update(s for s in self.hwm
+                                  if s.split("/")[0] in self.node_last_version)
         self.totals.update(meta.get("totals", {}))
         self.pointer, self.pointer_etag = pointer, etag
         logger.info("diloco master: resumed at v%d (epoch %d -> %d), %d sessions tracked",
@@ -393,10 +396,12 @@ class Master:
                 pending.setdefault(f"{node}/{session}", []).append((key, node, session, seq))
                 if key not in self._listed_at:
                     self._listed_at[key] = version
-                    session_key, now = f"{node}/{session}", self._clock()
-                    if session_key in self._last_new_time:
-                        self._gap[session_key] = now - self._last_new_time[session_key]
-                    self._last_new_time[session_key] = now
+                    session_key = f"{node}/{session}"
+                    if self._last_new.get(session_key) != self._round:  # once per round: two
+                        now = self._clock()  # keys listed together (a backlog) are no pace
+                        if session_key in self._last_new_time:
+                            self._gap[session_key] = now - self._last_new_time[session_key]
+                        self._last_new_time[session_key] = now
                     self._last_new[session_key] = self._round
         listed = {item[0] for items in pending.values() for item in items}
         self._listed_at = {k: v for k, v in self._listed_at.items() if k in listed}
@@ -469,8 +474,9 @@ class Master:
             self.seen_sessions.add(f"{node}/{session}")
         for key, node, session, seq in new:  # each session's keys in seq order
             # A quarantined delta moves the mark only when it is the next one in its session
-            # (a real upload that failed a check: a restarted master must not fetch it again);
-            # a junk name far ahead never does, or it would hide the real deltas below it.
+            # (a real upload that failed a check), and only if this round publishes; a junk name
+            # far ahead never does, or it would hide the real deltas below it. In between, the
+            # skip set (and, after a restart, the recorded quarantine list) keeps it unfetched.
             if key in self.skip and seq == hwm.get(f"{node}/{session}", -1) + 1:
                 hwm[f"{node}/{session}"] = seq
         self.totals["bytes_down"] += stats.bytes_down

@@ -352,3 +352,39 @@ def test_a_restarted_worker_counts_as_finished_when_its_new_session_is(tmp_path)
     assert not m.all_done()  # "old" quiet for 30 s: not yet over 3 x its 10 s pace
     clock.rounds(m)
     assert m.all_done()  # 35 s
+
+
+def test_a_backlog_listed_in_one_round_does_not_shrink_a_sessions_pace(tmp_path):
+    # b uploads every 10 s; twice its two newest deltas are listed in the same round (a slow
+    # master). The pace stays 10 s, so a sibling's done marker does not end the wait early.
+    store, m = _master(tmp_path)
+    m._clock = clock = _Clock(5.0)
+    w = initial_weights()
+    good = {k: 0.01 * torch.ones_like(v) for k, v in w.items()}
+    for seq in range(2):
+        _put_delta(store, good, seq, base=m.pointer.version, session="a")
+        _put_delta(store, good, seq, base=m.pointer.version, session="b")
+        clock.rounds(m, 2)
+    _put_delta(store, good, 2, base=m.pointer.version, session="b")
+    _put_delta(store, good, 3, base=m.pointer.version, session="b")
+    store.put("nodes/w1/a/done.json", b'{"last_seq": 1}')
+    clock.rounds(m, 2)
+    assert not m.all_done()  # b quiet for 5 s, its pace is 10 s
+
+
+def test_a_node_whose_only_delta_was_rejected_is_not_waited_for_after_a_restart(tmp_path):
+    store, m = _master(tmp_path)
+    w = initial_weights()
+    good = {k: 0.01 * torch.ones_like(v) for k, v in w.items()}
+    nan = {**good, "fc1.weight": torch.full_like(w["fc1.weight"], float("nan"))}
+    _put_delta(store, nan, 0, node="bad")
+    _put_delta(store, good, 0)
+    m.run_once()
+    assert m.hwm.get("bad/s1") == 0  # the next seq: the mark moved (the round published)
+    store.put("nodes/w1/s1/done.json", b'{"last_seq": 0}')
+    m.store.delete("master/lease.json")
+    m2 = Master(open_store(f"file://{tmp_path}/store"), m.cfg, "m1")
+    assert m2.acquire_lease(threading.Event(), timeout=5)
+    m2.load_or_bootstrap()
+    m2.run_once()
+    assert m2.all_done()  # "bad" never had a delta applied
