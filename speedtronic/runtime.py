@@ -220,8 +220,8 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
 
         callbacks.extend(build_callbacks(cfg))
     ckpt_dir = run_dir / cfg.checkpoint.directory
-    # The trainer is built before the run directory is touched; its metrics logger opens no
-    # file until the first record, and the real one (with hooks) is attached below.
+    # The trainer is built before the run directory is touched; its default metrics logger
+    # opens no file until a first record, and build_trainer attaches the real one (with hooks).
     trainer = Trainer(model, optimizer, data, cfg, device=dev, precision=plan,
                       scheduler=scheduler, checkpoints=None, callbacks=callbacks, run_dir=run_dir)
     if resume:
