@@ -312,12 +312,17 @@ class _Clock:
             m.run_once()
 
 
-def test_two_live_workers_under_one_node_id_are_both_waited_for(tmp_path, caplog):
-    # Workers upload every 10 s; the master polls every 5 s (two rounds per upload).
+def _clocked_master(tmp_path):
+    """A master on a hand-moved clock (5 s per round) and a small valid delta."""
     store, m = _master(tmp_path)
     m._clock = clock = _Clock(5.0)
-    w = initial_weights()
-    good = {k: 0.01 * torch.ones_like(v) for k, v in w.items()}
+    good = {k: 0.01 * torch.ones_like(v) for k, v in initial_weights().items()}
+    return store, m, clock, good
+
+
+def test_two_live_workers_under_one_node_id_are_both_waited_for(tmp_path, caplog):
+    # Workers upload every 10 s; the master polls every 5 s (two rounds per upload).
+    store, m, clock, good = _clocked_master(tmp_path)
     with caplog.at_level("WARNING", logger="speedtronic.diloco.master"):
         for seq in range(3):
             _put_delta(store, good, seq, base=m.pointer.version, session="a")
@@ -336,10 +341,7 @@ def test_two_live_workers_under_one_node_id_are_both_waited_for(tmp_path, caplog
 
 
 def test_a_restarted_worker_counts_as_finished_when_its_new_session_is(tmp_path):
-    store, m = _master(tmp_path)
-    m._clock = clock = _Clock(5.0)
-    w = initial_weights()
-    good = {k: 0.01 * torch.ones_like(v) for k, v in w.items()}
+    store, m, clock, good = _clocked_master(tmp_path)
     for seq in range(2):
         _put_delta(store, good, seq, base=m.pointer.version, session="old")
         clock.rounds(m, 2)
@@ -357,10 +359,7 @@ def test_a_restarted_worker_counts_as_finished_when_its_new_session_is(tmp_path)
 def test_a_backlog_listed_in_one_round_does_not_shrink_a_sessions_pace(tmp_path):
     # b uploads every 10 s; twice its two newest deltas are listed in the same round (a slow
     # master). The pace stays 10 s, so a sibling's done marker does not end the wait early.
-    store, m = _master(tmp_path)
-    m._clock = clock = _Clock(5.0)
-    w = initial_weights()
-    good = {k: 0.01 * torch.ones_like(v) for k, v in w.items()}
+    store, m, clock, good = _clocked_master(tmp_path)
     for seq in range(2):
         _put_delta(store, good, seq, base=m.pointer.version, session="a")
         _put_delta(store, good, seq, base=m.pointer.version, session="b")
