@@ -49,6 +49,14 @@ class _CurrentStdoutHandler(logging.StreamHandler):
     def stream(self, value) -> None:  # noqa: ANN001
         pass
 
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        # `speedtronic train | head`: once the reader is gone, the run goes on without a console
+        # (its metrics.jsonl and log file still get everything) instead of a traceback per line.
+        if isinstance(sys.exc_info()[1], BrokenPipeError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return
+        super().handleError(record)
+
 
 def _setup_logging(debug: bool) -> None:
     root = logging.getLogger("speedtronic")

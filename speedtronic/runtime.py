@@ -162,27 +162,34 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
         trainer = _build_parts(cfg, resume=resume, device=device, callbacks=callbacks,
                                model=model, data=data)
         require_hook_packages(tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb)
+        _prepare_run_dir(run_dir, resume)
+        if log_buffer is not None:
+            _open_log_file(log_buffer)
+        cfg.save(run_dir / "config.yaml")
+        if cfg.checkpoint.enabled:
+            trainer.checkpoints = CheckpointManager(run_dir / cfg.checkpoint.directory,
+                                                    keep_last=cfg.checkpoint.keep_last)
+        # The hooks (TensorBoard, wandb) are built after a resume restored the RNG streams:
+        # keep whatever they draw out of the run's streams, or resume would not be bitwise.
+        rng = capture_rng_state()
+        trainer.metrics = MetricsLogger(run_dir / "metrics.jsonl", max_steps=cfg.run.max_steps,
+                                        hooks=[*_metric_hooks(cfg, run_dir, trainer.step),
+                                               *hooks],
+                                        progress_bar=cfg.logging.progress_bar,
+                                        start_step=trainer.step)
+        restore_rng_state(rng)
     except BaseException:
-        if log_buffer is not None:  # nothing was written: drop the held lines with the run
-            logging.getLogger("speedtronic").removeHandler(log_buffer)
-            log_buffer.close()
+        _remove_run_log_handlers()  # a failed build leaves no handler holding or writing lines
         raise
-    _prepare_run_dir(run_dir, resume)
-    if log_buffer is not None:
-        _open_log_file(log_buffer)
-    cfg.save(run_dir / "config.yaml")
-    if cfg.checkpoint.enabled:
-        trainer.checkpoints = CheckpointManager(run_dir / cfg.checkpoint.directory,
-                                                keep_last=cfg.checkpoint.keep_last)
-    # The hooks (TensorBoard, wandb) are built after a resume restored the RNG streams: keep
-    # whatever they draw out of the training run's streams, or resume would not be bitwise.
-    rng = capture_rng_state()
-    trainer.metrics = MetricsLogger(run_dir / "metrics.jsonl", max_steps=cfg.run.max_steps,
-                                    hooks=[*_metric_hooks(cfg, run_dir, trainer.step), *hooks],
-                                    progress_bar=cfg.logging.progress_bar,
-                                    start_step=trainer.step)
-    restore_rng_state(rng)
     return trainer
+
+
+def _remove_run_log_handlers() -> None:
+    root = logging.getLogger("speedtronic")
+    for handler in list(root.handlers):
+        if handler.get_name() == "speedtronic-run-file":
+            root.removeHandler(handler)
+            handler.close()
 
 
 def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.device | None,
@@ -342,10 +349,7 @@ def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: 
         result = trainer.fit()
     finally:
         trainer.metrics.close()
-        for h in list(logging.getLogger("speedtronic").handlers):
-            if h.get_name() == "speedtronic-run-file":
-                logging.getLogger("speedtronic").removeHandler(h)
-                h.close()
+        _remove_run_log_handlers()
     if plot:
         _write_plot(result.run_dir)
     return result

@@ -406,12 +406,20 @@ class Trainer:
         self.metrics.line(f"eval step {self.step} | eval_loss {value:.4f}")
         return value
 
-    def _clip_and_step(self, need_norm: bool) -> torch.Tensor | None:
+    def _clip_and_step(self, need_norm: bool, update: bool = True) -> torch.Tensor | None:
         """Flush deferred grads, unscale, clip, step, zero grads, advance the schedule.
 
         Returns the global grad norm (a device tensor, not read here): from clipping, or computed
-        only when ``need_norm`` (a log step) if clipping is off.
+        only when ``need_norm`` (a log step) if clipping is off. ``update=False`` (a step whose
+        micro-batches were all padding: no gradient) only advances the schedule.
         """
+        if not update:
+            if need_norm:
+                self._lr_used = self.optimizer.param_groups[0]["lr"]
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.scheduler is not None:
+                self.scheduler.step()
+            return None
         if self._ooo is not None:
             self._ooo.flush()  # deferred weight gradients must land before they are read
         if self._grad_factor != 1.0:  # token weighting of an accumulated step (see fit)
@@ -477,13 +485,13 @@ class Trainer:
                 if trial is not None:
                     trial.begin_step()
                 # Token weighting (k > 1): each micro-batch's mean loss is backpropagated with
-                # rel = its counted tokens / the step's first micro-batch's, and the step's
-                # gradients are multiplied by k * n_first / n_total once all are in, so the
-                # step is a mean over all its tokens even with padding (a padded 4 x 4 step once
-                # moved weights 4.5e-3 from one batch of 16). Equal counts give rel = 1.0 and a
-                # factor of 1: the exact 1/k of plain averaging, no extra pass.
+                # rel = its counted tokens / ref (ref: all label positions of a micro-batch),
+                # and the step's gradients are multiplied by k * ref / n_total once all are in,
+                # so the step is a mean over all its tokens even with padding (a padded 4 x 4
+                # step once moved weights 4.5e-3 from one batch of 16). Without padding rel = 1.0
+                # and the factor is 1: the exact 1/k of plain averaging, no extra pass.
                 weigh = self.accumulation_steps > 1
-                n_first, n_total, step_loss = None, 0, None
+                ref, n_total, step_loss, ran = None, 0, None, 0
                 for _ in range(self.accumulation_steps):
                     x, y = next(it)
                     n = self._counted_tokens(y) if weigh else None
@@ -492,11 +500,14 @@ class Trainer:
                     self.samples += x.shape[0]
                     if n == 0:
                         continue  # all padding: nothing to learn, and its mean loss is NaN
-                    if n is not None and n_first is None:
-                        n_first = n
-                    rel = 1.0 if n is None or n == n_first else n / n_first
-                    if n_first is not None:  # labels not counted here weigh as the first's
-                        n_total += n_first if n is None else n
+                    if n is not None and ref is None:
+                        # rel = n / (the first micro-batch's label count, padding included):
+                        # 1.0 unpadded, never above 1 (no fp16 overflow from a large ratio)
+                        ref = y.numel()
+                    rel = 1.0 if n is None or n == ref else n / ref
+                    if ref is not None:  # labels not counted here weigh as a full batch
+                        n_total += ref if n is None else n
+                    ran += 1
                     x, y = self._to_device(x, y)
                     if self._compile_pending:
                         loss = self._first_compiled_micro_step(x, y, rel)
@@ -506,13 +517,15 @@ class Trainer:
                     loss_sum += loss
                     if weigh:
                         step_loss = loss if step_loss is None else step_loss + loss
-                factor = (self.accumulation_steps * n_first / n_total) if n_first else 1.0
+                factor = (self.accumulation_steps * ref / n_total) if ref and n_total else 1.0
                 if factor != 1.0:
                     self._grad_factor = factor
                     loss_sum += step_loss * (factor - 1.0)  # the log's mean is per token too
+                if not ran:  # every micro-batch was padding: no gradient, no loss to log
+                    self._micro_since_log -= self.accumulation_steps
                 last = self.step + 1 == target
                 log_now = (self.step + 1) % log_every == 0 or last
-                grad_norm = self._clip_and_step(need_norm=log_now)
+                grad_norm = self._clip_and_step(need_norm=log_now, update=ran > 0 or not weigh)
                 if trial is not None and trial.end_step() is not None:
                     self._end_ooo_trial(trial, self.step + 1)
                 self.step += 1
@@ -527,7 +540,9 @@ class Trainer:
                     else:
                         loss_value, norm_value = torch.stack(
                             [loss_sum, grad_norm.detach().float()]).tolist()
-                    self.last_loss = loss_value / max(1, self._micro_since_log)
+                    # NaN for an interval of all-padding steps: no token had a loss
+                    self.last_loss = (loss_value / self._micro_since_log
+                                      if self._micro_since_log else float("nan"))
                     record = {
                         "step": self.step,
                         "loss": self.last_loss,

@@ -4,6 +4,7 @@ env/plot work, torch is not imported for validate, README command 2 is what CI r
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -170,6 +171,23 @@ def test_a_reader_that_goes_away_ends_the_cli_quietly(tmp_path):
     proc.stdout.close()  # like `| head` exiting before the config is printed
     err = proc.stderr.read().decode()
     assert proc.wait() == 141 and "Traceback" not in err and "error" not in err
+
+
+def test_train_carries_on_quietly_when_its_console_reader_goes_away(tmp_path):
+    import subprocess
+
+    cfg = _write(tmp_path / "run.yaml", tiny_raw(tmp_path / "runs", name="piped",
+                                                 run={"max_steps": 3, "eval_every": 0}))
+    code = ("import sys; from speedtronic.cli import main; "
+            f"sys.exit(main(['train', '--config', {str(cfg)!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc.stdout.close()  # `speedtronic train ... | head -0`
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=300)
+    assert "Logging error" not in err and "Traceback" not in err
+    rows = (tmp_path / "runs" / "piped" / "metrics.jsonl").read_text()
+    assert '"train_end"' in rows  # the run finished and recorded everything
 
 
 def test_env_and_plot_commands(tmp_path, capsys):

@@ -472,3 +472,42 @@ def test_labels_that_are_not_host_ids_train_unweighted(tmp_path):
     trainer = build_trainer(cfg, model=SoftLM(), data=_Batches(batches))
     assert trainer.fit().steps == 1
     trainer.metrics.close()
+
+
+def test_a_step_of_only_padding_updates_nothing_and_logs_no_loss(tmp_path):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randint(0, 32, (8, 8), generator=g)
+    y = torch.randint(0, 32, (8, 8), generator=g)
+    padded = y.clone().fill_(-100)
+    # step 1: both micro-batches all padding; step 2: real labels
+    batches = [(x[:4], padded[:4]), (x[4:], padded[4:]), (x[:4], y[:4]), (x[4:], y[4:])]
+    cfg = tiny_config(tmp_path, name="pad", run={"max_steps": 2, "eval_every": 0},
+                      logging={"every_steps": 1}, checkpoint={"enabled": False},
+                      data={"micro_batch_size": 4, "target_batch_size": 8})
+    torch.manual_seed(0)
+    model = TinyLM()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = build_trainer(cfg, model=model, data=_Batches(batches))
+    trainer.scaler = torch.amp.GradScaler("cpu")  # the fp16 path: it needs gradients to step
+    updates = []
+    trainer.optimizer.register_step_post_hook(lambda opt, a, kw: updates.append(trainer.step))
+    result = trainer.fit()
+    trainer.metrics.close()
+    rows = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in rows if r.get("event") == "train_step"}
+    assert str(losses[1]).lower() == "nan" and math.isfinite(losses[2])  # JSON has no NaN
+    assert updates == [1]  # only the second step updated the weights
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_failed_build_leaves_no_log_handler(tmp_path):
+    from speedtronic.errors import SpeedtronicError
+
+    root = logging.getLogger("speedtronic")
+    before = list(root.handlers)
+    for _ in range(2):
+        cfg = tiny_config(tmp_path, name="fail", logging={"file": str(tmp_path / "run.log")},
+                          model={"name": "no_such_model"})
+        with pytest.raises((SpeedtronicError, ValueError)):
+            build_trainer(cfg)
+    assert root.handlers == before
