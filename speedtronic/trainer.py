@@ -491,7 +491,7 @@ class Trainer:
                 # step once moved weights 4.5e-3 from one batch of 16). Without padding rel = 1.0
                 # and the factor is 1: the exact 1/k of plain averaging, no extra pass.
                 weigh = self.accumulation_steps > 1
-                ref, n_total, step_loss, ran = None, 0, None, 0
+                ref, n_total, step_losses, ran = None, 0, [], 0
                 for _ in range(self.accumulation_steps):
                     x, y = next(it)
                     n = self._counted_tokens(y) if weigh else None
@@ -516,11 +516,12 @@ class Trainer:
                     loss = loss if rel == 1.0 else loss * rel
                     loss_sum += loss
                     if weigh:
-                        step_loss = loss if step_loss is None else step_loss + loss
+                        step_losses.append(loss)  # summed only if the factor is not 1
                 factor = (self.accumulation_steps * ref / n_total) if ref and n_total else 1.0
                 if factor != 1.0:
                     self._grad_factor = factor
-                    loss_sum += step_loss * (factor - 1.0)  # the log's mean is per token too
+                    # the log's mean is per token too
+                    loss_sum += torch.stack(step_losses).sum() * (factor - 1.0)
                 if not ran:  # every micro-batch was padding: no gradient, no loss to log
                     self._micro_since_log -= self.accumulation_steps
                 last = self.step + 1 == target
