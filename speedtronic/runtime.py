@@ -158,13 +158,14 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
     level = getattr(logging, cfg.logging.level)
     logging.getLogger("speedtronic").setLevel(level)
     log_buffer = _check_log_file(cfg, run_dir)  # written to the file once the run dir is ready
+    own: list[logging.Handler] = [log_buffer] if log_buffer is not None else []
     try:
         trainer = _build_parts(cfg, resume=resume, device=device, callbacks=callbacks,
                                model=model, data=data)
         require_hook_packages(tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb)
         _prepare_run_dir(run_dir, resume)
         if log_buffer is not None:
-            _open_log_file(log_buffer)
+            own.append(_open_log_file(log_buffer))
         cfg.save(run_dir / "config.yaml")
         if cfg.checkpoint.enabled:
             trainer.checkpoints = CheckpointManager(run_dir / cfg.checkpoint.directory,
@@ -179,17 +180,18 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
                                         start_step=trainer.step)
         restore_rng_state(rng)
     except BaseException:
-        _remove_run_log_handlers()  # a failed build leaves no handler holding or writing lines
+        _remove_log_handlers(own)  # a failed build leaves none of its handlers behind
         raise
+    trainer.log_handlers = own[1:]  # the run's file handler: train_from_config removes it
     return trainer
 
 
-def _remove_run_log_handlers() -> None:
+def _remove_log_handlers(handlers: Sequence[logging.Handler]) -> None:
+    """Detach and close these handlers (only these: another run's log file keeps its own)."""
     root = logging.getLogger("speedtronic")
-    for handler in list(root.handlers):
-        if handler.get_name() == "speedtronic-run-file":
-            root.removeHandler(handler)
-            handler.close()
+    for handler in handlers:
+        root.removeHandler(handler)
+        handler.close()
 
 
 def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.device | None,
@@ -267,7 +269,7 @@ def _check_log_file(cfg: SpeedtronicConfig, run_dir: Path) -> logging.Handler | 
     return buffer
 
 
-def _open_log_file(buffer: logging.Handler) -> None:
+def _open_log_file(buffer: logging.Handler) -> logging.Handler:
     path: Path = buffer.speedtronic_path  # type: ignore[attr-defined]
     path.parent.mkdir(parents=True, exist_ok=True)  # a folder inside the run directory
     try:
@@ -283,6 +285,7 @@ def _open_log_file(buffer: logging.Handler) -> None:
     root.removeHandler(buffer)
     buffer.close()
     root.addHandler(handler)
+    return handler
 
 
 #: Model keys a resumed run may change: they change how the same weights are trained or run,
@@ -349,7 +352,7 @@ def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: 
         result = trainer.fit()
     finally:
         trainer.metrics.close()
-        _remove_run_log_handlers()
+        _remove_log_handlers(trainer.log_handlers)
     if plot:
         _write_plot(result.run_dir)
     return result

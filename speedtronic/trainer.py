@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,7 @@ class Trainer:
         self._restored_window: tuple[float, int] = (0.0, 0)
         self._lr_used: Any = 0.0  # the lr of the last log step (read before the schedule moves)
         self._grad_factor = 1.0  # token weighting of the current accumulated step (see fit)
+        self.log_handlers: list[logging.Handler] = []  # the run's logging.file (runtime sets it)
         self._configure_features()
 
     # ----------------------------------------------------------------------------- setup
@@ -418,7 +420,9 @@ class Trainer:
                 self._lr_used = self.optimizer.param_groups[0]["lr"]
             self.optimizer.zero_grad(set_to_none=True)
             if self.scheduler is not None:
-                self.scheduler.step()
+                with warnings.catch_warnings():  # no optimizer.step() on purpose: say nothing
+                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+                    self.scheduler.step()
             return None
         if self._ooo is not None:
             self._ooo.flush()  # deferred weight gradients must land before they are read
@@ -485,11 +489,13 @@ class Trainer:
                 if trial is not None:
                     trial.begin_step()
                 # Token weighting (k > 1): each micro-batch's mean loss is backpropagated with
-                # rel = its counted tokens / ref (ref: all label positions of a micro-batch),
-                # and the step's gradients are multiplied by k * ref / n_total once all are in,
-                # so the step is a mean over all its tokens even with padding (a padded 4 x 4
-                # step once moved weights 4.5e-3 from one batch of 16). Without padding rel = 1.0
-                # and the factor is 1: the exact 1/k of plain averaging, no extra pass.
+                # rel = its counted tokens / ref (ref: the step's first counted micro-batch's
+                # count), and the step's gradients are multiplied by k * ref / n_total once all
+                # are in, so the step is a mean over all its tokens even with padding (a padded
+                # 4 x 4 step once moved weights 4.5e-3 from one batch of 16). Equal counts
+                # (padded or not) give rel = 1.0 and a factor of 1: the exact 1/k of plain
+                # averaging, no extra pass. rel exceeds 1 when a later micro-batch counts more
+                # tokens; under fp16 an overflow is the GradScaler's usual skipped step.
                 weigh = self.accumulation_steps > 1
                 ref, n_total, step_losses, ran = None, 0, [], 0
                 for _ in range(self.accumulation_steps):
@@ -501,11 +507,9 @@ class Trainer:
                     if n == 0:
                         continue  # all padding: nothing to learn, and its mean loss is NaN
                     if n is not None and ref is None:
-                        # rel = n / (the first micro-batch's label count, padding included):
-                        # 1.0 unpadded, never above 1 (no fp16 overflow from a large ratio)
-                        ref = y.numel()
+                        ref = n
                     rel = 1.0 if n is None or n == ref else n / ref
-                    if ref is not None:  # labels not counted here weigh as a full batch
+                    if ref is not None:  # labels not counted here weigh as the first's
                         n_total += ref if n is None else n
                     ran += 1
                     x, y = self._to_device(x, y)

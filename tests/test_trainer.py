@@ -491,11 +491,16 @@ def test_a_step_of_only_padding_updates_nothing_and_logs_no_loss(tmp_path):
     trainer.scaler = torch.amp.GradScaler("cpu")  # the fp16 path: it needs gradients to step
     updates = []
     trainer.optimizer.register_step_post_hook(lambda opt, a, kw: updates.append(trainer.step))
-    result = trainer.fit()
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = trainer.fit()
     trainer.metrics.close()
     rows = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
     losses = {r["step"]: r["loss"] for r in rows if r.get("event") == "train_step"}
     assert str(losses[1]).lower() == "nan" and math.isfinite(losses[2])  # JSON has no NaN
+    assert not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
     assert updates == [1]  # only the second step updated the weights
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
@@ -511,3 +516,20 @@ def test_a_failed_build_leaves_no_log_handler(tmp_path):
         with pytest.raises((SpeedtronicError, ValueError)):
             build_trainer(cfg)
     assert root.handlers == before
+
+
+def test_a_failed_build_keeps_another_runs_log_file(tmp_path):
+    # A built trainer's log file keeps logging when another build fails in the same process.
+    cfg = tiny_config(tmp_path, name="ok", run={"max_steps": 2, "eval_every": 0},
+                      logging={"file": str(tmp_path / "ok.log")}, checkpoint={"enabled": False})
+    trainer = build_trainer(cfg, model=TinyLM(), data=FixedData())
+    bad = tiny_config(tmp_path, name="bad", model={"name": "no_such_model"},
+                      logging={"file": str(tmp_path / "bad.log")})
+    with pytest.raises(Exception):  # noqa: B017 - any build error
+        build_trainer(bad)
+    trainer.fit()
+    trainer.metrics.close()
+    for h in trainer.log_handlers:
+        logging.getLogger("speedtronic").removeHandler(h)
+        h.close()
+    assert "step 2/2" in (tmp_path / "ok.log").read_text()
