@@ -53,9 +53,17 @@ class _CurrentStdoutHandler(logging.StreamHandler):
         # `speedtronic train | head`: once the reader is gone, the run goes on without a console
         # (its metrics.jsonl and log file still get everything) instead of a traceback per line.
         if isinstance(sys.exc_info()[1], BrokenPipeError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            _stdout_to_devnull()
             return
         super().handleError(record)
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null once its reader is gone: later writes, and the interpreter's
+    final flush, then succeed quietly instead of raising BrokenPipeError again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _setup_logging(debug: bool) -> None:
@@ -298,8 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"speedtronic: error: {_one_line(exc)}", file=sys.stderr)
             return EXIT_USER_ERROR
         # The reader of our stdout went away (`speedtronic env | head`): not an error of ours.
-        # Point stdout at /dev/null so the interpreter's final flush does not raise again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _stdout_to_devnull()
         return 141  # 128 + SIGPIPE, what a shell reports for a command killed by it
     except _USER_ERRORS as exc:
         if debug:

@@ -238,7 +238,16 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
     return trainer
 
 
-def _check_log_file(cfg: SpeedtronicConfig, run_dir: Path) -> logging.Handler | None:
+class _HeldLogLines(logging.handlers.MemoryHandler):
+    """The build's log lines, held until ``path`` can be opened (see :func:`_check_log_file`)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(capacity=100_000, flushLevel=logging.CRITICAL + 1)
+        self.path = path
+        self.set_name("speedtronic-run-file")
+
+
+def _check_log_file(cfg: SpeedtronicConfig, run_dir: Path) -> _HeldLogLines | None:
     """``logging.file``, checked before anything is written, with a handler that holds the
     build's log lines in memory until :func:`_open_log_file` (after the run dir is prepared)
     writes them to the file: a file inside the run dir must follow the new run, and the file
@@ -262,15 +271,13 @@ def _check_log_file(cfg: SpeedtronicConfig, run_dir: Path) -> logging.Handler | 
     if problem:
         raise ConfigError(f"logging.file: cannot append to {str(path)[:300]} ({problem}); give "
                           "a writable file path in an existing folder or in the run directory")
-    buffer = logging.handlers.MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1)
-    buffer.set_name("speedtronic-run-file")
-    buffer.speedtronic_path = path  # type: ignore[attr-defined]
+    buffer = _HeldLogLines(path)
     logging.getLogger("speedtronic").addHandler(buffer)
     return buffer
 
 
-def _open_log_file(buffer: logging.Handler) -> logging.Handler:
-    path: Path = buffer.speedtronic_path  # type: ignore[attr-defined]
+def _open_log_file(buffer: _HeldLogLines) -> logging.Handler:
+    path = buffer.path
     path.parent.mkdir(parents=True, exist_ok=True)  # a folder inside the run directory
     try:
         handler = logging.FileHandler(path, encoding="utf-8")
@@ -280,7 +287,7 @@ def _open_log_file(buffer: logging.Handler) -> logging.Handler:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.set_name("speedtronic-run-file")
     root = logging.getLogger("speedtronic")
-    buffer.setTarget(handler)  # type: ignore[attr-defined]
+    buffer.setTarget(handler)
     buffer.flush()  # the build's lines, in order, then the file handler takes over
     root.removeHandler(buffer)
     buffer.close()
