@@ -1,6 +1,12 @@
-"""Build script: pure Python, plus the optional CUDA extension ``speedtronic._C``.
+"""Build script: pure Python, plus two optional compiled parts.
 
-The extension is built only when torch has CUDA and nvcc is found. ``SPEEDTRONIC_CUDA``:
+* ``speedtronic._cpu_kernels``: fused fp32 CPU kernels (csrc/cpu/), a torch-free C++ library
+  loaded with ctypes, so a plain ``pip install -e .`` builds it in about a second with the
+  system C++ compiler. ``SPEEDTRONIC_CPU_KERNELS=0`` skips it; a failed compile prints one line
+  and the install goes on (the pure-PyTorch path then runs).
+* ``speedtronic._C``: the CUDA extension.
+
+The CUDA extension is built only when torch has CUDA and nvcc is found. ``SPEEDTRONIC_CUDA``:
 ``auto`` (default) builds when possible and otherwise prints one line saying why not, ``0``
 never builds, ``1`` fails loudly when it cannot build. An install without CUDA never fails.
 Build against the torch you run with: ``pip install --no-build-isolation .`` (README,
@@ -15,7 +21,8 @@ import os
 import shutil
 import sys
 
-from setuptools import setup
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("csrc")
@@ -28,8 +35,52 @@ SM90A_SOURCE = "sym_gemm_sm90.cu"
 GIB_PER_JOB = 2.0
 
 
+#: The torch-free CPU kernel library (speedtronic/cpu_kernels.py loads it with ctypes).
+CPU_EXTENSION = "speedtronic._cpu_kernels"
+CPU_SOURCE = os.path.join("csrc", "cpu", "fused_cpu.cpp")
+
+
 def _say(msg: str) -> None:
     print(f"speedtronic: CUDA extension: {msg}", file=sys.stderr)
+
+
+def _say_cpu(msg: str) -> None:
+    print(f"speedtronic: CPU kernels: {msg}", file=sys.stderr)
+
+
+def cpu_extension() -> list[Extension]:
+    """The CPU kernel library as an Extension, or nothing (skipped, or the source is missing)."""
+    if os.environ.get("SPEEDTRONIC_CPU_KERNELS", "").strip() == "0":
+        _say_cpu("skipped (SPEEDTRONIC_CPU_KERNELS=0)")
+        return []
+    if not os.path.isfile(os.path.join(ROOT, CPU_SOURCE)):
+        _say_cpu(f"skipped ({CPU_SOURCE} is missing; an incomplete sdist?)")
+        return []
+    # No -ffast-math: the kernels keep inf/nan semantics and a fixed summation order.
+    flags = [] if sys.platform == "win32" else ["-O3", "-fno-math-errno", "-fvisibility=hidden"]
+    return [Extension(CPU_EXTENSION, sources=[CPU_SOURCE], language="c++",
+                      extra_compile_args=flags)]
+
+
+class _OptionalCpuKernels:
+    """build_ext mixin: a failed CPU-kernel compile is reported, never fatal.
+
+    The library is not a Python module (no PyInit: it is loaded with ctypes and includes no
+    Python header, so no python3-dev is needed), hence no export list for it either.
+    """
+
+    def get_export_symbols(self, ext):  # noqa: D401 - setuptools hook
+        if ext.name == CPU_EXTENSION:
+            return []
+        return super().get_export_symbols(ext)
+
+    def build_extension(self, ext):  # noqa: D401 - setuptools hook
+        if ext.name != CPU_EXTENSION:
+            return super().build_extension(ext)
+        try:
+            build_ext.build_extension(self, ext)
+        except Exception as exc:  # CompileError, LinkError, a missing compiler: never fatal
+            _say_cpu(f"not built ({type(exc).__name__}: {exc}); the pure-PyTorch ops will run")
 
 
 def _free_ram_gib() -> float | None:
@@ -89,15 +140,17 @@ def extension_modules() -> tuple[list, dict]:
     mode = os.environ.get("SPEEDTRONIC_CUDA", "auto").strip().lower()
     if mode not in ("auto", "0", "1"):
         raise SystemExit(f"SPEEDTRONIC_CUDA={mode!r} is not valid; use auto, 0 or 1")
+    cpu_build = type("BuildCpuKernels", (_OptionalCpuKernels, build_ext), {})
+    cpu_only = (cpu_extension(), {"build_ext": cpu_build})
     if mode == "0":
         _say("skipped (SPEEDTRONIC_CUDA=0)")
-        return [], {}
+        return cpu_only
     reason = _why_not_cuda()
     if reason:
         if mode == "1":
             raise SystemExit(f"SPEEDTRONIC_CUDA=1 but {reason}")
         _say(f"skipped ({reason}); the pure-PyTorch ops will be used")
-        return [], {}
+        return cpu_only
 
     import torch
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension
@@ -128,10 +181,12 @@ def extension_modules() -> tuple[list, dict]:
         },
     )
 
-    class BuildWithInfo(BuildExtension):
+    class BuildWithInfo(_OptionalCpuKernels, BuildExtension):
         """Writes ``_C.build.json`` beside the binary; the loader reads it before importing."""
 
         def build_extension(self, ext):  # noqa: D401 - setuptools hook
+            if ext.name == CPU_EXTENSION:
+                return super().build_extension(ext)
             ext.extra_objects = list(ext.extra_objects or []) + [self._compile_sm90a(ext)]
             super().build_extension(ext)
 
@@ -142,8 +197,10 @@ def extension_modules() -> tuple[list, dict]:
             src = os.path.join(ROOT, CSRC, SM90A_SOURCE)
             os.makedirs(self.build_temp, exist_ok=True)
             obj = os.path.join(self.build_temp, "sym_gemm_sm90.sm_90a.o")
-            deps = [src] + glob.glob(os.path.join(ROOT, CSRC, "kernels", "*")) + [os.path.join(ROOT, CSRC, "launch.h")]
-            if os.path.exists(obj) and os.path.getmtime(obj) >= max(os.path.getmtime(d) for d in deps):
+            deps = ([src] + glob.glob(os.path.join(ROOT, CSRC, "kernels", "*"))
+                    + [os.path.join(ROOT, CSRC, "launch.h")])
+            newest = max(os.path.getmtime(d) for d in deps)
+            if os.path.exists(obj) and os.path.getmtime(obj) >= newest:
                 return obj
             nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else "nvcc"
             cmd = [nvcc, "-std=c++17", "-O3", "-lineinfo", "-c", src, "-o", obj,
@@ -175,7 +232,7 @@ def extension_modules() -> tuple[list, dict]:
                         json.dump(info, fh, indent=1)
 
     use_ninja = shutil.which("ninja") is not None
-    return [ext], {"build_ext": BuildWithInfo.with_options(use_ninja=use_ninja)}
+    return cpu_only[0] + [ext], {"build_ext": BuildWithInfo.with_options(use_ninja=use_ninja)}
 
 
 ext_modules, cmdclass = extension_modules()

@@ -1,14 +1,20 @@
 """The reference model's CPU layer paths against the forms they replaced, forward + backward.
 
-* RMSNorm: torch's ``F.rms_norm`` (composite on CPU in torch 2.13) against the model's
-  ``RMSNorm`` (a hand-written backward on CPU eager), at (8, 128, 128) fp32.
+* RMSNorm: torch's ``F.rms_norm`` (composite on CPU in torch 2.13) against the model's torch-ops
+  path (``_RMSNormCPU``, a hand-written backward), and that against the fused C++ kernel of
+  ``speedtronic.cpu_kernels``, at (8, 128, 128) fp32.
+* SwiGLU: ``silu(gate) * up`` in torch ops against the fused kernel, at (8, 128, 384).
+* The short-run YAML's model (benchmarks/bench_short_run.py), forward + backward at batch 8,
+  with the fused kernels off and on, at 1 and 2 threads (the kernels are single-threaded: the
+  2-thread row is why ``cpu_kernels.MAX_THREADS`` is 2).
 * RoPE: the textbook half-split rotation (four half-width muls, a sub, an add, a cat), and the
   three-pass form with its ``[x2, x1]`` swap built by a ``cat`` of two slices, against the
   model's ``_rotate`` (the swap is a ``roll``), for q (8, 4, 128, 32) and k (8, 2, 128, 32) laid
   out as the model makes them (a transposed view of the projection's output).
 
-One thread, interleaved rounds, medians; the numbers quoted in ``speedtronic/models/reference.py``
-come from here.
+One thread unless a case says otherwise, interleaved rounds, medians; the numbers quoted in
+``speedtronic/models/reference.py``, ``speedtronic/cpu_kernels.py`` and ``csrc/cpu/`` come from
+here.
 
     python benchmarks/bench_cpu_layers.py
 """
@@ -25,6 +31,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from speedtronic import cpu_kernels
+from speedtronic.config import ModelConfig
+from speedtronic.models import extract_loss
 from speedtronic.models import reference as ref
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -43,11 +52,37 @@ def cat_swap_rope(x: torch.Tensor, cos_full: torch.Tensor,
     return torch.addcmul(x * cos_full, swapped, sin_signed)
 
 
-Case = tuple[str, Callable[[], None], Callable[[], None]]
+Case = tuple[str, Callable[[], None], Callable[[], None], int]
+
+
+def _kernels(on: bool, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` with the fused CPU kernels forced on or off (the gate is read at every call)."""
+    gate = cpu_kernels.usable
+
+    def run() -> None:
+        cpu_kernels.usable = gate if on else (lambda *t: False)
+        try:
+            fn()
+        finally:
+            cpu_kernels.usable = gate
+    return run
+
+
+def _model_step() -> Callable[[], None]:
+    """Forward + backward of the short-run YAML's model on one batch of 8 x 128 tokens."""
+    cfg = ModelConfig(vocab_size=256, max_seq_len=128, n_layer=4, n_head=4, n_kv_head=2,
+                      d_model=128)
+    model = ref.build_reference_transformer(cfg)
+    x = torch.randint(0, 256, (8, 128))
+
+    def step() -> None:
+        extract_loss(model(x, x)).backward()
+        model.zero_grad(set_to_none=True)
+    return step
 
 
 def cases() -> dict[str, Case]:
-    """name -> (what "before" is, before, after), each one forward + backward."""
+    """name -> (what "before" is, before, after, threads), each one forward + backward."""
     torch.manual_seed(0)
     out: dict[str, Case] = {}
     x = torch.randn(8, 128, 128, requires_grad=True)
@@ -55,7 +90,21 @@ def cases() -> dict[str, Case]:
     norm = ref.RMSNorm(128)
     out["RMSNorm (8, 128, 128)"] = (
         "`F.rms_norm`", lambda: F.rms_norm(x, (128,), norm.weight, norm.eps).backward(g),
-        lambda: norm(x).backward(g))
+        _kernels(False, lambda: norm(x).backward(g)), 1)
+    if cpu_kernels.status().loaded:
+        out["RMSNorm (8, 128, 128), fused kernel"] = (
+            "torch-ops path", _kernels(False, lambda: norm(x).backward(g)),
+            _kernels(True, lambda: norm(x).backward(g)), 1)
+        gate = torch.randn(8, 128, 384, requires_grad=True)
+        up = torch.randn(8, 128, 384, requires_grad=True)
+        gh = torch.randn(8, 128, 384)
+        out["SwiGLU (8, 128, 384), fused kernel"] = (
+            "`silu(gate) * up`", lambda: (F.silu(gate) * up).backward(gh),
+            lambda: cpu_kernels.swiglu(gate, up).backward(gh), 1)
+        step = _model_step()
+        for threads in (1, 2):
+            out[f"short-run model, {threads} thread(s), fused kernels"] = (
+                "kernels off", _kernels(False, step), _kernels(True, step), threads)
     cos, sin = ref.rope_tables(32, 128, 10_000.0)
     cos_full, sin_signed = ref._full_tables(cos, sin)
     for heads in (4, 2):
@@ -63,20 +112,21 @@ def cases() -> dict[str, Case]:
         gq = torch.randn(8, heads, 128, 32)
         after = lambda q=q, gq=gq: ref._rotate(q, cos_full, sin_signed).backward(gq)  # noqa: E731
         out[f"RoPE (8, {heads}, 128, 32)"] = (
-            "textbook", lambda q=q, gq=gq: textbook_rope(q, cos, sin).backward(gq), after)
+            "textbook", lambda q=q, gq=gq: textbook_rope(q, cos, sin).backward(gq), after, 1)
         out[f"RoPE (8, {heads}, 128, 32), swap"] = (
             "`cat` swap",
-            lambda q=q, gq=gq: cat_swap_rope(q, cos_full, sin_signed).backward(gq), after)
+            lambda q=q, gq=gq: cat_swap_rope(q, cos_full, sin_signed).backward(gq), after, 1)
     return out
 
 
 def main() -> None:
     from bench_data import cpu_flags  # this folder is sys.path[0] when run as a script
 
-    torch.set_num_threads(1)
     rounds, calls = 9, 50
     results = {}
-    for name, (what, before, after) in cases().items():
+    for name, (what, before, after, threads) in cases().items():
+        torch.set_num_threads(threads)
+        n = calls if "model" not in name else 5
         times: dict[str, list[float]] = {"before": [], "after": []}
         for fn in (before, after):
             for _ in range(10):
@@ -84,31 +134,36 @@ def main() -> None:
         for _ in range(rounds):
             for label, fn in (("before", before), ("after", after)):
                 t0 = time.perf_counter()
-                for _ in range(calls):
+                for _ in range(n):
                     fn()
-                times[label].append((time.perf_counter() - t0) / calls * 1e6)
+                times[label].append((time.perf_counter() - t0) / n * 1e6)
         med = {k: statistics.median(v) for k, v in times.items()}
         results[name] = {"before": what, "before_us": med["before"], "after_us": med["after"],
                          "ratio": med["after"] / med["before"]}
         print(f"{name}: {med['before']:.0f} -> {med['after']:.0f} us", flush=True)
     meta = {"command": "python benchmarks/bench_cpu_layers.py", "cpu": cpu_flags(),
             "torch": torch.__version__, "python": platform.python_version(),
-            "date": time.strftime("%Y-%m-%d %H:%M"), "threads": 1, "dtype": "fp32",
+            "date": time.strftime("%Y-%m-%d %H:%M"), "threads": "1 unless the case says",
+            "dtype": "fp32", "cpu_kernels": cpu_kernels.status().line(),
             "rounds": rounds, "calls_per_round": calls}
     (RESULTS / "cpu_layers.json").write_text(json.dumps({**meta, "results": results},
                                                         indent=1) + "\n")
     lines = ["# Reference-model layers on CPU: forward + backward, before and after", "",
              f"Command: `{meta['command']}`, {meta['date']} UTC; {meta['cpu']}; torch "
-             f"{meta['torch']}, Python {meta['python']}, 1 thread, fp32. Median of {rounds} "
-             f"interleaved rounds of {calls} calls.", "",
+             f"{meta['torch']}, Python {meta['python']}, 1 thread unless the case says, fp32. "
+             f"Median of {rounds} interleaved rounds of {calls} calls (5 for the model). "
+             f"`{meta['cpu_kernels']}`.", "",
              "| case | before | before (us) | after (us) | after / before |",
              "|---|---|---|---|---|"]
     for name, r in results.items():
         lines.append(f"| {name} | {r['before']} | {r['before_us']:.0f} | {r['after_us']:.0f} | "
                      f"{r['ratio']:.2f} |")
-    lines += ["", "Before: `F.rms_norm`; the textbook half-split RoPE; the three-pass RoPE with "
-              "its swap as a `cat` of two slices. After: the reference model's `RMSNorm` (CPU "
-              "eager path) and `_rotate` (swap by `roll`)."]
+    lines += ["", "RMSNorm: `F.rms_norm` against the model's torch-ops path (a hand-written "
+              "backward), and that against the fused C++ kernel (`speedtronic.cpu_kernels`). "
+              "SwiGLU: torch ops against the fused kernel. RoPE: the textbook half-split form "
+              "and the three-pass form with its swap as a `cat` of two slices, against "
+              "`_rotate` (swap by `roll`). Model: the short-run YAML's model, forward + backward "
+              "of one 8 x 128 batch, kernels off against on."]
     (RESULTS / "cpu_layers.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -64,15 +64,17 @@ def main() -> None:
     ap.add_argument("--v200-python", required=True)
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    # "ours, no evals": the same YAML with run.eval_every: 0, to price our evaluations (2.0.0
-    # runs none by default). "ours, d_ff 344": the same model width as 2.0.0's, to separate the
-    # engine from the extra MLP work our default width does. "ours, glibc malloc defaults":
-    # without speedtronic.host_memory's thresholds, to price them.
+    # "ours, final eval only": the same YAML with run.eval_every: 0, to price our evaluations
+    # (2.0.0 runs none by default). "ours, d_ff 344": the same model width as 2.0.0's, to
+    # separate the engine from the extra MLP work our default width does. "ours, glibc malloc
+    # defaults": without speedtronic.host_memory's thresholds, to price them. "ours, cpu kernels
+    # off": without the fused SwiGLU / RMSNorm kernels (speedtronic.cpu_kernels).
     variants = {"ours": (sys.executable, "", "", {}),
-                "ours, no evals": (sys.executable, NO_EVAL, "", {}),
+                "ours, final eval only": (sys.executable, NO_EVAL, "", {}),
                 "ours, d_ff 344": (sys.executable, "", SAME_WIDTH, {}),
                 "ours, glibc malloc defaults": (sys.executable, "", "",
                                                 {"SPEEDTRONIC_HOST_MALLOC": "0"}),
+                "ours, cpu kernels off": (sys.executable, "", "", {"SPEEDTRONIC_CPU_KERNELS": "0"}),
                 "2.0.0": (args.v200_python, "", "", {})}
     times: dict[str, list[float]] = {name: [] for name in variants}
     with tempfile.TemporaryDirectory() as d:
@@ -88,17 +90,25 @@ def main() -> None:
                 print(name, f"{times[name][-1]:.2f} s", flush=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["ours"] / med["2.0.0"]
-    ratio_no_eval = med["ours, no evals"] / med["2.0.0"]
+    ratio_no_eval = med["ours, final eval only"] / med["2.0.0"]
+    ratio_no_kernels = med["ours, cpu kernels off"] / med["2.0.0"]
     ratio_same_width = med["ours, d_ff 344"] / med["2.0.0"]
     ratio_malloc = med["ours, glibc malloc defaults"] / med["2.0.0"]
     try:
         load = Path("/proc/loadavg").read_text().split()[:3]
     except OSError:
         load = ["?"]
+    import torch
     from bench_data import cpu_flags  # this folder is sys.path[0] when run as a script
 
+    from speedtronic import cpu_kernels
+
+    torch.set_num_threads(1)  # as in the runs (OMP_NUM_THREADS=1)
+    kernels_line = cpu_kernels.status().line()
+
     result = {"times_s": times, "cpu": cpu_flags(), "median_s": med, "ratio": ratio,
-              "ratio_no_evals": ratio_no_eval,
+              "ratio_final_eval_only": ratio_no_eval, "ratio_cpu_kernels_off": ratio_no_kernels,
+              "cpu_kernels": kernels_line,
               "ratio_same_width": ratio_same_width, "ratio_glibc_malloc_defaults": ratio_malloc,
               "versions": versions, "load_avg_after": load,
               "machine": platform.processor() or platform.machine(),
@@ -113,14 +123,15 @@ def main() -> None:
              f"Python {result['python']}, torch 2.13.0+cpu for both, OMP_NUM_THREADS=1; "
              f"speedtronic {versions['ours']} against {versions['2.0.0']} (checked from the "
              "run directory); "
-             f"load average after: {' '.join(load)}", "", "```yaml",
+             f"load average after: {' '.join(load)}; ours: `{kernels_line}`", "", "```yaml",
              (CONFIG % ("<tmp>", "", "")).strip(), "```", "",
              "| CLI | runs (s) | median (s) |", "|---|---|---|"]
     for k, v in times.items():
         lines.append(f"| {k} | {', '.join(f'{x:.2f}' for x in v)} | {med[k]:.2f} |")
-    lines += ["", f"Ratio ours / 2.0.0: **{ratio:.2f}x** (the target is <= 0.90x); without our "
-              f"evaluations {ratio_no_eval:.2f}x; with 2.0.0's MLP width {ratio_same_width:.2f}x; "
-              f"with glibc's malloc defaults {ratio_malloc:.2f}x."]
+    lines += ["", f"Ratio ours / 2.0.0: **{ratio:.2f}x** (the target is <= 0.90x); with the "
+              f"final evaluation only {ratio_no_eval:.2f}x; with 2.0.0's MLP width "
+              f"{ratio_same_width:.2f}x; with glibc's malloc defaults {ratio_malloc:.2f}x; "
+              f"without the fused CPU kernels {ratio_no_kernels:.2f}x."]
     out = RESULTS / "short_run_cpu.md"
     # The analysis under the table is written by hand ("## ..." sections): keep it on a rerun.
     old = out.read_text() if out.exists() else ""

@@ -53,6 +53,7 @@ def collect_env() -> dict[str, Any]:
     for pkg in ("numpy", "yaml", "safetensors", "tqdm", "matplotlib", "tensorboard", "wandb"):
         info[pkg] = _version(pkg)
     info["kernels"] = _kernel_status()
+    info["cpu_kernels"] = _cpu_kernel_status()
     info["autotune"] = _autotune_table()
     info["ns_kernels"] = _optional_kernels()
     return info
@@ -86,6 +87,14 @@ def _autotune_table() -> dict[str, Any]:
         times = ", ".join(f"{k} {v:.3f} ms" for k, v in row.get("ms", {}).items())
         out[row["key"]] = f"{row['choice']} ({times})"
     return out
+
+
+def _cpu_kernel_status() -> dict[str, Any]:
+    """The fused CPU kernels (speedtronic.cpu_kernels): loaded or why not, and which ISA copy."""
+    from . import cpu_kernels
+
+    report = cpu_kernels.status()
+    return {"decision": report.line(), "library": report.path}
 
 
 def _kernel_status() -> dict[str, Any]:

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import host_memory, optim
+from . import cpu_kernels, host_memory, optim
 from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, restore_rng_state
 from .config import ConfigError, SpeedtronicConfig, load_config
 from .data import DataBundle, build_data, check_data
@@ -210,6 +210,8 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
     plan = resolve_precision(cfg.precision.mode, dev)
     logger.info("device: %s | precision: %s (%s) | threads: %d", dev, plan.mode, plan.reason,
                 torch.get_num_threads())
+    if dev.type == "cpu":
+        logger.info(cpu_kernels.status().line())
     if data is None:
         # Bad data fails here, before the model is built: missing or corrupt token files, ids
         # beyond model.vocab_size, a tokenizer that does not load (and a text source is

@@ -474,8 +474,8 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         it = iter(self.data.train)
-        if self.step == 0 and self.step < target:
-            self.evaluate()  # baseline: the loss of the untrained model
+        if self.step == 0 and self.step < target and eval_every:
+            self.evaluate()  # baseline: the loss of the untrained model (eval_every: 0 skips it)
         loss_sum = torch.zeros((), device=self.device)  # fp32, summed on device between logs
         loss_sum.fill_(self._restored_window[0])  # exact: an fp32 value read back as a float
         self._loss_sum, self._micro_since_log = loss_sum, self._restored_window[1]

@@ -125,9 +125,9 @@ def _count_host_syncs(monkeypatch, tmp_path, accumulation: int) -> int:
 def test_no_host_sync_per_micro_batch(monkeypatch, tmp_path):
     one = _count_host_syncs(monkeypatch, tmp_path, 1)
     four = _count_host_syncs(monkeypatch, tmp_path, 4)
-    # 2 log steps x one read of (loss, grad norm) + 2 evals (baseline and final), whatever the
-    # number of micro-batches: one host sync per log interval.
-    assert one == four == 4
+    # 2 log steps x one read of (loss, grad norm) + the final eval (eval_every: 0 skips the
+    # baseline), whatever the number of micro-batches: one host sync per log interval.
+    assert one == four == 3
 
 
 def test_precision_resolution_on_cpu(caplog):
@@ -242,6 +242,12 @@ def test_callbacks_hooks_and_metrics_file(tmp_path):
     recs = [r for r in read_metrics(result.metrics_path) if r["event"] == "train_step"]
     for key in ("loss", "lr", "grad_norm", "tokens_per_sec", "samples_per_sec", "memory_bytes"):
         assert all(r[key] is not None for r in recs), key
+    # eval_every: 0 evaluates only after the last step (no baseline, as the key's doc says).
+    only_end = []
+    cfg0 = tiny_config(tmp_path, name="only-end", run={"max_steps": 3, "eval_every": 0})
+    train_from_config(cfg0, model=TinyLM(), data=FixedData(), plot=False,
+                      hooks=[lambda e, p: only_end.append((e, p.get("step")))])
+    assert [s for e, s in only_end if e == "eval"] == [3]
     # The callback state travels through the checkpoint.
     cb2 = Recorder()
     cfg2 = tiny_config(tmp_path, run={"max_steps": 5, "eval_every": 2})

@@ -102,7 +102,8 @@ class RunConfig:
     than on an idle machine (64 s vs 7 s per 50 steps) because OpenMP threads wait on each other;
     1 thread degrades gracefully there."""
     eval_every: int = 100
-    """Evaluate on the held-out split every N optimizer steps (0 = only at the end)."""
+    """Evaluate on the held-out split before the first step and every N optimizer steps, and
+    always after the last (0 = only after the last)."""
     eval_batches: int = 8
     """Number of held-out micro-batches per evaluation (the same batches every time)."""
 

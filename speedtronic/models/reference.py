@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .. import cpu_kernels
 from ..config import ConfigError, ModelConfig
 
 __all__ = ["ReferenceTransformer", "RMSNorm", "apply_rope", "rope_tables", "swiglu_hidden"]
@@ -75,6 +76,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., C) -> (..., C)
+        if cpu_kernels.usable(x, self.weight):  # one fused pass each way (cpu_kernels.py)
+            return cpu_kernels.rms_norm(x, self.weight, self.eps)
         if (x.device.type == "cpu" and x.dtype == torch.float32
                 and self.weight.dtype == torch.float32 and not torch.compiler.is_compiling()):
             return _RMSNormCPU.apply(x, self.weight, self.eps)[0]
@@ -90,12 +93,14 @@ class _RMSNormCPU(torch.autograd.Function):
 
     On CPU, torch 2.13's ``F.rms_norm`` is composite (pow, mean, add, rsqrt, two muls, and
     autograd through each of them); this does one reduction for the mean square and computes
-    ``dx = rstd * (g*w - xhat * mean(g*w * xhat))`` directly: 813 -> 697 us forward + backward at
+    ``dx = rstd * (g*w - xhat * mean(g*w * xhat))`` directly: 831 -> 559 us forward + backward at
     (8, 128, 128) on one thread (``benchmarks/results/cpu_layers.md``), nine norms per step of
-    the reference model. Returns ``(y, xhat, rstd)``; the last two are non-differentiable
-    outputs, so that the ``setup_context`` form (which ``torch.func`` needs) can save them.
-    With ``create_graph=True`` the backward recomputes ``rstd`` from ``x`` with differentiable
-    ops, so gradient penalties (double backward) stay exact.
+    the reference model. The fused kernel of :mod:`speedtronic.cpu_kernels` (231 us) replaces
+    it where that is built and usable; this is the path otherwise. Returns ``(y, xhat, rstd)``;
+    the last two are non-differentiable outputs, so that the ``setup_context`` form (which
+    ``torch.func`` needs) can save them. With ``create_graph=True`` the backward recomputes
+    ``rstd`` from ``x`` with differentiable ops, so gradient penalties (double backward) stay
+    exact.
     """
 
     generate_vmap_rule = True
@@ -165,7 +170,7 @@ def _rotate(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -
     ``[x2, x1]`` is ``roll(x, hd/2)``, whose backward is one more roll; a ``cat`` of two slices
     costs a zero-fill and a copy per slice in the backward. Forward + backward for q at
     (8, 4, 128, 32) on one CPU thread: textbook form (four half-width muls, a sub, an add and a
-    cat) 642 us, three passes with a cat swap 555 us, with roll 406 us
+    cat) 568 us, three passes with a cat swap 476 us, with roll 380 us
     (``benchmarks/results/cpu_layers.md``); on a GPU it is 3 kernels instead of 7.
     """
     swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)  # (B, H, T, hd): [x2, x1]
@@ -225,7 +230,10 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, hidden) each
+        if cpu_kernels.usable(gate, up):  # fp32 eager CPU: one fused pass each way
+            return self.down_proj(cpu_kernels.swiglu(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):

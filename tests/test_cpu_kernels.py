@@ -1,0 +1,268 @@
+"""The fused CPU kernels (speedtronic.cpu_kernels, csrc/cpu/fused_cpu.cpp): numerics against
+float64 references, the gate that decides when they run, and the setup.py build that makes them.
+
+The library is built by every ``pip install -e .`` with a working C++ compiler, so CI (README
+command 2) always has it: there a missing library is a failure, elsewhere the kernel tests skip.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from speedtronic import cpu_kernels as ck
+from speedtronic.config import ModelConfig
+from speedtronic.models import reference as ref
+from speedtronic.models.loss import extract_loss
+
+REPO = Path(__file__).resolve().parent.parent
+BUILT = ck.status().loaded
+
+needs_lib = pytest.mark.skipif(not BUILT, reason=f"cpu kernels not built: {ck.status().reason}")
+
+
+def test_ci_builds_the_library():
+    if os.environ.get("CI", "").lower() not in ("1", "true"):
+        pytest.skip("outside CI a machine without a C++ compiler may lack the library")
+    assert BUILT, ck.status().line()
+
+
+# ---------------------------------------------------------------------------------- numerics
+@needs_lib
+@pytest.mark.parametrize("shape", [(3, 5, 7), (1, 1), (2, 17), (8, 128, 384), (4, 33)])
+@pytest.mark.parametrize("scale", [1.0, 12.0])
+def test_swiglu_matches_float64_forward_and_backward(shape, scale):
+    torch.manual_seed(0)
+    gate = (torch.randn(shape) * scale).requires_grad_()
+    up = torch.randn(shape).requires_grad_()
+    assert ck.usable(gate, up)
+    out = ck.swiglu(gate, up)
+    grad = torch.randn(shape)
+    g_gate, g_up = torch.autograd.grad(out, (gate, up), grad)
+
+    gate64 = gate.detach().double().requires_grad_()
+    up64 = up.detach().double().requires_grad_()
+    out64 = F.silu(gate64) * up64
+    r_gate, r_up = torch.autograd.grad(out64, (gate64, up64), grad.double())
+    # fp32 kernels against float64: a few ulps of each term, like torch's own fp32 ops.
+    for got, want in ((out, out64), (g_gate, r_gate), (g_up, r_up)):
+        torch.testing.assert_close(got.double(), want, rtol=2e-6,
+                                   atol=2e-6 * want.abs().max().item())
+
+
+@needs_lib
+def test_swiglu_saturates_like_silu_and_keeps_nan():
+    gate = torch.tensor([-200.0, -90.0, -30.0, 0.0, 30.0, 90.0, 200.0, float("nan")])
+    up = torch.full_like(gate, 1.5)
+    out = ck.swiglu(gate, up)
+    want = F.silu(gate.double()) * 1.5
+    finite = ~gate.isnan()
+    torch.testing.assert_close(out[finite].double(), want[finite], rtol=1e-6, atol=1e-30)
+    assert out[~finite].isnan().all()
+
+
+@needs_lib
+@pytest.mark.parametrize("shape", [(3, 5, 7), (2, 1), (130, 128), (8, 128, 128), (65, 48)])
+def test_rms_norm_matches_float64_forward_and_backward(shape):
+    torch.manual_seed(1)
+    x = (torch.randn(shape) * 3).requires_grad_()
+    w = (torch.rand(shape[-1]) + 0.5).requires_grad_()
+    out = ck.rms_norm(x, w, 1e-5)
+    grad = torch.randn(shape)
+    g_x, g_w = torch.autograd.grad(out, (x, w), grad)
+
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_()
+    out64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w64
+    r_x, r_w = torch.autograd.grad(out64, (x64, w64), grad.double())
+    for got, want in ((out, out64), (g_x, r_x), (g_w, r_w)):
+        # atol at the inputs' scale: with one column dx is 0 up to cancellation (~1e-9 in fp32).
+        scale = max(1.0, want.abs().max().item())
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=2e-6 * scale)
+
+
+@needs_lib
+def test_rms_norm_without_weight_grad_and_zero_rows():
+    x = torch.zeros(4, 8, requires_grad=True)
+    x.data[1] = torch.arange(8.0)
+    w = torch.ones(8)  # no grad wanted
+    out = ck.rms_norm(x, w, 1e-5)
+    assert out[0].eq(0).all()  # a zero row stays zero (eps keeps rstd finite)
+    (g_x,) = torch.autograd.grad(out.sum(), (x,))
+    assert torch.isfinite(g_x).all()
+
+
+@needs_lib
+def test_double_backward_uses_differentiable_ops():
+    x = torch.randn(3, 6, dtype=torch.float32, requires_grad=True)
+    w = torch.rand(6).add_(0.5).requires_grad_()
+    gate = torch.randn(3, 6, requires_grad=True)
+    up = torch.randn(3, 6, requires_grad=True)
+
+    def penalty(norm, act):
+        y = norm(x, w) * act(gate, up)
+        (gx, gg) = torch.autograd.grad(y.sin().sum(), (x, gate), create_graph=True)
+        return torch.autograd.grad(gx.pow(2).sum() + gg.pow(2).sum(), (x, w, gate, up))
+
+    got = penalty(lambda a, b: ck.rms_norm(a, b, 1e-5), ck.swiglu)
+    want = penalty(lambda a, b: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-5) * b,
+                   lambda g, u: F.silu(g) * u)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------- gate
+@needs_lib
+def test_gate_refuses_what_the_kernels_do_not_handle(monkeypatch):
+    t = torch.randn(4, 8)
+    assert ck.usable(t, t)
+    assert not ck.usable(t.double(), t.double())
+    assert not ck.usable(t.bfloat16(), t.bfloat16())
+    assert not ck.usable(t.t(), t.t())  # not contiguous
+    assert not ck.usable(torch.empty(0, 8), torch.empty(0, 8))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not ck.usable(t, t)
+
+
+@needs_lib
+def test_gate_is_off_above_max_threads_and_the_line_says_so():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(ck.MAX_THREADS + 1)
+        t = torch.randn(4, 8)
+        assert not ck.usable(t, t)
+        assert "idle" in ck.status().line() and "single-threaded" in ck.status().line()
+        torch.set_num_threads(1)
+        assert ck.usable(t, t)
+        assert ck.status().line().startswith("cpu kernels: loaded (")
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_env_switch_turns_them_off(monkeypatch):
+    monkeypatch.setattr(ck, "_status", None)
+    monkeypatch.setenv(ck.ENV, "0")
+    st = ck.status()
+    assert not st.loaded and st.line() == f"cpu kernels: off ({ck.ENV}=0)"
+    assert not ck.usable(torch.randn(2, 2), torch.randn(2, 2))
+
+
+def test_missing_library_falls_back_with_a_reason(monkeypatch):
+    monkeypatch.setattr(ck, "_status", None)
+    monkeypatch.delenv(ck.ENV, raising=False)
+    monkeypatch.setattr(ck, "_find_library", lambda: None)
+    st = ck.status()
+    assert not st.loaded and "not built" in st.reason and "C++ compiler" in st.reason
+    t = torch.randn(2, 4, 8)
+    norm = ref.RMSNorm(8)
+    assert "RMSNormCPU" in type(norm(t.requires_grad_()).grad_fn).__name__  # torch path
+
+
+def test_stale_library_is_refused(monkeypatch, tmp_path):
+    """A library whose ABI number differs from the package's is not called."""
+    monkeypatch.setattr(ck, "_status", None)
+    monkeypatch.delenv(ck.ENV, raising=False)
+    monkeypatch.setattr(ck, "ABI", ck.ABI + 1)
+    if not BUILT:
+        pytest.skip("needs the built library")
+    st = ck.status()
+    assert not st.loaded and "ABI" in st.reason and "reinstall" in st.reason
+
+
+# ---------------------------------------------------------------------------- in the model
+def _model_grads(monkeypatch, on: bool, checkpointing: bool = False):
+    monkeypatch.setattr(ck, "_status", None)
+    monkeypatch.setenv(ck.ENV, "1" if on else "0")
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, max_seq_len=32, n_layer=2, n_head=4, n_kv_head=2,
+                      d_model=32, gradient_checkpointing=checkpointing)
+    model = ref.build_reference_transformer(cfg)
+    x = torch.randint(0, 64, (2, 32))
+    loss = extract_loss(model(x, x))
+    loss.backward()
+    kinds = {type(fn).__name__ for fn in _grad_fns(loss)}
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, kinds
+
+
+def _grad_fns(t: torch.Tensor) -> list:
+    seen, out, todo = set(), [], [t.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        out.append(fn)
+        todo.extend(f for f, _ in fn.next_functions)
+    return out
+
+
+@needs_lib
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_reference_model_matches_the_torch_ops(monkeypatch, checkpointing):
+    loss_on, grads_on, kinds_on = _model_grads(monkeypatch, True, checkpointing)
+    loss_off, grads_off, kinds_off = _model_grads(monkeypatch, False, checkpointing)
+    if not checkpointing:  # the fused Functions really ran (and not with the switch off)
+        assert {"_SwiGLUBackward", "_RMSNormBackward"} <= kinds_on
+        assert not {"_SwiGLUBackward", "_RMSNormBackward"} & kinds_off
+    torch.testing.assert_close(loss_on, loss_off, rtol=1e-6, atol=1e-6)
+    for name, g in grads_off.items():
+        torch.testing.assert_close(grads_on[name], g, rtol=1e-4, atol=1e-6 * g.abs().max().item(),
+                                   msg=name)
+
+
+@needs_lib
+def test_torch_func_transforms_take_the_torch_path():
+    norm = ref.RMSNorm(8)
+    x = torch.randn(3, 4, 8)
+    # vmap wraps the tensors: the gate must refuse them (ctypes would read the wrong memory).
+    got = torch.func.vmap(norm)(x)
+    torch.testing.assert_close(got, norm(x))
+    g = torch.func.grad(lambda a: norm(a).sin().sum())(x)
+    a = x.clone().requires_grad_()
+    torch.testing.assert_close(g, torch.autograd.grad(norm(a).sin().sum(), a)[0])
+
+
+# ------------------------------------------------------------------------------- the build
+def _build(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    run_env = dict(os.environ, SPEEDTRONIC_CUDA="0", **env)
+    return subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(tmp_path / "lib"),
+         "--build-temp", str(tmp_path / "tmp")],
+        cwd=REPO, env=run_env, capture_output=True, text=True, timeout=300)
+
+
+def test_setup_builds_a_loadable_library(tmp_path):
+    out = _build(tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    libs = list((tmp_path / "lib" / "speedtronic").glob("_cpu_kernels*"))
+    if not libs:
+        pytest.skip(f"no working C++ compiler here: {out.stderr[-500:]}")
+    import ctypes
+
+    lib = ctypes.CDLL(str(libs[0]))
+    lib.speedtronic_cpu_abi.restype = ctypes.c_int32
+    assert lib.speedtronic_cpu_abi() == ck.ABI
+
+
+def test_setup_survives_a_broken_compiler(tmp_path):
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'no compiler here' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    out = _build(tmp_path, CC=str(broken), CXX=str(broken), LDSHARED=f"{broken} -shared",
+                 LDCXXSHARED=f"{broken} -shared")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "speedtronic: CPU kernels: not built" in out.stderr
+    assert not list((tmp_path / "lib").rglob("_cpu_kernels*"))
+
+
+def test_setup_skip_switch(tmp_path):
+    out = _build(tmp_path, SPEEDTRONIC_CPU_KERNELS="0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "CPU kernels: skipped (SPEEDTRONIC_CPU_KERNELS=0)" in out.stderr
+    assert not list((tmp_path / "lib").rglob("_cpu_kernels*"))
