@@ -113,6 +113,11 @@ lt = torch.ops.speedtronic_debug.cublaslt_status()
 assert lt == "ok", f"poly_lt cannot bind torch's cuBLASLt: {lt}"
 print("ci[cuda]: poly_lt binds torch's cuBLASLt")
 print(f"ci[cuda]: all {len(ops.CUDA_KERNEL_OPS)} kernel ops are registered; arches {st.so_arches}")
+# The same build (torch's BuildExtension) also compiles the torch-free CPU kernel library.
+import speedtronic.cpu_kernels as cpu_kernels
+
+assert cpu_kernels.status().loaded, cpu_kernels.status().line()
+print("ci[cuda]:", cpu_kernels.status().line())
 EOF
 )
 echo "ci[cuda]: passed"

@@ -217,6 +217,21 @@ def test_reference_model_matches_the_torch_ops(monkeypatch, checkpointing):
 
 
 @needs_lib
+def test_inference_mode_and_jit_trace():
+    norm = ref.RMSNorm(8)
+    mlp = ref.SwiGLU(8, 24)
+    x = torch.randn(2, 3, 8)
+    with torch.inference_mode():
+        got = mlp(norm(x))
+    with torch.no_grad():
+        want = mlp(norm(x))
+    torch.testing.assert_close(got, want)
+    # A trace records the Functions as Python ops and replays them: new inputs, right outputs.
+    traced = torch.jit.trace(torch.nn.Sequential(norm, mlp), (x,))
+    torch.testing.assert_close(traced(x * 2), mlp(norm(x * 2)))
+
+
+@needs_lib
 def test_torch_func_transforms_take_the_torch_path():
     norm = ref.RMSNorm(8)
     x = torch.randn(3, 4, 8)
