@@ -155,9 +155,11 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` with the fused kernel; call only when ``usable(gate, up)``."""
+    """``silu(gate) * up``: the fused kernel when :func:`usable`, else torch's ops."""
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+    if not usable(gate, up):
+        return torch.nn.functional.silu(gate) * up
     return _SwiGLU.apply(gate, up)
 
 
@@ -198,8 +200,11 @@ class _RMSNorm(torch.autograd.Function):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim with the fused kernel; call only when ``usable(x, weight)``."""
-    if weight.shape != (x.shape[-1],):
+    """RMSNorm over the last dim: the fused kernel when :func:`usable`, else torch's ops."""
+    if x.dim() == 0 or weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match the last dim "
                          f"of x {tuple(x.shape)}")
+    if not usable(x, weight):
+        xf = x.float()  # mean square in fp32 whatever the activation dtype
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
     return _RMSNorm.apply(x, weight, eps)

@@ -145,6 +145,21 @@ def test_gate_is_off_above_max_threads_and_the_line_says_so():
         torch.set_num_threads(before)
 
 
+def test_public_functions_fall_back_when_not_usable(monkeypatch):
+    """swiglu / rms_norm are safe to call anywhere: without the kernels (or on tensors they do
+    not take) they compute the same thing with torch's ops."""
+    monkeypatch.setattr(ck, "_status", None)
+    monkeypatch.setenv(ck.ENV, "0")
+    g, u = torch.randn(3, 8, dtype=torch.float64), torch.randn(3, 8, dtype=torch.float64)
+    torch.testing.assert_close(ck.swiglu(g, u), F.silu(g) * u)
+    w = torch.rand(8, dtype=torch.float64)
+    torch.testing.assert_close(ck.rms_norm(g, w, 1e-5), F.rms_norm(g, (8,), w, 1e-5))
+    with pytest.raises(ValueError, match="differ"):
+        ck.swiglu(g, u[:, :4])
+    with pytest.raises(ValueError, match="last dim"):
+        ck.rms_norm(g, w[:4], 1e-5)
+
+
 def test_env_switch_turns_them_off(monkeypatch):
     monkeypatch.setattr(ck, "_status", None)
     monkeypatch.setenv(ck.ENV, "0")

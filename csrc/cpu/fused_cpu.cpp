@@ -52,7 +52,8 @@ inline float exp_approx(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  // A nan x leaves n nan: cast 0 instead (float -> int of nan is undefined); p is nan anyway.
+  const int32_t bits = (static_cast<int32_t>(n == n ? n : 0.0f) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
