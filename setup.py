@@ -57,9 +57,13 @@ def cpu_extension() -> list[Extension]:
         _say_cpu(f"skipped ({CPU_SOURCE} is missing; an incomplete sdist?)")
         return []
     # No -ffast-math: the kernels keep inf/nan semantics and a fixed summation order.
-    flags = [] if sys.platform == "win32" else ["-O3", "-fno-math-errno", "-fvisibility=hidden"]
+    # -std=c++17 pinned: torch's BuildExtension (the CUDA path) would otherwise add its own.
+    flags = ([] if sys.platform == "win32"
+             else ["-O3", "-std=c++17", "-fno-math-errno", "-fvisibility=hidden"])
+    # py_limited_api: the library uses no Python API at all, so one binary (_cpu_kernels.abi3.so)
+    # serves every Python version; see ABI3_WHEEL below.
     return [Extension(CPU_EXTENSION, sources=[CPU_SOURCE], language="c++",
-                      extra_compile_args=flags)]
+                      extra_compile_args=flags, py_limited_api=True)]
 
 
 class _OptionalCpuKernels:
@@ -236,4 +240,8 @@ def extension_modules() -> tuple[list, dict]:
 
 
 ext_modules, cmdclass = extension_modules()
-setup(ext_modules=ext_modules, cmdclass=cmdclass)
+#: With only the CPU library to build, the wheel is tagged cp310-abi3 (one wheel for every
+#: Python >= 3.10 on the platform); the CUDA extension is tied to one Python version.
+ABI3_WHEEL = bool(ext_modules) and all(e.name == CPU_EXTENSION for e in ext_modules)
+setup(ext_modules=ext_modules, cmdclass=cmdclass,
+      options={"bdist_wheel": {"py_limited_api": "cp310"}} if ABI3_WHEEL else {})

@@ -84,8 +84,10 @@ def _load() -> CpuKernelStatus:
         return CpuKernelStatus(False, f"{ENV}=0")
     path = _find_library()
     if path is None:
-        return CpuKernelStatus(False, "not built (needs a C++ compiler at install time; "
-                                      "reinstall with pip install -e . to build it)")
+        return CpuKernelStatus(False, "not built at install time (no working C++ compiler then, "
+                                      f"or {ENV}=0); to build it: pip install --no-cache-dir "
+                                      "--force-reinstall --no-deps speedtronic, or pip install "
+                                      "-e . in a checkout")
     try:
         lib = ctypes.CDLL(path)
         lib.speedtronic_cpu_abi.restype = ctypes.c_int32

@@ -163,6 +163,9 @@ def test_setup_without_cuda_builds_pure_python(monkeypatch, capsys):
     mod, calls = _setup_module(monkeypatch)
     # Only the torch-free CPU kernel library (tests/test_cpu_kernels.py builds it for real).
     assert calls and [e.name for e in calls[0]["ext_modules"]] == [mod.CPU_EXTENSION]
+    # It uses no Python API: one cp310-abi3 wheel serves every Python version.
+    assert calls[0]["ext_modules"][0].py_limited_api
+    assert calls[0]["options"] == {"bdist_wheel": {"py_limited_api": "cp310"}}
     assert "skipped" in capsys.readouterr().err
     monkeypatch.setenv("SPEEDTRONIC_CUDA", "0")
     monkeypatch.setenv("SPEEDTRONIC_CPU_KERNELS", "0")
