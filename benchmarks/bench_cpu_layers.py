@@ -7,6 +7,9 @@
 * The short-run YAML's model (benchmarks/bench_short_run.py), forward + backward at batch 8,
   with the fused kernels off and on, at 1 and 2 threads (the kernels are single-threaded: the
   2-thread row is why ``cpu_kernels.MAX_THREADS`` is 2).
+* The same kernels built as their AVX2 copy alone (``-mavx2 -mfma -DST_SINGLE_COPY``) against
+  torch and MKL held to AVX2 (a child process with ``ATEN_CPU_CAPABILITY=avx2`` and
+  ``MKL_ENABLE_INSTRUCTIONS=AVX2``): what a CPU without AVX-512 runs, measured on this one.
 * RoPE: the textbook half-split rotation (four half-width muls, a sub, an add, a cat), and the
   three-pass form with its ``[x2, x1]`` swap built by a ``cat`` of two slices, against the
   model's ``_rotate`` (the swap is a ``roll``), for q (8, 4, 128, 32) and k (8, 2, 128, 32) laid
@@ -21,9 +24,15 @@ here.
 
 from __future__ import annotations
 
+import ctypes
 import json
+import os
 import platform
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,6 +77,33 @@ def _kernels(on: bool, fn: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
+def _avx2_library() -> ctypes.CDLL | None:
+    """The kernels built as their AVX2 copy alone (what a CPU without AVX-512 runs), or None."""
+    cxx = shutil.which(os.environ.get("CXX", "g++"))
+    if cxx is None:
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="st-avx2-"))
+    lib = folder / "fused_cpu_avx2.so"
+    src = Path(__file__).resolve().parent.parent / "csrc" / "cpu" / "fused_cpu.cpp"
+    subprocess.run([cxx, "-O3", "-std=c++17", "-fno-math-errno", "-fno-trapping-math",
+                    "-fPIC", "-shared", "-mavx2", "-mfma", "-DST_SINGLE_COPY", str(src), "-o",
+                    str(lib)], check=True)
+    out = ctypes.CDLL(str(lib))
+    cpu_kernels.bind(out)
+    return out
+
+
+def _with_library(lib: ctypes.CDLL, fn: Callable[[], None]) -> Callable[[], None]:
+    """``fn`` with the kernels' calls going to ``lib``."""
+    def run() -> None:
+        saved, cpu_kernels._lib = cpu_kernels._lib, lib
+        try:
+            fn()
+        finally:
+            cpu_kernels._lib = saved
+    return run
+
+
 def _model_step() -> Callable[[], None]:
     """Forward + backward of the short-run YAML's model on one batch of 8 x 128 tokens."""
     cfg = ModelConfig(vocab_size=256, max_seq_len=128, n_layer=4, n_head=4, n_kv_head=2,
@@ -81,13 +117,32 @@ def _model_step() -> Callable[[], None]:
     return step
 
 
-def cases() -> dict[str, Case]:
-    """name -> (what "before" is, before, after, threads), each one forward + backward."""
+def cases(avx2_child: bool = False) -> dict[str, Case]:
+    """name -> (what "before" is, before, after, threads), each one forward + backward.
+
+    ``avx2_child``: only the AVX2-copy rows (run in a child process held to AVX2)."""
     torch.manual_seed(0)
     out: dict[str, Case] = {}
     x = torch.randn(8, 128, 128, requires_grad=True)
     g = torch.randn(8, 128, 128)
     norm = ref.RMSNorm(128)
+    gate = torch.randn(8, 128, 384, requires_grad=True)
+    up = torch.randn(8, 128, 384, requires_grad=True)
+    gh = torch.randn(8, 128, 384)
+    if avx2_child:
+        avx2 = _avx2_library()
+        step = _model_step()
+        if avx2 is None:
+            return out
+        out["SwiGLU (8, 128, 384), fused kernel, AVX2 copy"] = (
+            "`silu(gate) * up`", lambda: (F.silu(gate) * up).backward(gh),
+            _with_library(avx2, lambda: cpu_kernels.swiglu(gate, up).backward(gh)), 1)
+        out["RMSNorm (8, 128, 128), fused kernel, AVX2 copy"] = (
+            "torch-ops path", _kernels(False, lambda: norm(x).backward(g)),
+            _with_library(avx2, _kernels(True, lambda: norm(x).backward(g))), 1)
+        out["short-run model, 1 thread(s), fused kernels, AVX2 copy"] = (
+            "kernels off", _kernels(False, step), _with_library(avx2, _kernels(True, step)), 1)
+        return out
     out["RMSNorm (8, 128, 128)"] = (
         "`F.rms_norm`", lambda: F.rms_norm(x, (128,), norm.weight, norm.eps).backward(g),
         _kernels(False, lambda: norm(x).backward(g)), 1)
@@ -95,9 +150,6 @@ def cases() -> dict[str, Case]:
         out["RMSNorm (8, 128, 128), fused kernel"] = (
             "torch-ops path", _kernels(False, lambda: norm(x).backward(g)),
             _kernels(True, lambda: norm(x).backward(g)), 1)
-        gate = torch.randn(8, 128, 384, requires_grad=True)
-        up = torch.randn(8, 128, 384, requires_grad=True)
-        gh = torch.randn(8, 128, 384)
         out["SwiGLU (8, 128, 384), fused kernel"] = (
             "`silu(gate) * up`", lambda: (F.silu(gate) * up).backward(gh),
             lambda: cpu_kernels.swiglu(gate, up).backward(gh), 1)
@@ -119,12 +171,10 @@ def cases() -> dict[str, Case]:
     return out
 
 
-def main() -> None:
-    from bench_data import cpu_flags  # this folder is sys.path[0] when run as a script
-
-    rounds, calls = 9, 50
+def measure(chosen: dict[str, Case], rounds: int, calls: int) -> dict[str, dict]:
+    """Interleaved rounds of before / after per case; medians in microseconds."""
     results = {}
-    for name, (what, before, after, threads) in cases().items():
+    for name, (what, before, after, threads) in chosen.items():
         torch.set_num_threads(threads)
         n = calls if "model" not in name else 5
         times: dict[str, list[float]] = {"before": [], "after": []}
@@ -140,7 +190,27 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in times.items()}
         results[name] = {"before": what, "before_us": med["before"], "after_us": med["after"],
                          "ratio": med["after"] / med["before"]}
-        print(f"{name}: {med['before']:.0f} -> {med['after']:.0f} us", flush=True)
+        print(f"{name}: {med['before']:.0f} -> {med['after']:.0f} us", file=sys.stderr,
+              flush=True)
+    return results
+
+
+def main() -> None:
+    from bench_data import cpu_flags  # this folder is sys.path[0] when run as a script
+
+    rounds, calls = 9, 50
+    if "--avx2-child" in sys.argv:
+        print(json.dumps(measure(cases(avx2_child=True), rounds, calls)))
+        return
+    results = measure(cases(), rounds, calls)
+    if cpu_kernels.status().loaded and shutil.which(os.environ.get("CXX", "g++")):
+        # torch's own kernels dispatch on the CPU too: hold torch and MKL to AVX2 in a child.
+        env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2", MKL_ENABLE_INSTRUCTIONS="AVX2",
+                   OMP_NUM_THREADS="1")
+        child = subprocess.run([sys.executable, __file__, "--avx2-child"], env=env, check=True,
+                               capture_output=True, text=True)
+        print(child.stderr, file=sys.stderr, end="")
+        results.update(json.loads(child.stdout))
     meta = {"command": "python benchmarks/bench_cpu_layers.py", "cpu": cpu_flags(),
             "torch": torch.__version__, "python": platform.python_version(),
             "date": time.strftime("%Y-%m-%d %H:%M"), "threads": "1 unless the case says",
@@ -163,7 +233,11 @@ def main() -> None:
               "SwiGLU: torch ops against the fused kernel. RoPE: the textbook half-split form "
               "and the three-pass form with its swap as a `cat` of two slices, against "
               "`_rotate` (swap by `roll`). Model: the short-run YAML's model, forward + backward "
-              "of one 8 x 128 batch, kernels off against on."]
+              "of one 8 x 128 batch, kernels off against on. AVX2 copy: the kernels compiled "
+              "with `-mavx2 -mfma -DST_SINGLE_COPY`, the code a CPU without AVX-512 runs. "
+              "AVX2 rows run in a child process with torch and MKL held to AVX2 too "
+              "(`ATEN_CPU_CAPABILITY=avx2`, `MKL_ENABLE_INSTRUCTIONS=AVX2`): both sides as on "
+              "such a CPU."]
     (RESULTS / "cpu_layers.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

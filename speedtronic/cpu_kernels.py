@@ -4,7 +4,7 @@ The reference model spends a one-thread CPU step mostly in GEMMs (near the core'
 memory-bound elementwise passes over ``(B, T, hidden)`` tensors. torch runs SwiGLU as five such
 passes (silu and mul forward; mul, silu_backward and mul backward) and RMSNorm as about ten; the
 kernels in ``csrc/cpu/fused_cpu.cpp`` do one pass each way. On the short-run YAML's model
-(``benchmarks/bench_short_run.py``) forward + backward took 63.2 ms with torch's ops and 55.3 ms
+(``benchmarks/bench_short_run.py``) forward + backward took 64.4 ms with torch's ops and 55.8 ms
 with the kernels, on one thread (``benchmarks/results/cpu_layers.md``).
 
 The library includes no torch or Python header and is loaded with :mod:`ctypes`, so a plain
@@ -13,16 +13,19 @@ setup.py skips it when no C++ compiler works, and everything then runs the torch
 
 :func:`usable` is the single gate. The kernels run only where they are measured to win and are
 exact enough to be invisible: eager mode (under ``torch.compile`` inductor fuses these ops
-itself), plain contiguous fp32 CPU tensors (no functorch transform, no tensor subclass), and at
+itself), with nothing intercepting torch calls (fx tracing, dispatch or torch-function modes,
+functorch transforms, forward-mode AD), on plain contiguous fp32 CPU tensors, and at
 most :data:`MAX_THREADS` intra-op threads: the kernels are single-threaded, and with many
 threads torch's parallel elementwise ops overtake them. ``SPEEDTRONIC_CPU_KERNELS=0`` turns them
-off at run time. A backward with ``create_graph=True`` (double backward) uses differentiable
-torch ops instead, so higher-order gradients stay exact.
+off at run time. The backward re-checks what it is handed (saved-tensor hooks, compiled
+autograd, batched gradients) and otherwise, like a backward with ``create_graph=True``, uses
+differentiable torch ops, so higher-order gradients stay exact.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
 import importlib.util
 import os
 import threading
@@ -36,8 +39,8 @@ LIBRARY = "speedtronic._cpu_kernels"
 #: Must equal ``speedtronic_cpu_abi()`` in csrc/cpu/fused_cpu.cpp.
 ABI = 1
 #: Intra-op threads up to which the single-threaded kernels are used. The short-run model's
-#: forward + backward (cpu_layers.md, a 2-core machine): 1 thread 63.2 -> 55.3 ms, 2 threads
-#: 36.5 -> 34.7 ms. The gain shrinks as torch's elementwise ops parallelize; more threads were
+#: forward + backward (cpu_layers.md, a 2-core machine): 1 thread 64.4 -> 55.8 ms, 2 threads
+#: 38.3 -> 36.1 ms. The gain shrinks as torch's elementwise ops parallelize; more threads were
 #: not measurable here, so the kernels stay out of their way.
 MAX_THREADS = 2
 
@@ -71,17 +74,53 @@ _lib: Any = None
 
 
 def _find_library() -> str | None:
+    """The built library, preferring the ``.abi3`` name setup.py writes now: an older in-place
+    build under the version-specific name would otherwise shadow it (it sorts first in
+    ``EXTENSION_SUFFIXES``)."""
     try:
+        package = importlib.util.find_spec("speedtronic")
         spec = importlib.util.find_spec(LIBRARY)
     except (ImportError, ValueError):
         return None
+    name = LIBRARY.rpartition(".")[2]
+    suffixes = sorted(importlib.machinery.EXTENSION_SUFFIXES, key=lambda s: "abi3" not in s)
+    for folder in (package.submodule_search_locations or []) if package else []:
+        for suffix in suffixes:
+            path = os.path.join(folder, name + suffix)
+            if os.path.isfile(path):
+                return path
     return spec.origin if spec is not None else None
+
+
+def _switch() -> str | None:
+    """``SPEEDTRONIC_CPU_KERNELS``: None when on (unset, 1/true/yes/on), else why off."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return None
+    if value in ("0", "false", "no", "off"):
+        return f"{ENV}={value}"
+    return f"{ENV}={os.environ[ENV]!r} is not valid: use 1 (the default) or 0"
+
+
+def bind(lib: ctypes.CDLL) -> tuple[int, str]:
+    """Declare the library's C signatures; returns its (ABI number, instruction-set copy)."""
+    lib.speedtronic_cpu_abi.restype = ctypes.c_int32
+    lib.speedtronic_cpu_isa.restype = ctypes.c_char_p
+    lib.speedtronic_swiglu_fwd.argtypes = [_P, _P, _P, _N]
+    lib.speedtronic_swiglu_bwd.argtypes = [_P, _P, _P, _P, _P, _N]
+    lib.speedtronic_rmsnorm_fwd.argtypes = [_P, _P, _P, _P, _N, _N, ctypes.c_float]
+    lib.speedtronic_rmsnorm_bwd.argtypes = [_P, _P, _P, _P, _P, _P, _P, _N, _N]
+    for fn in ("speedtronic_swiglu_fwd", "speedtronic_swiglu_bwd",
+               "speedtronic_rmsnorm_fwd", "speedtronic_rmsnorm_bwd"):
+        getattr(lib, fn).restype = None
+    return lib.speedtronic_cpu_abi(), lib.speedtronic_cpu_isa().decode()
 
 
 def _load() -> CpuKernelStatus:
     global _lib
-    if os.environ.get(ENV, "").strip() == "0":
-        return CpuKernelStatus(False, f"{ENV}=0")
+    switched_off = _switch()
+    if switched_off is not None:
+        return CpuKernelStatus(False, switched_off)
     path = _find_library()
     if path is None:
         return CpuKernelStatus(False, "not built at install time (no working C++ compiler then, "
@@ -90,20 +129,10 @@ def _load() -> CpuKernelStatus:
                                       "-e . in a checkout")
     try:
         lib = ctypes.CDLL(path)
-        lib.speedtronic_cpu_abi.restype = ctypes.c_int32
-        lib.speedtronic_cpu_isa.restype = ctypes.c_char_p
-        abi = lib.speedtronic_cpu_abi()
+        abi, isa = bind(lib)
         if abi != ABI:
             return CpuKernelStatus(False, f"{path} has ABI {abi}, this package needs {ABI} "
                                           "(a stale build: reinstall)", path=path)
-        lib.speedtronic_swiglu_fwd.argtypes = [_P, _P, _P, _N]
-        lib.speedtronic_swiglu_bwd.argtypes = [_P, _P, _P, _P, _P, _N]
-        lib.speedtronic_rmsnorm_fwd.argtypes = [_P, _P, _P, _P, _N, _N, ctypes.c_float]
-        lib.speedtronic_rmsnorm_bwd.argtypes = [_P, _P, _P, _P, _P, _P, _P, _N, _N]
-        for fn in ("speedtronic_swiglu_fwd", "speedtronic_swiglu_bwd",
-                   "speedtronic_rmsnorm_fwd", "speedtronic_rmsnorm_bwd"):
-            getattr(lib, fn).restype = None
-        isa = lib.speedtronic_cpu_isa().decode()
     except (OSError, AttributeError) as exc:
         return CpuKernelStatus(False, f"loading {path} failed: {exc}", path=path)
     _lib = lib
@@ -121,36 +150,77 @@ def status() -> CpuKernelStatus:
 
 
 def _plain_fp32(t: torch.Tensor) -> bool:
-    return (t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous()
-            and type(t) in (torch.Tensor, torch.nn.Parameter)
-            and not torch._C._functorch.is_functorch_wrapped_tensor(t))
+    """A dense, contiguous fp32 CPU tensor whose data_ptr is its values, nothing lazier: no
+    subclass (FakeTensor, ...), no functorch or legacy-batched wrapper (vmap, batched grads), no
+    lazy negation or efficient-zero tensor."""
+    return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
+            and t.dtype == torch.float32 and t.layout == torch.strided and t.is_contiguous()
+            and not t.is_neg() and not t._is_zerotensor()
+            and not torch._C._functorch.is_functorch_wrapped_tensor(t)
+            and not torch._C._functorch.is_legacy_batchedtensor(t))
+
+
+#: fx.symbolic_trace in progress (newer torch warns that ``is_fx_tracing`` also covers export).
+_fx_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing",
+                      torch.fx._symbolic_trace.is_fx_tracing)
+
+
+def _plain_context() -> bool:
+    """Eager execution with nothing intercepting torch calls: not compiling (forward or compiled
+    autograd), tracing (fx), under a dispatch or torch-function mode (FakeTensorMode, a
+    ``torch.device`` context, ...), a functorch transform or forward-mode AD."""
+    return not (torch.compiler.is_compiling() or _fx_tracing()
+                or torch.utils._python_dispatch._get_current_dispatch_mode() is not None
+                or torch._C._len_torch_function_stack() > 0
+                or torch._C._are_functorch_transforms_active()
+                or torch.autograd.forward_ad._current_level >= 0)
 
 
 def usable(*tensors: torch.Tensor) -> bool:
     """True when the fused kernels may run on these tensors now (see the module docstring)."""
-    if torch.compiler.is_compiling() or torch.get_num_threads() > MAX_THREADS:
+    # is_compiling first: dynamo folds it to a constant, while tracing get_num_threads (or the
+    # other checks) would break the graph.
+    if torch.compiler.is_compiling():
         return False
-    if not status().loaded or torch._C._are_functorch_transforms_active():
+    if torch.get_num_threads() > MAX_THREADS or not _plain_context():
+        return False
+    if not status().loaded:
         return False
     return all(_plain_fp32(t) for t in tensors) and tensors[0].numel() > 0
+
+
+def _backward_ok(ctx: Any, *tensors: torch.Tensor) -> bool:
+    """The backward may call C: a plain first-order backward, and the saved tensors (a
+    saved-tensors hook may have changed them) and the gradient are still what the forward
+    checked, with the forward's shapes."""
+    return (not torch.is_grad_enabled() and _plain_context()
+            and all(_plain_fp32(t) and t.shape == ctx.shape for t in tensors))
+
+
+def _cpu_f32(shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32
+             ) -> torch.Tensor:
+    """A fresh contiguous CPU buffer, whatever the default device or dtype says."""
+    return torch.empty(shape, dtype=dtype, device="cpu")
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(gate)  # (..., hidden)
+        out = _cpu_f32(gate.shape)  # (..., hidden)
         _lib.speedtronic_swiglu_fwd(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel())
+        ctx.shape = gate.shape
         ctx.save_for_backward(gate, up)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         gate, up = ctx.saved_tensors
-        if torch.is_grad_enabled() or not _plain_fp32(grad_out := grad_out.contiguous()):
-            # create_graph=True (or an unusual gradient): differentiable torch ops.
+        grad_out = grad_out.contiguous()
+        if not _backward_ok(ctx, gate, up, grad_out):
+            # create_graph=True, compiled autograd, batched or hooked tensors: torch's ops.
             sig = torch.sigmoid(gate)
             return (grad_out * up * sig * (1 + gate * (1 - sig)), grad_out * gate * sig)
-        grad_gate, grad_up = torch.empty_like(gate), torch.empty_like(up)
+        grad_gate, grad_up = _cpu_f32(gate.shape), _cpu_f32(up.shape)
         _lib.speedtronic_swiglu_bwd(grad_out.data_ptr(), gate.data_ptr(), up.data_ptr(),
                                     grad_gate.data_ptr(), grad_up.data_ptr(), gate.numel())
         return grad_gate, grad_up
@@ -170,11 +240,11 @@ class _RMSNorm(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         c = x.shape[-1]
         rows = x.numel() // c
-        out = torch.empty_like(x)  # (..., C)
-        rstd = torch.empty(rows, dtype=torch.float32)  # (rows,)
+        out = _cpu_f32(x.shape)  # (..., C)
+        rstd = _cpu_f32((rows,))  # (rows,)
         _lib.speedtronic_rmsnorm_fwd(x.data_ptr(), weight.data_ptr(), out.data_ptr(),
                                      rstd.data_ptr(), rows, c, eps)
-        ctx.eps = eps
+        ctx.eps, ctx.shape, ctx.weight_shape = eps, x.shape, weight.shape
         ctx.save_for_backward(x, weight, rstd)
         return out
 
@@ -182,18 +252,21 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, rstd = ctx.saved_tensors
         c = x.shape[-1]
-        if torch.is_grad_enabled() or not _plain_fp32(grad_out := grad_out.contiguous()):
-            # create_graph=True (or an unusual gradient): rebuild rstd with differentiable ops.
+        grad_out = grad_out.contiguous()
+        if not (_backward_ok(ctx, x, grad_out) and _plain_fp32(weight) and _plain_fp32(rstd)
+                and weight.shape == ctx.weight_shape and rstd.numel() == x.numel() // c):
+            # create_graph=True, compiled autograd, batched or hooked tensors: rebuild rstd
+            # with differentiable torch ops.
             rstd_d = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)  # (..., 1)
             xhat = x * rstd_d
             grad_xhat = grad_out * weight
             grad_x = (grad_xhat - xhat * (grad_xhat * xhat).mean(-1, keepdim=True)) * rstd_d
             grad_w = (grad_out * xhat).reshape(-1, c).sum(0)
             return grad_x, grad_w, None
-        grad_x = torch.empty_like(x)
+        grad_x = _cpu_f32(x.shape)
         want_w = ctx.needs_input_grad[1]
-        grad_w64 = torch.empty(c, dtype=torch.float64) if want_w else None
-        scratch = torch.empty(2 * c, dtype=torch.float32)
+        grad_w64 = _cpu_f32((c,), torch.float64) if want_w else None
+        scratch = _cpu_f32((2 * c,))
         _lib.speedtronic_rmsnorm_bwd(grad_out.data_ptr(), x.data_ptr(), weight.data_ptr(),
                                      rstd.data_ptr(), grad_x.data_ptr(),
                                      grad_w64.data_ptr() if want_w else None,

@@ -58,13 +58,20 @@ def test_swiglu_matches_float64_forward_and_backward(shape, scale):
 
 @needs_lib
 def test_swiglu_saturates_like_silu_and_keeps_nan():
-    gate = torch.tensor([-200.0, -90.0, -30.0, 0.0, 30.0, 90.0, 200.0, float("nan")])
+    gate = torch.tensor([-3e38, -1e38, -1e30, -200.0, -90.0, -88.0, -30.0, 0.0, 30.0, 90.0,
+                         1e30, float("inf"), float("-inf"), float("nan")])
     up = torch.full_like(gate, 1.5)
     out = ck.swiglu(gate, up)
-    want = F.silu(gate.double()) * 1.5
-    finite = ~gate.isnan()
-    torch.testing.assert_close(out[finite].double(), want[finite], rtol=1e-6, atol=1e-30)
-    assert out[~finite].isnan().all()
+    want = F.silu(gate) * up  # torch's fp32 ops: exp overflows to inf, so silu(-1e38) is -0
+    finite = want.isfinite()
+    torch.testing.assert_close(out[finite], want[finite], rtol=1e-6, atol=2e-38)
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.isinf(), want.isinf())
+    g = gate.clone().requires_grad_()
+    (dg,) = torch.autograd.grad(ck.swiglu(g, up), g, torch.ones_like(up))
+    g2 = gate.clone().requires_grad_()
+    (want_dg,) = torch.autograd.grad(F.silu(g2) * up, g2, torch.ones_like(up))
+    ok = want_dg.isfinite()
+    torch.testing.assert_close(dg[ok], want_dg[ok], rtol=1e-6, atol=2e-38)
 
 
 @needs_lib
@@ -117,6 +124,97 @@ def test_double_backward_uses_differentiable_ops():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
+# ------------------------------------------------------------------ what the backward is handed
+class _CountingLib:
+    """Wraps the loaded library and counts calls into it."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.lib, name)
+
+        def call(*args):
+            self.calls.append(name)
+            return fn(*args)
+        return call
+
+
+@needs_lib
+@pytest.mark.parametrize("pack", ["half", "transpose"])
+def test_saved_tensor_hooks_cannot_make_the_kernel_misread(pack):
+    """A hook may hand the backward fp16 or non-contiguous tensors: it must not run C on them
+    (an fp16 buffer once took fp32 writes and corrupted the heap)."""
+    hooks = {"half": (lambda t: t.half(), lambda t: t),
+             "transpose": (lambda t: t.t().contiguous() if t.dim() == 2 else t,
+                           lambda t: t.t() if t.dim() == 2 else t)}[pack]
+    torch.manual_seed(3)
+    g = torch.randn(64, 40, requires_grad=True)
+    u = torch.randn(64, 40, requires_grad=True)
+    w = torch.rand(40).add_(0.5).requires_grad_()
+    grad = torch.randn(64, 40)
+
+    def run(fused):
+        with torch.autograd.graph.saved_tensors_hooks(*hooks):
+            if fused:
+                y = ck.rms_norm(ck.swiglu(g, u), w, 1e-5)
+            else:
+                h = F.silu(g) * u
+                y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+        return torch.autograd.grad(y, (g, u, w), grad)
+
+    for got, want in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@needs_lib
+def test_a_compiled_backward_takes_the_torch_path(monkeypatch):
+    """Compiled autograd traces the backward with dynamo: no C call may happen there."""
+    x = torch.randn(4, 16, requires_grad=True)
+    w = torch.rand(16).add_(0.5).requires_grad_()
+    y = ck.rms_norm(x, w, 1e-5) * ck.swiglu(x, x)
+    spy = _CountingLib(ck._lib)
+    monkeypatch.setattr(ck, "_lib", spy)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    got = torch.autograd.grad(y.sum(), (x, w))
+    monkeypatch.undo()
+    assert spy.calls == []
+    x2, w2 = x.detach().requires_grad_(), w.detach().requires_grad_()
+    h = x2 * torch.rsqrt(x2.pow(2).mean(-1, keepdim=True) + 1e-5) * w2
+    want = torch.autograd.grad((h * F.silu(x2) * x2).sum(), (x2, w2))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@needs_lib
+def test_modes_and_lazy_tensors_take_the_torch_path():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    norm = ref.RMSNorm(16)
+    mlp = ref.SwiGLU(16, 24)
+    x = torch.randn(2, 4, 16)
+    want = mlp(norm(x))
+    with torch.device("meta"):  # a default-device context: buffers must not land on meta
+        torch.testing.assert_close(mlp(norm(x)), want)
+    with FakeTensorMode(allow_non_fake_inputs=True):  # fake buffers have no data
+        assert mlp(norm(x)).shape == want.shape
+    neg = torch._neg_view(x)  # lazy negation: data_ptr holds -x
+    torch.testing.assert_close(norm(neg), norm(-x))
+    gm = torch.fx.symbolic_trace(mlp)
+    torch.testing.assert_close(gm(x), mlp(x))
+    import torch.autograd.forward_ad as fwad
+
+    with fwad.dual_level():
+        out = mlp(fwad.make_dual(x, torch.ones_like(x)))
+        assert fwad.unpack_dual(out).tangent is not None
+    # Batched gradients (is_grads_batched) reach the backward as legacy batched tensors.
+    jac = torch.autograd.functional.jacobian(lambda a: ck.rms_norm(a, norm.weight, 1e-5), x[0, :2],
+                                             vectorize=True)
+    jac_ref = torch.autograd.functional.jacobian(
+        lambda a: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight, x[0, :2])
+    torch.testing.assert_close(jac, jac_ref, rtol=1e-5, atol=1e-6)
+
+
 # ------------------------------------------------------------------------------------- gate
 @needs_lib
 def test_gate_refuses_what_the_kernels_do_not_handle(monkeypatch):
@@ -160,12 +258,34 @@ def test_public_functions_fall_back_when_not_usable(monkeypatch):
         ck.rms_norm(g, w[:4], 1e-5)
 
 
-def test_env_switch_turns_them_off(monkeypatch):
+@pytest.mark.parametrize("value", ["0", "off", "False", "no"])
+def test_env_switch_turns_them_off(monkeypatch, value):
     monkeypatch.setattr(ck, "_status", None)
-    monkeypatch.setenv(ck.ENV, "0")
+    monkeypatch.setenv(ck.ENV, value)
     st = ck.status()
-    assert not st.loaded and st.line() == f"cpu kernels: off ({ck.ENV}=0)"
+    assert not st.loaded and st.line() == f"cpu kernels: off ({ck.ENV}={value.lower()})"
     assert not ck.usable(torch.randn(2, 2), torch.randn(2, 2))
+
+
+def test_env_switch_rejects_other_values(monkeypatch):
+    monkeypatch.setattr(ck, "_status", None)
+    monkeypatch.setenv(ck.ENV, "maybe")
+    st = ck.status()
+    assert not st.loaded and "'maybe' is not valid: use 1" in st.reason
+
+
+def test_the_abi3_library_wins_over_a_stale_versioned_one(monkeypatch, tmp_path):
+    import importlib.machinery
+    import types
+
+    versioned = [s for s in importlib.machinery.EXTENSION_SUFFIXES if "abi3" not in s][0]
+    (tmp_path / f"_cpu_kernels{versioned}").write_bytes(b"old")
+    (tmp_path / "_cpu_kernels.abi3.so").write_bytes(b"new")
+    real = importlib.util.find_spec
+    fake_pkg = types.SimpleNamespace(submodule_search_locations=[str(tmp_path)])
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: fake_pkg if name == "speedtronic" else real(name, *a))
+    assert ck._find_library() == str(tmp_path / "_cpu_kernels.abi3.so")
 
 
 def test_missing_library_falls_back_with_a_reason(monkeypatch):
@@ -281,19 +401,38 @@ def test_setup_builds_a_loadable_library(tmp_path):
     assert lib.speedtronic_cpu_abi() == ck.ABI
 
 
-def test_setup_survives_a_broken_compiler(tmp_path):
+@pytest.mark.parametrize("inplace", [False, True])
+def test_setup_survives_a_broken_compiler(tmp_path, inplace):
+    """Also in place, as `pip install -e .` builds: setuptools then copies each built library
+    into the source tree, and a library that did not build must be skipped, not fail."""
     broken = tmp_path / "broken-cc"
     broken.write_text("#!/bin/sh\necho 'no compiler here' >&2\nexit 1\n")
     broken.chmod(0o755)
-    out = _build(tmp_path, CC=str(broken), CXX=str(broken), LDSHARED=f"{broken} -shared",
-                 LDCXXSHARED=f"{broken} -shared")
+    env = dict(CC=str(broken), CXX=str(broken), LDSHARED=f"{broken} -shared",
+               LDCXXSHARED=f"{broken} -shared")
+    if inplace:  # a copy of the sources, so the real checkout's library is never touched
+        src = tmp_path / "src"
+        (src / "speedtronic").mkdir(parents=True)
+        (src / "csrc" / "cpu").mkdir(parents=True)
+        for rel in ("setup.py", "csrc/cpu/fused_cpu.cpp"):
+            (src / rel).write_bytes((REPO / rel).read_bytes())
+        (src / "speedtronic" / "__init__.py").write_text("")
+        out = subprocess.run([sys.executable, "setup.py", "-q", "build_ext", "--inplace",
+                              "--build-temp", str(tmp_path / "tmp")], cwd=src,
+                             env=dict(os.environ, SPEEDTRONIC_CUDA="0", **env),
+                             capture_output=True, text=True, timeout=300)
+        assert not list((src / "speedtronic").glob("_cpu_kernels*"))
+    else:
+        out = _build(tmp_path, **env)
+        assert not list((tmp_path / "lib").rglob("_cpu_kernels*"))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "speedtronic: CPU kernels: not built" in out.stderr
-    assert not list((tmp_path / "lib").rglob("_cpu_kernels*"))
 
 
 def test_setup_skip_switch(tmp_path):
     out = _build(tmp_path, SPEEDTRONIC_CPU_KERNELS="0")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "CPU kernels: skipped (SPEEDTRONIC_CPU_KERNELS=0)" in out.stderr
+    bad = _build(tmp_path, SPEEDTRONIC_CPU_KERNELS="maybe")
+    assert bad.returncode != 0 and "SPEEDTRONIC_CPU_KERNELS='maybe' is not valid" in bad.stderr
     assert not list((tmp_path / "lib").rglob("_cpu_kernels*"))

@@ -5,45 +5,52 @@
 //
 // Why: on a CPU step these ops are memory-bound, and torch runs each as several passes over
 // (B, T, hidden) tensors. SwiGLU in torch is silu + mul forward and mul, silu_backward, mul
-// backward (12 tensor reads/writes of (B, T, hidden)); fused it is 8. RMSNorm is norm, rsqrt, two
-// muls forward and five ops backward; fused it is one pass each way. Forward + backward, fp32,
-// one thread (benchmarks/results/cpu_layers.md): SwiGLU at (8, 128, 384) 1384 -> 856 us, RMSNorm
-// at (8, 128, 128) 549 -> 231 us; the short-run model's step 63.2 -> 55.3 ms.
+// backward (14 tensor reads and writes of (B, T, hidden)); fused it is 8. RMSNorm is norm, rsqrt,
+// two muls forward and five ops backward; fused it is one pass each way. Forward + backward, fp32,
+// one thread (benchmarks/results/cpu_layers.md): SwiGLU at (8, 128, 384) 1389 -> 902 us, RMSNorm
+// at (8, 128, 128) 513 -> 250 us; the short-run model's step 64.4 -> 55.8 ms.
 //
 // Numerics: fp32 throughout, fixed reduction order (no -ffast-math, so inf and nan keep their
 // meaning); exp is evaluated by range reduction and a degree-7 Taylor polynomial (remainder
-// < 6e-9 relative on |r| <= ln2/2, below fp32 epsilon), which GCC vectorizes, where expf from libm
-// would stay scalar. Every entry point assumes contiguous, non-aliasing buffers; the Python side
-// checks that before calling.
+// < 8e-9 relative on |r| <= ln2/2, below fp32 epsilon), which GCC vectorizes, where expf from libm
+// would stay scalar. setup.py adds -fno-trapping-math: without it GCC keeps the selects below as
+// branches and leaves the AVX2 copy scalar (the SwiGLU pair, forward + backward at (8, 128, 384):
+// 2.46 ms against 0.51 ms; the values are the same). Every entry point assumes contiguous,
+// non-aliasing fp32 buffers; the Python side checks that before calling. (Timings in this file:
+// one thread on an AVX-512 Xeon, the library's entry points called directly.)
 
 #include <cstdint>
 #include <cstring>
 
-// One binary for every x86-64 CPU: GCC/clang emit an AVX-512, an AVX2 and a baseline copy of each
-// kernel and pick one at load time (ifunc). Elsewhere (aarch64, no ifunc) the plain -O3 build.
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__GLIBC__) && defined(__has_attribute)
-#if __has_attribute(target_clones)
-#define ST_CLONES __attribute__((target_clones("avx512f", "avx2,fma", "default")))
-#define ST_HAVE_CLONES 1
-#endif
-#endif
-#ifndef ST_CLONES
-#define ST_CLONES
+// One binary for every x86-64 CPU: each kernel body below is compiled three times, for AVX-512,
+// for AVX2 + FMA and for the baseline, and the first call picks the copy this CPU supports
+// (kernels() at the end). On the AVX2 copy FMA matters: the SwiGLU pair took 0.50 ms with it and
+// 0.63 ms without, against 0.44 ms for the AVX-512 copy (one thread, (8, 128, 384)). Elsewhere
+// (aarch64, MSVC) one copy for the compiler's own flags. ST_SINGLE_COPY forces that (the
+// benchmark's AVX2 row builds the library with -mavx2 -mfma -DST_SINGLE_COPY).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(ST_SINGLE_COPY)
+#define ST_X86_COPIES 1
 #endif
 
 #define ST_EXPORT extern "C" __attribute__((visibility("default")))
+// Bodies and helpers are inlined into each copy, so they are compiled for its instruction set.
+#define ST_INLINE inline __attribute__((always_inline))
 
 namespace {
 
-// exp(x) for x in fp32 range: x = n ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2 so that
-// n ln2 is exact), exp(r) by Horner, 2^n by building the exponent bits. The clamp keeps 2^n a
-// normal float; outside it exp over/underflows in fp32 anyway. A nan input stays nan through r.
-inline float exp_approx(float x) {
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+// exp(x) in fp32: x = n ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2 so that n ln2 is
+// exact), exp(r) by Horner, 2^n by building the exponent bits. Beyond fp32's range the result is
+// what expf gives: inf above 88.72, 0 below -87.34 (where expf would give a denormal, < 1.2e-38);
+// inside it the clamp keeps 2^n a normal float. The clamp is written so that a nan x becomes
+// -87 (comparisons with nan are false), keeping the float -> int cast defined; exp(nan) is then
+// finite, which the kernels below accept because x itself is a factor of every output.
+ST_INLINE float exp_approx(float x) {
+  float xc = x > -87.0f ? x : -87.0f;
+  xc = xc < 88.0f ? xc : 88.0f;
   // round(x / ln2) by the 1.5 * 2^23 trick: exact without -ffast-math, and it vectorizes.
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  float r = x - n * 0.693359375f;  // ln2 high part: 10 significant bits, so n * it is exact
-  r = r + n * 2.12194440e-4f;      // minus the low part of ln2
+  const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  float r = xc - n * 0.693359375f;  // ln2 high part: 9 significant bits, so n * it is exact
+  r = r + n * 2.12194440e-4f;       // minus the low part of ln2
   float p = 1.0f / 5040.0f;
   p = p * r + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
@@ -52,19 +59,21 @@ inline float exp_approx(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  // A nan x leaves n nan: cast 0 instead (float -> int of nan is undefined); p is nan anyway.
-  const int32_t bits = (static_cast<int32_t>(n == n ? n : 0.0f) + 127) << 23;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  float e = p * scale;
+  e = x > 88.72f ? __builtin_inff() : e;
+  return x < -87.34f ? 0.0f : e;
 }
 
-inline float sigmoid(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
+// 1 / (1 + exp(-x)): exactly 0 for x < -88.72 (exp overflows, as in torch), 1 for large x.
+ST_INLINE float sigmoid(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
 
 constexpr int kLanes = 16;
 
 // sum(a[c] * b[c]) with kLanes partial sums: a fixed order GCC vectorizes without reassociation.
-inline float dot(const float* a, const float* b, int64_t n) {
+ST_INLINE float dot(const float* a, const float* b, int64_t n) {
   float acc[kLanes] = {0.0f};
   int64_t c = 0;
   for (; c + kLanes <= n; c += kLanes)
@@ -75,24 +84,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-}  // namespace
-
-// Bumped whenever a signature below changes; the loader refuses a library with another value.
-ST_EXPORT int32_t speedtronic_cpu_abi(void) { return 1; }
-
-// Which copy of the kernels runs here: "avx512f", "avx2", or "baseline".
-ST_EXPORT const char* speedtronic_cpu_isa(void) {
-#ifdef ST_HAVE_CLONES
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return "avx512f";
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "avx2";
-#endif
-  return "baseline";
-}
-
 // h = silu(g) * u over n elements.
-ST_EXPORT ST_CLONES void speedtronic_swiglu_fwd(const float* g, const float* u, float* h,
-                                                int64_t n) {
+ST_INLINE void swiglu_fwd(const float* g, const float* u, float* h, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float x = g[i];
     h[i] = x * sigmoid(x) * u[i];
@@ -100,8 +93,8 @@ ST_EXPORT ST_CLONES void speedtronic_swiglu_fwd(const float* g, const float* u, 
 }
 
 // From dh: du = dh * silu(g), dg = dh * u * silu'(g), silu'(x) = s (1 + x (1 - s)), s = sigmoid(x).
-ST_EXPORT ST_CLONES void speedtronic_swiglu_bwd(const float* dh, const float* g, const float* u,
-                                                float* dg, float* du, int64_t n) {
+ST_INLINE void swiglu_bwd(const float* dh, const float* g, const float* u, float* dg, float* du,
+                          int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float x = g[i];
     const float s = sigmoid(x);
@@ -112,9 +105,8 @@ ST_EXPORT ST_CLONES void speedtronic_swiglu_bwd(const float* dh, const float* g,
 }
 
 // y = x * rstd * w per row of c; rstd[r] = 1 / sqrt(mean(x_r^2) + eps) is kept for the backward.
-ST_EXPORT ST_CLONES void speedtronic_rmsnorm_fwd(const float* x, const float* w, float* y,
-                                                 float* rstd, int64_t rows, int64_t c,
-                                                 float eps) {
+ST_INLINE void rmsnorm_fwd(const float* x, const float* w, float* y, float* rstd, int64_t rows,
+                           int64_t c, float eps) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * c;
     float* yr = y + r * c;
@@ -128,9 +120,8 @@ ST_EXPORT ST_CLONES void speedtronic_rmsnorm_fwd(const float* x, const float* w,
 // sum over rows of dy * xhat: summed in fp32 over blocks of 64 rows, the blocks in fp64, so the
 // error does not grow with the row count (1024 rows in fp32 alone: 7e-5 absolute against 1e-5
 // for torch's reduction). scratch: 2 * c floats.
-ST_EXPORT ST_CLONES void speedtronic_rmsnorm_bwd(const float* dy, const float* x, const float* w,
-                                                 const float* rstd, float* dx, double* dw,
-                                                 float* scratch, int64_t rows, int64_t c) {
+ST_INLINE void rmsnorm_bwd(const float* dy, const float* x, const float* w, const float* rstd,
+                           float* dx, double* dw, float* scratch, int64_t rows, int64_t c) {
   float* gw = scratch;         // dy_r * w
   float* block = scratch + c;  // this block's partial sum of dy * xhat
   if (dw) {
@@ -151,4 +142,83 @@ ST_EXPORT ST_CLONES void speedtronic_rmsnorm_bwd(const float* dy, const float* x
       }
     }
   }
+}
+
+// One copy of every kernel, for the instruction set TARGET names.
+struct Kernels {
+  const char* isa;
+  void (*swiglu_fwd)(const float*, const float*, float*, int64_t);
+  void (*swiglu_bwd)(const float*, const float*, const float*, float*, float*, int64_t);
+  void (*rmsnorm_fwd)(const float*, const float*, float*, float*, int64_t, int64_t, float);
+  void (*rmsnorm_bwd)(const float*, const float*, const float*, const float*, float*, double*,
+                      float*, int64_t, int64_t);
+};
+
+#define ST_COPY(NAME, TARGET)                                                                   \
+  TARGET void NAME##_swiglu_fwd(const float* g, const float* u, float* h, int64_t n) {          \
+    swiglu_fwd(g, u, h, n);                                                                     \
+  }                                                                                             \
+  TARGET void NAME##_swiglu_bwd(const float* dh, const float* g, const float* u, float* dg,     \
+                                float* du, int64_t n) {                                         \
+    swiglu_bwd(dh, g, u, dg, du, n);                                                            \
+  }                                                                                             \
+  TARGET void NAME##_rmsnorm_fwd(const float* x, const float* w, float* y, float* rstd,         \
+                                 int64_t rows, int64_t c, float eps) {                          \
+    rmsnorm_fwd(x, w, y, rstd, rows, c, eps);                                                   \
+  }                                                                                             \
+  TARGET void NAME##_rmsnorm_bwd(const float* dy, const float* x, const float* w,               \
+                                 const float* rstd, float* dx, double* dw, float* scratch,      \
+                                 int64_t rows, int64_t c) {                                     \
+    rmsnorm_bwd(dy, x, w, rstd, dx, dw, scratch, rows, c);                                      \
+  }                                                                                             \
+  constexpr Kernels NAME##_kernels = {#NAME, NAME##_swiglu_fwd, NAME##_swiglu_bwd,              \
+                                      NAME##_rmsnorm_fwd, NAME##_rmsnorm_bwd};
+
+#ifdef ST_X86_COPIES
+ST_COPY(avx512f, __attribute__((target("avx512f"))))
+ST_COPY(avx2, __attribute__((target("avx2,fma"))))
+ST_COPY(baseline, )
+
+const Kernels& kernels() {
+  static const Kernels chosen = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return avx512f_kernels;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2_kernels;
+    return baseline_kernels;
+  }();
+  return chosen;
+}
+#else
+ST_COPY(single, )
+
+const Kernels& kernels() { return single_kernels; }
+#endif
+
+}  // namespace
+
+// Bumped whenever a signature below changes; the loader refuses a library with another value.
+ST_EXPORT int32_t speedtronic_cpu_abi(void) { return 1; }
+
+// Which copy of the kernels runs on this CPU: "avx512f", "avx2" (with FMA), "baseline", or
+// "single" where the library has one copy.
+ST_EXPORT const char* speedtronic_cpu_isa(void) { return kernels().isa; }
+
+ST_EXPORT void speedtronic_swiglu_fwd(const float* g, const float* u, float* h, int64_t n) {
+  kernels().swiglu_fwd(g, u, h, n);
+}
+
+ST_EXPORT void speedtronic_swiglu_bwd(const float* dh, const float* g, const float* u, float* dg,
+                                      float* du, int64_t n) {
+  kernels().swiglu_bwd(dh, g, u, dg, du, n);
+}
+
+ST_EXPORT void speedtronic_rmsnorm_fwd(const float* x, const float* w, float* y, float* rstd,
+                                       int64_t rows, int64_t c, float eps) {
+  kernels().rmsnorm_fwd(x, w, y, rstd, rows, c, eps);
+}
+
+ST_EXPORT void speedtronic_rmsnorm_bwd(const float* dy, const float* x, const float* w,
+                                       const float* rstd, float* dx, double* dw, float* scratch,
+                                       int64_t rows, int64_t c) {
+  kernels().rmsnorm_bwd(dy, x, w, rstd, dx, dw, scratch, rows, c);
 }
