@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import sys
+import sysconfig
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -35,6 +36,8 @@ SM90A_SOURCE = "sym_gemm_sm90.cu"
 GIB_PER_JOB = 2.0
 
 
+#: A free-threaded (no-GIL) interpreter: no limited-API (abi3) builds there.
+FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
 #: The torch-free CPU kernel library (speedtronic/cpu_kernels.py loads it with ctypes).
 CPU_EXTENSION = "speedtronic._cpu_kernels"
 CPU_SOURCE = os.path.join("csrc", "cpu", "fused_cpu.cpp")
@@ -67,11 +70,12 @@ def cpu_extension() -> list[Extension]:
              else ["-O3", "-std=c++17", "-fno-math-errno", "-fno-trapping-math",
                    "-fvisibility=hidden"])
     # py_limited_api: the library uses no Python API at all, so one binary (_cpu_kernels.abi3.so)
-    # serves every Python version; see ABI3_WHEEL below.
+    # serves every Python version; see ABI3_WHEEL below. Not on free-threaded CPython, where
+    # setuptools refuses the limited API before 3.15.
     # optional=True: an in-place (editable) build then skips the copy of a library that failed
     # to compile instead of failing the install.
     return [Extension(CPU_EXTENSION, sources=[CPU_SOURCE], language="c++",
-                      extra_compile_args=flags, py_limited_api=True, optional=True)]
+                      extra_compile_args=flags, py_limited_api=not FREE_THREADED, optional=True)]
 
 
 class _OptionalCpuKernels:
@@ -250,6 +254,7 @@ def extension_modules() -> tuple[list, dict]:
 ext_modules, cmdclass = extension_modules()
 #: With only the CPU library to build, the wheel is tagged cp310-abi3 (one wheel for every
 #: Python >= 3.10 on the platform); the CUDA extension is tied to one Python version.
-ABI3_WHEEL = bool(ext_modules) and all(e.name == CPU_EXTENSION for e in ext_modules)
+ABI3_WHEEL = (bool(ext_modules) and all(e.name == CPU_EXTENSION for e in ext_modules)
+              and not FREE_THREADED)
 setup(ext_modules=ext_modules, cmdclass=cmdclass,
       options={"bdist_wheel": {"py_limited_api": "cp310"}} if ABI3_WHEEL else {})

@@ -69,7 +69,7 @@ def _kernels(on: bool, fn: Callable[[], None]) -> Callable[[], None]:
     gate = cpu_kernels.usable
 
     def run() -> None:
-        cpu_kernels.usable = gate if on else (lambda *t: False)
+        cpu_kernels.usable = gate if on else (lambda *t, **kw: False)
         try:
             fn()
         finally:
@@ -121,6 +121,7 @@ def cases(avx2_child: bool = False) -> dict[str, Case]:
     """name -> (what "before" is, before, after, threads), each one forward + backward.
 
     ``avx2_child``: only the AVX2-copy rows (run in a child process held to AVX2)."""
+    cpu_kernels.status()  # load now: _with_library must not be the first to touch the library
     torch.manual_seed(0)
     out: dict[str, Case] = {}
     x = torch.randn(8, 128, 128, requires_grad=True)
@@ -153,6 +154,15 @@ def cases(avx2_child: bool = False) -> dict[str, Case]:
         out["SwiGLU (8, 128, 384), fused kernel"] = (
             "`silu(gate) * up`", lambda: (F.silu(gate) * up).backward(gh),
             lambda: cpu_kernels.swiglu(gate, up).backward(gh), 1)
+        # Small tensors: where the Function + ctypes overhead stops paying (SWIGLU_MIN_NUMEL).
+        for rows in (128, 512):
+            gs = torch.randn(rows, 128, requires_grad=True)
+            us = torch.randn(rows, 128, requires_grad=True)
+            hs = torch.randn(rows, 128)
+            out[f"SwiGLU ({rows}, 128) = {rows * 128:,} elements, fused kernel"] = (
+                "`silu(gate) * up`",
+                lambda gs=gs, us=us, hs=hs: (F.silu(gs) * us).backward(hs),
+                lambda gs=gs, us=us, hs=hs: cpu_kernels._SwiGLU.apply(gs, us).backward(hs), 1)
         step = _model_step()
         for threads in (1, 2):
             out[f"short-run model, {threads} thread(s), fused kernels"] = (

@@ -1,7 +1,7 @@
 """Speedtronic's hybrid Muon as the optimizer of a Hugging Face ``Trainer``.
 
     pip install -e ".[dev]"          # transformers + accelerate
-    python examples/hf_trainer.py    # ~20 s on a laptop CPU
+    python examples/hf_trainer.py    # a few seconds on a CPU
 
 A tiny GPT-2 (its projections are ``Conv1D``, stored (in, out): routing knows the orientation)
 learns bytes of a Python standard-library file. The Trainer keeps doing what it does (gradient

@@ -1,7 +1,7 @@
 """Speedtronic's hybrid Muon in a Lightning ``configure_optimizers``.
 
     pip install -e ".[dev]"                # lightning
-    python examples/lightning_module.py    # ~15 s on a laptop CPU
+    python examples/lightning_module.py    # a few seconds on a CPU
 
 A small causal ``nn.TransformerEncoder`` learns bytes of a Python standard-library file. Its
 attention keeps Q, K and V in one ``in_proj_weight``: routing orthogonalizes them as three

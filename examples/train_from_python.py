@@ -2,7 +2,7 @@
 
     python examples/train_from_python.py
 
-Runs ~30 s on a laptop CPU and leaves runs/example-bigram/ (metrics.jsonl, config.yaml,
+Runs in a few seconds on a CPU and leaves runs/example-bigram/ (metrics.jsonl, config.yaml,
 checkpoints, loss.png).
 """
 

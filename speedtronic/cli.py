@@ -328,6 +328,10 @@ def console_main() -> None:
     themselves); only garbage held in reference cycles is left uncollected, which a process
     about to exit does not need.
     """
+    # `python -m speedtronic` finds `data.dataset: mymodule:make` in the working directory; so
+    # does the console script. Appended, so an installed package of the same name still wins.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
     code = main()
     gc.freeze()
     sys.exit(code)

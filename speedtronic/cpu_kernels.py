@@ -4,7 +4,7 @@ The reference model spends a one-thread CPU step mostly in GEMMs (near the core'
 memory-bound elementwise passes over ``(B, T, hidden)`` tensors. torch runs SwiGLU as five such
 passes (silu and mul forward; mul, silu_backward and mul backward) and RMSNorm as about ten; the
 kernels in ``csrc/cpu/fused_cpu.cpp`` do one pass each way. On the short-run YAML's model
-(``benchmarks/bench_short_run.py``) forward + backward took 64.4 ms with torch's ops and 55.8 ms
+(``benchmarks/bench_short_run.py``) forward + backward took 66.9 ms with torch's ops and 59.5 ms
 with the kernels, on one thread (``benchmarks/results/cpu_layers.md``).
 
 The library includes no torch or Python header and is loaded with :mod:`ctypes`, so a plain
@@ -37,10 +37,15 @@ import torch
 ENV = "SPEEDTRONIC_CPU_KERNELS"
 LIBRARY = "speedtronic._cpu_kernels"
 #: Must equal ``speedtronic_cpu_abi()`` in csrc/cpu/fused_cpu.cpp.
-ABI = 1
+ABI = 2
+#: Elements below which SwiGLU keeps torch's ops: the Function and ctypes cost a fixed ~40 us
+#: that only a large tensor repays (forward + backward, one thread, cpu_layers.md: 16,384
+#: elements 1.33x the time of torch's ops, 65,536 0.99x, (8, 128, 384) 0.66x). RMSNorm has no
+#: floor: its torch path is a Python Function too, and the kernel wins from one row of 128.
+SWIGLU_MIN_NUMEL = 65_536
 #: Intra-op threads up to which the single-threaded kernels are used. The short-run model's
-#: forward + backward (cpu_layers.md, a 2-core machine): 1 thread 64.4 -> 55.8 ms, 2 threads
-#: 38.3 -> 36.1 ms. The gain shrinks as torch's elementwise ops parallelize; more threads were
+#: forward + backward (cpu_layers.md, a 2-core machine): 1 thread 66.9 -> 59.5 ms, 2 threads
+#: 40.3 -> 38.7 ms. The gain shrinks as torch's elementwise ops parallelize; more threads were
 #: not measurable here, so the kernels stay out of their way.
 MAX_THREADS = 2
 
@@ -154,7 +159,8 @@ def _plain_fp32(t: torch.Tensor) -> bool:
     subclass (FakeTensor, ...), no functorch or legacy-batched wrapper (vmap, batched grads), no
     lazy negation or efficient-zero tensor."""
     return (type(t) in (torch.Tensor, torch.nn.Parameter) and t.device.type == "cpu"
-            and t.dtype == torch.float32 and t.layout == torch.strided and t.is_contiguous()
+            and t.dtype == torch.float32 and t.layout == torch.strided and not t.is_nested
+            and t.is_contiguous()
             and not t.is_neg() and not t._is_zerotensor()
             and not torch._C._functorch.is_functorch_wrapped_tensor(t)
             and not torch._C._functorch.is_legacy_batchedtensor(t))
@@ -165,19 +171,32 @@ _fx_tracing = getattr(torch.fx._symbolic_trace, "is_fx_symbolic_tracing",
                       torch.fx._symbolic_trace.is_fx_tracing)
 
 
+def _only_cpu_device_modes() -> bool:
+    """The active torch-function modes are all ``torch.device("cpu")`` contexts (what
+    ``torch.set_default_device("cpu")`` pushes): harmless, the kernels' buffers are explicit."""
+    try:
+        from torch.overrides import _get_current_function_mode_stack
+        from torch.utils._device import DeviceContext
+    except ImportError:
+        return False
+    return all(isinstance(mode, DeviceContext) and torch.device(mode.device).type == "cpu"
+               for mode in _get_current_function_mode_stack())
+
+
 def _plain_context() -> bool:
     """Eager execution with nothing intercepting torch calls: not compiling (forward or compiled
-    autograd), tracing (fx), under a dispatch or torch-function mode (FakeTensorMode, a
-    ``torch.device`` context, ...), a functorch transform or forward-mode AD."""
-    return not (torch.compiler.is_compiling() or _fx_tracing()
+    autograd), tracing (fx, jit), under a dispatch or torch-function mode (FakeTensorMode, a
+    ``torch.device("meta")`` context, ...), a functorch transform or forward-mode AD."""
+    return not (torch.compiler.is_compiling() or _fx_tracing() or torch.jit.is_tracing()
                 or torch.utils._python_dispatch._get_current_dispatch_mode() is not None
-                or torch._C._len_torch_function_stack() > 0
+                or (torch._C._len_torch_function_stack() > 0 and not _only_cpu_device_modes())
                 or torch._C._are_functorch_transforms_active()
                 or torch.autograd.forward_ad._current_level >= 0)
 
 
-def usable(*tensors: torch.Tensor) -> bool:
-    """True when the fused kernels may run on these tensors now (see the module docstring)."""
+def usable(*tensors: torch.Tensor, min_numel: int = 1) -> bool:
+    """True when the fused kernels may run on these tensors now (see the module docstring);
+    ``min_numel``: the first tensor's size below which torch's ops are faster."""
     # is_compiling first: dynamo folds it to a constant, while tracing get_num_threads (or the
     # other checks) would break the graph.
     if torch.compiler.is_compiling():
@@ -186,7 +205,7 @@ def usable(*tensors: torch.Tensor) -> bool:
         return False
     if not status().loaded:
         return False
-    return all(_plain_fp32(t) for t in tensors) and tensors[0].numel() > 0
+    return tensors[0].numel() >= max(1, min_numel) and all(_plain_fp32(t) for t in tensors)
 
 
 def _backward_ok(ctx: Any, *tensors: torch.Tensor) -> bool:
@@ -227,10 +246,13 @@ class _SwiGLU(torch.autograd.Function):
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``: the fused kernel when :func:`usable`, else torch's ops."""
+    """``silu(gate) * up``: the fused kernel when :func:`usable` (and at least
+    :data:`SWIGLU_MIN_NUMEL` elements), else torch's ops."""
+    if _fx_tracing():  # shapes are proxies: record torch's ops
+        return torch.nn.functional.silu(gate) * up
     if gate.shape != up.shape:
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
-    if not usable(gate, up):
+    if not usable(gate, up, min_numel=SWIGLU_MIN_NUMEL):
         return torch.nn.functional.silu(gate) * up
     return _SwiGLU.apply(gate, up)
 
@@ -276,6 +298,9 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: the fused kernel when :func:`usable`, else torch's ops."""
+    if _fx_tracing():  # shapes are proxies: record torch's ops
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
     if x.dim() == 0 or weight.shape != (x.shape[-1],):
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match the last dim "
                          f"of x {tuple(x.shape)}")

@@ -109,8 +109,8 @@ def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
             aside = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{n}")
             n += 1
         os.replace(run_dir, aside)
-        logger.warning("run dir %s held an earlier run; moved it to %s (use --resume to continue "
-                       "a run instead)", run_dir, aside)
+        logger.warning("run dir %s held an earlier run; moved it to %s (to continue a run "
+                       "instead: --resume, or resume=True from Python)", run_dir, aside)
     run_dir.mkdir(parents=True, exist_ok=True)
 
 

@@ -211,3 +211,30 @@ def test_ci_runs_readme_command_2_exactly():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == _readme_command_2()
     assert "\n" not in _readme_command_2(), "command 2 must be a single line"
+
+
+def test_console_script_imports_user_modules_from_the_working_directory(tmp_path):
+    """`data.dataset: mymodule:make` works from the console script as with `python -m`."""
+    script = Path(sys.executable).parent / "speedtronic"
+    if not script.is_file():
+        pytest.skip("no speedtronic console script next to this interpreter")
+    (tmp_path / "my_tokens_ds.py").write_text(
+        "import torch\n\ndef make(cfg):\n"
+        "    return [torch.randint(0, 256, (33,)) for _ in range(32)]\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        f"run: {{name: cwd, output_dir: {tmp_path / 'runs'}, max_steps: 1, eval_every: 0, "
+        "eval_batches: 1, device: cpu}\n"
+        "model: {n_layer: 1, d_model: 32, n_head: 2, max_seq_len: 32}\n"
+        "data: {dataset: 'my_tokens_ds:make', micro_batch_size: 2}\n"
+        "checkpoint: {enabled: false}\n")
+    out = subprocess.run([str(script), "train", "--config", str(cfg)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "done: steps=1" in out.stdout
+    missing = cfg.read_text().replace("my_tokens_ds:make", "not_a_module_here:make")
+    cfg.write_text(missing)
+    bad = subprocess.run([str(script), "train", "--config", str(cfg)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "working directory, or on PYTHONPATH" in bad.stderr

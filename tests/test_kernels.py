@@ -166,6 +166,15 @@ def test_setup_without_cuda_builds_pure_python(monkeypatch, capsys):
     # It uses no Python API: one cp310-abi3 wheel serves every Python version.
     assert calls[0]["ext_modules"][0].py_limited_api
     assert calls[0]["options"] == {"bdist_wheel": {"py_limited_api": "cp310"}}
+    # Free-threaded CPython: setuptools refuses the limited API there before 3.15.
+    import sysconfig
+
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(sysconfig, "get_config_var",
+                        lambda name: 1 if name == "Py_GIL_DISABLED" else real(name))
+    mod_ft, calls_ft = _setup_module(monkeypatch)
+    assert mod_ft.FREE_THREADED and calls_ft[0]["options"] == {}
+    assert not calls_ft[0]["ext_modules"][0].py_limited_api
     assert "skipped" in capsys.readouterr().err
     monkeypatch.setenv("SPEEDTRONIC_CUDA", "0")
     monkeypatch.setenv("SPEEDTRONIC_CPU_KERNELS", "0")

@@ -7,8 +7,8 @@
 // (B, T, hidden) tensors. SwiGLU in torch is silu + mul forward and mul, silu_backward, mul
 // backward (14 tensor reads and writes of (B, T, hidden)); fused it is 8. RMSNorm is norm, rsqrt,
 // two muls forward and five ops backward; fused it is one pass each way. Forward + backward, fp32,
-// one thread (benchmarks/results/cpu_layers.md): SwiGLU at (8, 128, 384) 1389 -> 902 us, RMSNorm
-// at (8, 128, 128) 513 -> 250 us; the short-run model's step 64.4 -> 55.8 ms.
+// one thread (benchmarks/results/cpu_layers.md): SwiGLU at (8, 128, 384) 1385 -> 909 us, RMSNorm
+// at (8, 128, 128) 530 -> 258 us; the short-run model's step 66.9 -> 59.5 ms.
 //
 // Numerics: fp32 throughout, fixed reduction order (no -ffast-math, so inf and nan keep their
 // meaning); exp is evaluated by range reduction and a degree-7 Taylor polynomial (remainder
@@ -26,8 +26,9 @@
 // for AVX2 + FMA and for the baseline, and the first call picks the copy this CPU supports
 // (kernels() at the end). On the AVX2 copy FMA matters: the SwiGLU pair took 0.50 ms with it and
 // 0.63 ms without, against 0.44 ms for the AVX-512 copy (one thread, (8, 128, 384)). Elsewhere
-// (aarch64, MSVC) one copy for the compiler's own flags. ST_SINGLE_COPY forces that (the
-// benchmark's AVX2 row builds the library with -mavx2 -mfma -DST_SINGLE_COPY).
+// (aarch64) one copy for the compiler's own flags; ST_SINGLE_COPY forces that (the benchmark's
+// AVX2 row builds the library with -mavx2 -mfma -DST_SINGLE_COPY). The file needs GCC or clang
+// (GNU attributes and builtins): under MSVC the install reports the library as not built.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(ST_SINGLE_COPY)
 #define ST_X86_COPIES 1
 #endif
@@ -39,14 +40,15 @@
 namespace {
 
 // exp(x) in fp32: x = n ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2 so that n ln2 is
-// exact), exp(r) by Horner, 2^n by building the exponent bits. Beyond fp32's range the result is
-// what expf gives: inf above 88.72, 0 below -87.34 (where expf would give a denormal, < 1.2e-38);
-// inside it the clamp keeps 2^n a normal float. The clamp is written so that a nan x becomes
-// -87 (comparisons with nan are false), keeping the float -> int cast defined; exp(nan) is then
-// finite, which the kernels below accept because x itself is a factor of every output.
+// exact), exp(r) by Horner, 2^n as the product of two powers of two built from exponent bits
+// (each stays a normal float for n in [-150, 128], so the product covers fp32's whole range,
+// denormals and the top binade included). Like expf: inf above ln(FLT_MAX) = 88.7228, 0 below
+// -103.97. The clamp is written so that a nan x becomes -104 (comparisons with nan are false),
+// keeping the float -> int cast defined; exp(nan) is then finite, which the kernels below accept
+// because x itself is a factor of every output.
 ST_INLINE float exp_approx(float x) {
-  float xc = x > -87.0f ? x : -87.0f;
-  xc = xc < 88.0f ? xc : 88.0f;
+  float xc = x > -104.0f ? x : -104.0f;
+  xc = xc < 88.7228f ? xc : 88.7228f;
   // round(x / ln2) by the 1.5 * 2^23 trick: exact without -ffast-math, and it vectorizes.
   const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
   float r = xc - n * 0.693359375f;  // ln2 high part: 9 significant bits, so n * it is exact
@@ -59,15 +61,18 @@ ST_INLINE float exp_approx(float x) {
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  float e = p * scale;
-  e = x > 88.72f ? __builtin_inff() : e;
-  return x < -87.34f ? 0.0f : e;
+  const int32_t ni = static_cast<int32_t>(n);
+  const int32_t half = ni >> 1;  // 2^n = 2^half * 2^(n - half)
+  const int32_t bits_a = (half + 127) << 23, bits_b = (ni - half + 127) << 23;
+  float scale_a, scale_b;
+  std::memcpy(&scale_a, &bits_a, sizeof scale_a);
+  std::memcpy(&scale_b, &bits_b, sizeof scale_b);
+  float e = p * scale_a * scale_b;
+  e = x > 88.72284f ? __builtin_inff() : e;
+  return x < -103.973f ? 0.0f : e;
 }
 
-// 1 / (1 + exp(-x)): exactly 0 for x < -88.72 (exp overflows, as in torch), 1 for large x.
+// 1 / (1 + exp(-x)): 0 for x below -88.72 (exp(-x) overflows, as in torch), 1 for large x.
 ST_INLINE float sigmoid(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
 
 constexpr int kLanes = 16;
@@ -196,8 +201,9 @@ const Kernels& kernels() { return single_kernels; }
 
 }  // namespace
 
-// Bumped whenever a signature below changes; the loader refuses a library with another value.
-ST_EXPORT int32_t speedtronic_cpu_abi(void) { return 1; }
+// Bumped whenever a signature or a result changes (2: exp saturates like expf), so that a library
+// built from older sources (an editable checkout pulled without a rebuild) is refused, not run.
+ST_EXPORT int32_t speedtronic_cpu_abi(void) { return 2; }
 
 // Which copy of the kernels runs on this CPU: "avx512f", "avx2" (with FMA), "baseline", or
 // "single" where the library has one copy.

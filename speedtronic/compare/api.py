@@ -114,9 +114,10 @@ def run_compare(config: str | Path | Mapping[str, Any], variants: Sequence[str] 
     logger.info("compare: %d variant(s) x %d seed(s), %d steps each, eval every %d steps, "
                 "baseline %s, output %s", len(parsed), seeds, steps, eval_every, parsed[0].name,
                 out)
-    if base.scheduler.warmup_steps >= steps:
-        logger.warning("compare: scheduler.warmup_steps=%d >= %d steps: every run is still "
-                       "warming up at its end", base.scheduler.warmup_steps, steps)
+    if base.scheduler.warmup_steps > steps:  # at equal values the last step reaches the peak
+        logger.warning("compare: scheduler.warmup_steps=%d > %d steps: every run is still "
+                       "warming up at its end; set scheduler.warmup_steps to at most %d, e.g. %d",
+                       base.scheduler.warmup_steps, steps, steps, max(1, steps // 10))
 
     sweep: dict[str, Any] = {}
     chosen: dict[str, tuple[str, ...]] = {}

@@ -166,6 +166,11 @@ def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> None:
         if not all(keys):
             raise ConfigError(f"--set {item!r}: bad key {dotted!r}")
         value = _parse_yaml(text, f"--set {dotted}") if text.strip() else None
+        if len(keys) == 1 and value is None:
+            # An empty value (often an unset shell variable) would reset the whole section.
+            raise ConfigError(f"--set {item!r}: empty value for the whole {keys[0]!r} section; "
+                              f"give {keys[0]}.key=value, or {keys[0]}={{}} to reset it to "
+                              "its defaults")
         keys = _long_form(keys, value)
         node = raw
         for depth, key in enumerate(keys[:-1]):

@@ -97,7 +97,9 @@ def resolve_user_dataset(spec: Any, cfg: SpeedtronicConfig) -> tuple[Any, Any | 
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise ConfigError(f"data.dataset: cannot import {module_name!r}: {exc}") from exc
+            raise ConfigError(f"data.dataset: cannot import {module_name!r}: {exc} (the module "
+                              "must be importable: installed, in the working directory, or on "
+                              "PYTHONPATH)") from exc
         factory = getattr(module, attr, None)
         if not callable(factory):
             raise ConfigError(f"data.dataset: {module_name!r} has no callable {attr!r}")

@@ -93,9 +93,9 @@ class _RMSNormCPU(torch.autograd.Function):
 
     On CPU, torch 2.13's ``F.rms_norm`` is composite (pow, mean, add, rsqrt, two muls, and
     autograd through each of them); this does one reduction for the mean square and computes
-    ``dx = rstd * (g*w - xhat * mean(g*w * xhat))`` directly: 805 -> 528 us forward + backward at
+    ``dx = rstd * (g*w - xhat * mean(g*w * xhat))`` directly: 909 -> 536 us forward + backward at
     (8, 128, 128) on one thread (``benchmarks/results/cpu_layers.md``), nine norms per step of
-    the reference model. The fused kernel of :mod:`speedtronic.cpu_kernels` (250 us) replaces
+    the reference model. The fused kernel of :mod:`speedtronic.cpu_kernels` (258 us) replaces
     it where that is built and usable; this is the path otherwise. Returns ``(y, xhat, rstd)``;
     the last two are non-differentiable outputs, so that the ``setup_context`` form (which
     ``torch.func`` needs) can save them. With ``create_graph=True`` the backward recomputes
@@ -170,7 +170,7 @@ def _rotate(x: torch.Tensor, cos_full: torch.Tensor, sin_signed: torch.Tensor) -
     ``[x2, x1]`` is ``roll(x, hd/2)``, whose backward is one more roll; a ``cat`` of two slices
     costs a zero-fill and a copy per slice in the backward. Forward + backward for q at
     (8, 4, 128, 32) on one CPU thread: textbook form (four half-width muls, a sub, an add and a
-    cat) 569 us, three passes with a cat swap 471 us, with roll 382 us
+    cat) 555 us, three passes with a cat swap 466 us, with roll 377 us
     (``benchmarks/results/cpu_layers.md``); on a GPU it is 3 kernels instead of 7.
     """
     swapped = torch.roll(x, x.shape[-1] // 2, dims=-1)  # (B, H, T, hd): [x2, x1]
@@ -231,8 +231,10 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, hidden) each
-        if cpu_kernels.usable(gate, up):  # fp32 eager CPU: one fused pass each way
-            return self.down_proj(cpu_kernels.swiglu(gate, up))
+        if not torch.jit.is_scripting():  # TorchScript compiles only the torch-ops line
+            # fp32 eager CPU, large enough: one fused pass each way (speedtronic.cpu_kernels)
+            if cpu_kernels.usable(gate, up, min_numel=cpu_kernels.SWIGLU_MIN_NUMEL):
+                return self.down_proj(cpu_kernels.swiglu(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
 

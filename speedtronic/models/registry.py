@@ -68,7 +68,8 @@ def _import_factory(spec: str) -> ModelFactory:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ConfigError(f"model.name: cannot import module {module_name!r} from {spec!r}: "
-                          f"{exc}") from exc
+                          f"{exc} (the module must be importable: installed, in the working "
+                          "directory, or on PYTHONPATH)") from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise ConfigError(f"model.name: {spec!r}: module {module_name!r} has no callable "

@@ -126,3 +126,18 @@ def test_lr_sweep_picks_best_and_reports_it(tiny_yaml, tmp_path):
     assert run["lr"] == pytest.approx(3e-3)
     assert load_config(run["config"]).optimizer.lr == pytest.approx(3e-3)
     assert "Learning-rate sweep" in (out / "compare.md").read_text()
+
+
+@pytest.mark.parametrize("warmup, warned", [(2, False), (3, True)])
+def test_warmup_warning_only_when_the_runs_never_reach_the_peak(tiny_yaml, tmp_path, caplog,
+                                                                 warmup, warned):
+    """Like the trainer: warmup equal to the step count reaches the peak at the last step."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="speedtronic"):
+        run_compare(tiny_yaml, ["adamw"], steps=2, output_dir=tmp_path / f"w{warmup}",
+                    overrides=[f"scheduler.warmup_steps={warmup}"])
+    lines = [r.getMessage() for r in caplog.records if "warming up" in r.getMessage()]
+    assert bool(lines) == warned, lines
+    if warned:
+        assert "set scheduler.warmup_steps to at most 2" in lines[0]

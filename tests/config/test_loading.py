@@ -249,6 +249,18 @@ def test_section_shorthand_override_sets_only_its_key(tmp_path):
     assert load_config(path, ["optimizer={name: muon}"]).optimizer.lr == 3e-4
 
 
+@pytest.mark.parametrize("override", ["optimizer=", "optimizer=null", "run=~", "data= "])
+def test_an_empty_section_override_is_refused_not_a_silent_reset(tmp_path, override):
+    """`--set optimizer=$UNSET` once reset the whole section to defaults and trained anyway."""
+    path = tmp_path / "c.yaml"
+    path.write_text("optimizer: {name: muon, lr: 0.005}\n")
+    section = override.split("=")[0]
+    with pytest.raises(ConfigError, match=rf"empty value for the whole '{section}' section.*"
+                                          rf"{section}={{}}"):
+        load_config(path, [override])
+    assert load_config(path, ["optimizer={}"]).optimizer.name == "adamw"  # the explicit reset
+
+
 def test_root_shorthand_overrides_replace_the_files_long_form(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("run: {name: a, seed: 3}\noptimizer: {cautious: false}\n"
