@@ -267,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     for add, _ in SUBCOMMANDS.values():
         add(sub)
+    for command in sub.choices.values():  # `speedtronic train --debug ...` works too
+        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                             help="show full tracebacks and debug logs")
     return parser
 
 

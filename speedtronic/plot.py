@@ -97,8 +97,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> 
         color = f"C{i % 10}"
         label = d.resolve().name
         if train:
+            # One logged step draws no line: a marker keeps it visible.
             ax.plot([s for s, _ in train], [v for _, v in train], color=color, lw=1.4,
-                    label=f"{label} train")
+                    marker="o" if len(train) == 1 else None, ms=4, label=f"{label} train")
         if evals:
             ax.plot([s for s, _ in evals], [v for _, v in evals], color=color, lw=1.4,
                     ls="--", marker="o", ms=3, label=f"{label} eval")

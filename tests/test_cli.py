@@ -80,6 +80,9 @@ def test_process_exit_code_and_no_traceback_then_debug_shows_it(tmp_path):
     debug = subprocess.run([sys.executable, "-m", "speedtronic", "--debug", *cmd[3:]],
                            capture_output=True, text=True, timeout=120)
     assert debug.returncode != 0 and "Traceback" in debug.stderr
+    # --debug after the subcommand works too (it used to be "unrecognized arguments").
+    after = subprocess.run([*cmd, "--debug"], capture_output=True, text=True, timeout=120)
+    assert after.returncode != 0 and "Traceback" in after.stderr
 
 
 def test_importing_the_cli_and_validate_do_not_import_torch(tmp_path):

@@ -76,3 +76,23 @@ def test_an_output_under_a_file_names_the_file(tmp_path, capsys):
     assert main(["plot", str(run), "-o", str(a_file / "x.png")]) == 2
     assert f"{a_file} is a file" in capsys.readouterr().err
     assert a_file.read_text() == "run: {}\n"
+
+
+def test_a_single_logged_step_is_drawn_as_a_marker(tmp_path, monkeypatch):
+    """One train_step row draws no line segment: it needs a marker to be visible at all."""
+    import matplotlib.axes
+
+    calls = []
+    real = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kwargs):
+        calls.append((len(args[0]), kwargs.get("marker")))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    one = tmp_path / "one"
+    one.mkdir()
+    (one / "metrics.jsonl").write_text(json.dumps({"event": "train_step", "step": 20,
+                                                   "loss": 2.5}) + "\n")
+    plot_runs([one, _run(tmp_path / "many")])
+    assert (1, "o") in calls and (3, None) in calls
