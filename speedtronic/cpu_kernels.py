@@ -199,13 +199,15 @@ def usable(*tensors: torch.Tensor, min_numel: int = 1) -> bool:
     ``min_numel``: the first tensor's size below which torch's ops are faster."""
     # is_compiling first: dynamo folds it to a constant, while tracing get_num_threads (or the
     # other checks) would break the graph.
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _fx_tracing():  # (fx: sizes are proxies)
+        return False
+    first = tensors[0]
+    # Cheap refusals first: a CUDA step (launch-bound ones count microseconds) pays only these.
+    if first.device.type != "cpu" or first.numel() < max(1, min_numel):
         return False
     if torch.get_num_threads() > MAX_THREADS or not _plain_context():
         return False
-    if not status().loaded:
-        return False
-    return tensors[0].numel() >= max(1, min_numel) and all(_plain_fp32(t) for t in tensors)
+    return status().loaded and all(_plain_fp32(t) for t in tensors)
 
 
 def _backward_ok(ctx: Any, *tensors: torch.Tensor) -> bool:
