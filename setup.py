@@ -99,6 +99,10 @@ class _OptionalCpuKernels:
             _say_cpu(f"not built ({type(exc).__name__}: {exc}); the pure-PyTorch ops will run")
 
 
+class BuildCpuKernels(_OptionalCpuKernels, build_ext):
+    """build_ext for an install without the CUDA extension."""
+
+
 def _free_ram_gib() -> float | None:
     try:
         with open("/proc/meminfo") as fh:
@@ -156,8 +160,7 @@ def extension_modules() -> tuple[list, dict]:
     mode = os.environ.get("SPEEDTRONIC_CUDA", "auto").strip().lower()
     if mode not in ("auto", "0", "1"):
         raise SystemExit(f"SPEEDTRONIC_CUDA={mode!r} is not valid; use auto, 0 or 1")
-    cpu_build = type("BuildCpuKernels", (_OptionalCpuKernels, build_ext), {})
-    cpu_only = (cpu_extension(), {"build_ext": cpu_build})
+    cpu_only = (cpu_extension(), {"build_ext": BuildCpuKernels})
     if mode == "0":
         _say("skipped (SPEEDTRONIC_CUDA=0)")
         return cpu_only

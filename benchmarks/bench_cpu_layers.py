@@ -162,7 +162,7 @@ def cases(avx2_child: bool = False) -> dict[str, Case]:
             out[f"SwiGLU ({rows}, 128) = {rows * 128:,} elements, fused kernel"] = (
                 "`silu(gate) * up`",
                 lambda gs=gs, us=us, hs=hs: (F.silu(gs) * us).backward(hs),
-                lambda gs=gs, us=us, hs=hs: cpu_kernels._SwiGLU.apply(gs, us).backward(hs), 1)
+                lambda gs=gs, us=us, hs=hs: cpu_kernels.fused_swiglu(gs, us).backward(hs), 1)
         step = _model_step()
         for threads in (1, 2):
             out[f"short-run model, {threads} thread(s), fused kernels"] = (

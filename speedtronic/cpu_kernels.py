@@ -224,6 +224,24 @@ def _cpu_f32(shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.flo
     return torch.empty(shape, dtype=dtype, device="cpu")
 
 
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in torch ops (the path when the kernels are not usable); the mean square in fp32
+    whatever the activation dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+
+
+def rms_norm_backward_torch(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(grad_x, grad_weight)`` of RMSNorm in differentiable torch ops, rstd rebuilt from ``x``:
+    what a double backward (``create_graph=True``) or an unusual backward needs."""
+    rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+    xhat = x * rstd
+    grad_xhat = grad_out * weight  # (..., C)
+    grad_x = (grad_xhat - xhat * (grad_xhat * xhat).mean(-1, keepdim=True)) * rstd
+    return grad_x, (grad_out * xhat).reshape(-1, x.shape[-1]).sum(0)
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -250,12 +268,16 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up``: the fused kernel when :func:`usable` (and at least
     :data:`SWIGLU_MIN_NUMEL` elements), else torch's ops."""
-    if _fx_tracing():  # shapes are proxies: record torch's ops
-        return torch.nn.functional.silu(gate) * up
-    if gate.shape != up.shape:
+    if not _fx_tracing() and gate.shape != up.shape:  # (under fx the shapes are proxies)
         raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
     if not usable(gate, up, min_numel=SWIGLU_MIN_NUMEL):
         return torch.nn.functional.silu(gate) * up
+    return fused_swiglu(gate, up)
+
+
+def fused_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The fused kernel itself, for a caller that has checked :func:`usable` on same-shaped
+    tensors (the model's SwiGLU: one gate check per call, not two)."""
     return _SwiGLU.apply(gate, up)
 
 
@@ -279,14 +301,8 @@ class _RMSNorm(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         if not (_backward_ok(ctx, x, grad_out) and _plain_fp32(weight) and _plain_fp32(rstd)
                 and weight.shape == ctx.weight_shape and rstd.numel() == x.numel() // c):
-            # create_graph=True, compiled autograd, batched or hooked tensors: rebuild rstd
-            # with differentiable torch ops.
-            rstd_d = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)  # (..., 1)
-            xhat = x * rstd_d
-            grad_xhat = grad_out * weight
-            grad_x = (grad_xhat - xhat * (grad_xhat * xhat).mean(-1, keepdim=True)) * rstd_d
-            grad_w = (grad_out * xhat).reshape(-1, c).sum(0)
-            return grad_x, grad_w, None
+            # create_graph=True, compiled autograd, batched or hooked tensors: torch's ops.
+            return (*rms_norm_backward_torch(grad_out, x, weight, ctx.eps), None)
         grad_x = _cpu_f32(x.shape)
         want_w = ctx.needs_input_grad[1]
         grad_w64 = _cpu_f32((c,), torch.float64) if want_w else None
@@ -300,13 +316,15 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim: the fused kernel when :func:`usable`, else torch's ops."""
-    if _fx_tracing():  # shapes are proxies: record torch's ops
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
-    if x.dim() == 0 or weight.shape != (x.shape[-1],):
+    if not _fx_tracing() and (x.dim() == 0 or weight.shape != (x.shape[-1],)):
         raise ValueError(f"rms_norm: weight {tuple(weight.shape)} does not match the last dim "
                          f"of x {tuple(x.shape)}")
     if not usable(x, weight):
-        xf = x.float()  # mean square in fp32 whatever the activation dtype
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+        return rms_norm_torch(x, weight, eps)
+    return fused_rms_norm(x, weight, eps)
+
+
+def fused_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The fused kernel itself, for a caller that has checked :func:`usable` and that
+    ``weight`` matches the last dim of ``x`` (the model's RMSNorm)."""
     return _RMSNorm.apply(x, weight, eps)

@@ -77,15 +77,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., C) -> (..., C)
         if cpu_kernels.usable(x, self.weight):  # one fused pass each way (cpu_kernels.py)
-            return cpu_kernels.rms_norm(x, self.weight, self.eps)
+            return cpu_kernels.fused_rms_norm(x, self.weight, self.eps)
         if (x.device.type == "cpu" and x.dtype == torch.float32
                 and self.weight.dtype == torch.float32 and not torch.compiler.is_compiling()):
             return _RMSNormCPU.apply(x, self.weight, self.eps)[0]
         if _HAS_RMS_NORM:  # CUDA: one fused kernel; under torch.compile: inductor fuses it
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        xf = x.float()  # mean square in fp32 whatever the activation dtype
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return xf.to(x.dtype) * self.weight
+        return cpu_kernels.rms_norm_torch(x, self.weight, self.eps)
 
 
 class _RMSNormCPU(torch.autograd.Function):
@@ -125,20 +123,17 @@ class _RMSNormCPU(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor, _grad_xhat: Any,
                  _grad_rstd: Any) -> tuple[torch.Tensor | None, ...]:
         x, xhat, rstd, weight = ctx.saved_tensors
-        create_graph = torch.is_grad_enabled()  # True only under backward(create_graph=True)
-        if create_graph:  # the saved rstd / xhat have no graph back to x: rebuild it
-            rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
-            xhat = x * rstd
+        if torch.is_grad_enabled():  # backward(create_graph=True): the saved rstd / xhat have
+            # no graph back to x, so the differentiable form rebuilds them
+            return (*cpu_kernels.rms_norm_backward_torch(grad_out, x, weight, ctx.eps), None)
         grad_x = grad_w = None
         if ctx.needs_input_grad[1]:
             grad_w = (grad_out * xhat).reshape(-1, x.shape[-1]).sum(0)  # (C,)
         if ctx.needs_input_grad[0]:
             grad_xhat = grad_out * weight  # (..., C)
             projection = (grad_xhat * xhat).mean(-1, keepdim=True)  # (..., 1)
-            if create_graph:
-                grad_x = (grad_xhat - xhat * projection) * rstd
-            else:  # in place: grad_xhat is a temporary no graph keeps
-                grad_x = grad_xhat.sub_(xhat * projection).mul_(rstd)
+            # in place: grad_xhat is a temporary no graph keeps
+            grad_x = grad_xhat.sub_(xhat * projection).mul_(rstd)
         return grad_x, grad_w, None
 
 
@@ -234,7 +229,7 @@ class SwiGLU(nn.Module):
         if not torch.jit.is_scripting():  # TorchScript compiles only the torch-ops line
             # fp32 eager CPU, large enough: one fused pass each way (speedtronic.cpu_kernels)
             if cpu_kernels.usable(gate, up, min_numel=cpu_kernels.SWIGLU_MIN_NUMEL):
-                return self.down_proj(cpu_kernels.swiglu(gate, up))
+                return self.down_proj(cpu_kernels.fused_swiglu(gate, up))
         return self.down_proj(F.silu(gate) * up)
 
 
