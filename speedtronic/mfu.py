@@ -23,14 +23,18 @@ overrides them, e.g. for other GPUs or for a CPU.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["PEAK_TFLOPS", "device_peak_tflops", "median", "model_flops_per_token",
+__all__ = ["PEAK_TFLOPS", "MfuMeter", "device_peak_tflops", "median", "model_flops_per_token",
            "transformer_flops_per_token"]
+
+logger = logging.getLogger("speedtronic.mfu")
 
 #: Dense peak TFLOP/s per GPU: (16-bit, TF32). Matched by substring of the device name, first hit.
 PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
@@ -79,4 +83,54 @@ def device_peak_tflops(device: torch.device, precision_mode: str,
 
 
 def median(values: Sequence[float]) -> float | None:
+    """The median of ``values``; None for none."""
     return statistics.median(values) if values else None
+
+
+class MfuMeter:
+    """Adds model TFLOP/s and MFU to a run's log rows and keeps them for the summary.
+
+    Decided once per run: the model's FLOPs per token at the run's sequence length and the
+    device's peak. One log line states the decision (or why MFU is off)."""
+
+    def __init__(self, model: nn.Module, seq_len: int, device: torch.device,
+                 precision_mode: str, peak_override: float | None = None) -> None:
+        self.flops_per_token = model_flops_per_token(model, seq_len)
+        self.peak_tflops, source = device_peak_tflops(device, precision_mode, peak_override)
+        self.tflops_history: list[float] = []
+        self.mfu_history: list[float] = []
+        if self.flops_per_token is None:
+            logger.info("mfu: off (%s declares no flops_per_token(seq_len))",
+                        type(model).__name__)
+        elif self.peak_tflops is None:
+            logger.info("mfu: model TFLOP/s only (%.3g GFLOP per token); %s",
+                        self.flops_per_token / 1e9, source)
+        else:
+            logger.info("mfu: %.3g GFLOP per token against a peak of %.0f TFLOP/s (%s)",
+                        self.flops_per_token / 1e9, self.peak_tflops, source)
+
+    def add(self, record: dict[str, Any]) -> None:
+        """Set ``record["model_tflops"]`` (and ``["mfu"]`` with a known peak) from its
+        ``tokens_per_sec``."""
+        if self.flops_per_token is None:
+            return
+        tflops = record["tokens_per_sec"] * self.flops_per_token / 1e12
+        record["model_tflops"] = tflops
+        self.tflops_history.append(tflops)
+        if self.peak_tflops is not None:
+            record["mfu"] = tflops / self.peak_tflops
+            self.mfu_history.append(record["mfu"])
+
+    def summary(self) -> dict[str, float | None]:
+        """The medians over every row :meth:`add` saw (the ``train_end`` fields)."""
+        return {"median_model_tflops": median(self.tflops_history),
+                "median_mfu": median(self.mfu_history)}
+
+    def summary_line(self) -> str | None:
+        """``summary: median ... model TFLOP/s, MFU ...%`` or None without FLOPs."""
+        tflops, mfu = median(self.tflops_history), median(self.mfu_history)
+        if tflops is None:
+            return None
+        mfu_text = f", MFU {100 * mfu:.1f}%" if mfu is not None else ""
+        return (f"summary: median {tflops:.3g} model TFLOP/s{mfu_text} over "
+                f"{len(self.tflops_history)} log steps")

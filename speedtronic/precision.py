@@ -1,4 +1,4 @@
-"""Device and numeric-precision decisions, made once at startup and logged in one line each.
+"""Device, numeric-precision and compile decisions, made once at startup, one log line each.
 
 Parameters and optimizer state always stay fp32; mixed precision only wraps the forward pass and
 the loss in ``torch.autocast``. fp16 additionally needs a ``GradScaler`` (its 5-bit exponent
@@ -168,3 +168,26 @@ def decide_compile(cfg: SpeedtronicConfig, device: torch.device) -> tuple[bool, 
                        f"{AUTO_COMPILE_MIN_STEPS}-step threshold where compiling pays back; set "
                        "compile: true to compile anyway")
     return True, f"auto: a {cfg.run.max_steps}-step CUDA run"
+
+
+def compile_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean 'the compiler failed', not 'the model is wrong'.
+
+    The trainer's compile fallback catches only these, so a model bug raised under
+    ``torch.compile`` is raised again from the eager re-run instead of being hidden."""
+    types: list[type[BaseException]] = []
+    try:
+        from torch._dynamo.exc import TorchDynamoException
+
+        types.append(TorchDynamoException)
+    except ImportError:
+        pass
+    try:
+        from torch._inductor import exc as inductor_exc
+
+        for name in ("InductorError", "CppCompileError", "CUDACompileError"):
+            if isinstance(getattr(inductor_exc, name, None), type):
+                types.append(getattr(inductor_exc, name))
+    except ImportError:
+        pass
+    return tuple(types)

@@ -11,28 +11,29 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
 import torch
 from torch import nn
 
-from . import mfu, ooo, shapes
+from . import ooo, shapes
+from .accumulation import IGNORE_INDEX, StepWeights, counted_tokens
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from .config import SpeedtronicConfig
 from .errors import SpeedtronicError
 from .metrics import MetricsLogger, format_step_line
+from .mfu import MfuMeter
 from .models.loss import extract_loss
 from .ooo_trial import OOOTrial
-from .precision import PrecisionPlan, decide_compile, max_memory_bytes
+from .precision import PrecisionPlan, compile_error_types, decide_compile, max_memory_bytes
 
 logger = logging.getLogger("speedtronic.trainer")
 
-IGNORE_INDEX = -100
-"""Label value that counts for no token (the reference model's and Hugging Face's)."""
+__all__ = ["IGNORE_INDEX", "Trainer", "TrainerCallback", "TrainResult", "loss_from_output",
+           "trainable_parameters"]
 
 
 @runtime_checkable
@@ -76,26 +77,6 @@ class TrainResult:
 
 #: The trainer's name for :func:`speedtronic.models.extract_loss` (the same function).
 loss_from_output = extract_loss
-
-
-def _compile_error_types() -> tuple[type[BaseException], ...]:
-    """Exceptions that mean 'the compiler failed', not 'the model is wrong'."""
-    types: list[type[BaseException]] = []
-    try:
-        from torch._dynamo.exc import TorchDynamoException
-
-        types.append(TorchDynamoException)
-    except ImportError:
-        pass
-    try:
-        from torch._inductor import exc as inductor_exc
-
-        for name in ("InductorError", "CppCompileError", "CUDACompileError"):
-            if isinstance(getattr(inductor_exc, name, None), type):
-                types.append(getattr(inductor_exc, name))
-    except ImportError:
-        pass
-    return tuple(types)
 
 
 class Trainer:
@@ -147,16 +128,13 @@ class Trainer:
         self._ooo = None
         self._ooo_trial: OOOTrial | None = None
         self._shape_report = None
-        self._flops_per_token: float | None = None
-        self._peak_tflops: float | None = None
-        self._mfu_history: list[float] = []
-        self._tflops_history: list[float] = []
+        self._mfu: MfuMeter | None = None
         self._last_saved_step = -1
         self._replaced: str | None = None
         # The open log interval: the summed micro-batch losses (fp32 on device) and their count
         # since the last logged step. Checkpointed, so a run resumed between two log steps logs
         # the same mean loss there as an uninterrupted one.
-        self._loss_sum: torch.Tensor | None = None
+        self._loss_sum = torch.zeros(())  # replaced by a device tensor in fit
         self._micro_since_log = 0
         self._restored_window: tuple[float, int] = (0.0, 0)
         self._lr_used: Any = 0.0  # the lr of the last log step (read before the schedule moves)
@@ -205,25 +183,10 @@ class Trainer:
                             "on only where it measures faster", len(self._ooo_trial.plan))
             else:
                 logger.info("ooo backprop: stays on without a trial (ooo_trial_pairs: 0)")
-        self._configure_mfu()
-
-    def _configure_mfu(self) -> None:
-        """Model FLOPs per token and the device peak, decided once (see speedtronic.mfu)."""
-        cfg = self.config
-        seq_len = getattr(self.data, "block_size", None) or cfg.data.block_size \
-            or cfg.model.max_seq_len
-        self._flops_per_token = mfu.model_flops_per_token(self.model, int(seq_len))
-        self._peak_tflops, source = mfu.device_peak_tflops(self.device, self.precision.mode,
-                                                           cfg.run.peak_tflops)
-        if self._flops_per_token is None:
-            logger.info("mfu: off (%s declares no flops_per_token(seq_len))",
-                        type(self.model).__name__)
-        elif self._peak_tflops is None:
-            logger.info("mfu: model TFLOP/s only (%.3g GFLOP per token); %s",
-                        self._flops_per_token / 1e9, source)
-        else:
-            logger.info("mfu: %.3g GFLOP per token against a peak of %.0f TFLOP/s (%s)",
-                        self._flops_per_token / 1e9, self._peak_tflops, source)
+        seq_len = getattr(self.data, "block_size", None) or self.config.data.block_size \
+            or self.config.model.max_seq_len
+        self._mfu = MfuMeter(self.model, int(seq_len), self.device, self.precision.mode,
+                             self.config.run.peak_tflops)
 
     # ----------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
@@ -244,8 +207,8 @@ class Trainer:
                           if callable(getattr(cb, "state_dict", None))},
             "config": self.config.to_dict(redact=True),
             # One host read per checkpoint (the save reads every tensor anyway).
-            "log_window": {"loss_sum": float(self._loss_sum) if self._loss_sum is not None
-                           else 0.0, "micro_batches": self._micro_since_log},
+            "log_window": {"loss_sum": float(self._loss_sum),
+                           "micro_batches": self._micro_since_log},
             "last_loss": self.last_loss,
             "last_eval_loss": self.last_eval_loss,
         }
@@ -311,17 +274,6 @@ class Trainer:
         self.metrics.emit("checkpoint", {"step": self.step, "path": str(path)})
         return path
 
-    def _add_mfu(self, record: dict[str, Any]) -> None:
-        """Achieved model TFLOP/s and MFU of the interval just logged."""
-        if self._flops_per_token is None:
-            return
-        tflops = record["tokens_per_sec"] * self._flops_per_token / 1e12
-        record["model_tflops"] = tflops
-        self._tflops_history.append(tflops)
-        if self._peak_tflops is not None:
-            record["mfu"] = tflops / self._peak_tflops
-            self._mfu_history.append(record["mfu"])
-
     def _end_ooo_trial(self, trial: OOOTrial, step: int) -> None:
         """Record the out-of-order trial's outcome; a scheduler it closed is dropped."""
         self._ooo_trial = None
@@ -339,18 +291,6 @@ class Trainer:
     def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         nb = self.device.type == "cuda"
         return x.to(self.device, non_blocking=nb), y.to(self.device, non_blocking=nb)
-
-    @staticmethod
-    def _counted_tokens(y: torch.Tensor) -> int | None:
-        """Label tokens of a micro-batch that count (not ``IGNORE_INDEX``), read on the host.
-
-        None (no token weighting) for labels that are not integer ids in host memory: labels a
-        user's data yields on the device would need a sync to count, and float labels are not
-        ids."""
-        if y.device.type != "cpu" or y.is_floating_point() or y.is_complex() \
-                or y.dtype == torch.bool:
-            return None
-        return int(np.count_nonzero(y.numpy() != IGNORE_INDEX))
 
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor, rel: float = 1.0) -> torch.Tensor:
         """Forward + backward of one micro-batch; returns the detached loss (on device).
@@ -380,7 +320,7 @@ class Trainer:
             logger.info("torch.compile: compiled in %.1f s (first forward + backward)",
                         time.perf_counter() - t0)
             return loss
-        except _compile_error_types() as exc:
+        except compile_error_types() as exc:
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             logger.warning("torch.compile: off (compiler failed, running eager: %s: %s)",
                            type(exc).__name__, reason[:300])
@@ -454,6 +394,71 @@ class Trainer:
             self.scheduler.step()
         return norm
 
+    def _accumulate_step(self, it: Iterator[Any]) -> bool:
+        """Forward + backward of one optimizer step's micro-batches, token-weighted (see
+        :mod:`speedtronic.accumulation`); False when every micro-batch was padding (no gradient).
+        """
+        k = self.accumulation_steps
+        weigh = k > 1
+        weights = StepWeights(k)
+        step_losses: list[torch.Tensor] = []
+        ran = 0
+        for _ in range(k):
+            x, y = next(it)
+            n = counted_tokens(y) if weigh else None
+            self._micro_since_log += 1
+            self.tokens += x.numel()
+            self.samples += x.shape[0]
+            if n == 0:
+                continue  # all padding: nothing to learn, and its mean loss is NaN
+            rel = weights.weight(n)
+            ran += 1
+            x, y = self._to_device(x, y)
+            if self._compile_pending:
+                loss = self._first_compiled_micro_step(x, y, rel)
+            else:
+                loss = self._micro_step(x, y, rel)
+            loss = loss if rel == 1.0 else loss * rel
+            self._loss_sum += loss
+            if weigh:
+                step_losses.append(loss)  # summed only if the factor is not 1
+        factor = weights.gradient_factor()
+        if factor != 1.0:
+            self._grad_factor = factor
+            # the log's mean is per token too
+            self._loss_sum += torch.stack(step_losses).sum() * (factor - 1.0)
+        if not ran:  # every micro-batch was padding: no loss to log either
+            self._micro_since_log -= k
+        return ran > 0 or not weigh
+
+    def _log_record(self, interval: _LogInterval, now: float,
+                    grad_norm: torch.Tensor | None) -> dict[str, Any]:
+        """The ``train_step`` row of the interval ending at this step."""
+        dt = max(now - interval.start, 1e-9)
+        # The loop's only host sync: one read of (loss, grad norm) per log step.
+        if grad_norm is None:
+            loss_value, norm_value = float(self._loss_sum.item()), None
+        else:
+            loss_value, norm_value = torch.stack(
+                [self._loss_sum, grad_norm.detach().float()]).tolist()
+        # NaN for an interval of all-padding steps: no token had a loss
+        self.last_loss = (loss_value / self._micro_since_log
+                          if self._micro_since_log else float("nan"))
+        record = {
+            "step": self.step,
+            "loss": self.last_loss,
+            "lr": float(self._lr_used),
+            "grad_norm": norm_value,
+            "tokens_per_sec": (self.tokens - interval.tokens) / dt,
+            "samples_per_sec": (self.samples - interval.samples) / dt,
+            "step_ms": 1000.0 * dt / max(1, self.step - interval.steps),
+            "tokens": self.tokens,
+            "memory_bytes": max_memory_bytes(self.device),
+        }
+        if self._mfu is not None:
+            self._mfu.add(record)
+        return record
+
     def fit(self) -> TrainResult:
         """Train from ``self.step`` to ``config.run.max_steps``; returns the result."""
         cfg = self.config
@@ -476,98 +481,34 @@ class Trainer:
         it = iter(self.data.train)
         if self.step == 0 and self.step < target and eval_every:
             self.evaluate()  # baseline: the loss of the untrained model (eval_every: 0 skips it)
-        loss_sum = torch.zeros((), device=self.device)  # fp32, summed on device between logs
-        loss_sum.fill_(self._restored_window[0])  # exact: an fp32 value read back as a float
-        self._loss_sum, self._micro_since_log = loss_sum, self._restored_window[1]
+        self._loss_sum = torch.zeros((), device=self.device)  # fp32, summed on device
+        self._loss_sum.fill_(self._restored_window[0])  # exact: an fp32 value read back
+        self._micro_since_log = self._restored_window[1]
         self._restored_window = (0.0, 0)  # used once: a second fit() starts a fresh interval
-        t_log, steps_at_log = time.perf_counter(), self.step
-        tokens_at_log, samples_at_log = self.tokens, self.samples
-        grad_norm: torch.Tensor | None = None
+        interval = _LogInterval(time.perf_counter(), self.step, self.tokens, self.samples)
         try:
             while self.step < target:
                 trial = self._ooo_trial
                 if trial is not None:
                     trial.begin_step()
-                # Token weighting (k > 1): each micro-batch's mean loss is backpropagated with
-                # rel = its counted tokens / ref (ref: the step's first counted micro-batch's
-                # count), and the step's gradients are multiplied by k * ref / n_total once all
-                # are in, so the step is a mean over all its tokens even with padding (a padded
-                # 4 x 4 step once moved weights 4.5e-3 from one batch of 16). Equal counts
-                # (padded or not) give rel = 1.0 and a factor of 1: the exact 1/k of plain
-                # averaging, no extra pass. rel exceeds 1 when a later micro-batch counts more
-                # tokens; under fp16 an overflow is the GradScaler's usual skipped step.
-                weigh = self.accumulation_steps > 1
-                ref, n_total, step_losses, ran = None, 0, [], 0
-                for _ in range(self.accumulation_steps):
-                    x, y = next(it)
-                    n = self._counted_tokens(y) if weigh else None
-                    self._micro_since_log += 1
-                    self.tokens += x.numel()
-                    self.samples += x.shape[0]
-                    if n == 0:
-                        continue  # all padding: nothing to learn, and its mean loss is NaN
-                    if n is not None and ref is None:
-                        ref = n
-                    rel = 1.0 if n is None or n == ref else n / ref
-                    if ref is not None:  # labels not counted here weigh as the first's
-                        n_total += ref if n is None else n
-                    ran += 1
-                    x, y = self._to_device(x, y)
-                    if self._compile_pending:
-                        loss = self._first_compiled_micro_step(x, y, rel)
-                    else:
-                        loss = self._micro_step(x, y, rel)
-                    loss = loss if rel == 1.0 else loss * rel
-                    loss_sum += loss
-                    if weigh:
-                        step_losses.append(loss)  # summed only if the factor is not 1
-                factor = (self.accumulation_steps * ref / n_total) if ref and n_total else 1.0
-                if factor != 1.0:
-                    self._grad_factor = factor
-                    # the log's mean is per token too
-                    loss_sum += torch.stack(step_losses).sum() * (factor - 1.0)
-                if not ran:  # every micro-batch was padding: no gradient, no loss to log
-                    self._micro_since_log -= self.accumulation_steps
+                has_gradient = self._accumulate_step(it)
                 last = self.step + 1 == target
                 log_now = (self.step + 1) % log_every == 0 or last
-                grad_norm = self._clip_and_step(need_norm=log_now, update=ran > 0 or not weigh)
+                grad_norm = self._clip_and_step(need_norm=log_now, update=has_gradient)
                 if trial is not None and trial.end_step() is not None:
                     self._end_ooo_trial(trial, self.step + 1)
                 self.step += 1
                 self._call("after_optimizer_step", self.step)
                 if log_now:
-                    now = time.perf_counter()
-                    dt = max(now - t_log, 1e-9)
-                    n_steps = max(1, self.step - steps_at_log)
-                    # The loop's only host sync: one read of (loss, grad norm) per log step.
-                    if grad_norm is None:
-                        loss_value, norm_value = float(loss_sum.item()), None
-                    else:
-                        loss_value, norm_value = torch.stack(
-                            [loss_sum, grad_norm.detach().float()]).tolist()
-                    # NaN for an interval of all-padding steps: no token had a loss
-                    self.last_loss = (loss_value / self._micro_since_log
-                                      if self._micro_since_log else float("nan"))
-                    record = {
-                        "step": self.step,
-                        "loss": self.last_loss,
-                        "lr": float(self._lr_used),
-                        "grad_norm": norm_value,
-                        "tokens_per_sec": (self.tokens - tokens_at_log) / dt,
-                        "samples_per_sec": (self.samples - samples_at_log) / dt,
-                        "step_ms": 1000.0 * dt / n_steps,
-                        "tokens": self.tokens,
-                        "memory_bytes": max_memory_bytes(self.device),
-                    }
-                    self._add_mfu(record)
+                    record = self._log_record(interval, time.perf_counter(), grad_norm)
                     self.metrics.emit("train_step", record)
                     self.metrics.line(format_step_line(record, target))
-                    self.metrics.advance(self.step - steps_at_log,
+                    self.metrics.advance(self.step - interval.steps,
                                          {"loss": f"{self.last_loss:.3f}"})
-                    loss_sum.zero_()
+                    self._loss_sum.zero_()
                     self._micro_since_log = 0
-                    t_log, steps_at_log = time.perf_counter(), self.step
-                    tokens_at_log, samples_at_log = self.tokens, self.samples
+                    interval = _LogInterval(time.perf_counter(), self.step, self.tokens,
+                                            self.samples)
                 eval_due = bool(eval_every and self.step % eval_every == 0) or last
                 save_due = self.checkpoints is not None and (self.step % ckpt_every == 0 or last)
                 if (eval_due or save_due) and self.device.type == "cuda":
@@ -581,7 +522,7 @@ class Trainer:
                     self.save_checkpoint()
                 # Evaluations and checkpoints are not training steps: keep them out of the
                 # interval's ms/step, tokens/s and MFU (an eval once put 93 against 77 ms/step).
-                t_log += time.perf_counter() - t_pause
+                interval.start += time.perf_counter() - t_pause
         finally:
             if self._ooo_trial is not None:  # the run ended before the trial did
                 self._ooo_trial.abandon()
@@ -595,19 +536,30 @@ class Trainer:
                         self._replaced)
             self.evaluate()
             self.save_checkpoint(force=True)
-        summary = {"median_model_tflops": mfu.median(self._tflops_history),
-                   "median_mfu": mfu.median(self._mfu_history)}
+        return self._finish()
+
+    def _finish(self) -> TrainResult:
+        """The ``train_end`` row, the MFU summary line and the result."""
+        summary = self._mfu.summary() if self._mfu is not None else {}
         self.metrics.emit("train_end", {"step": self.step, "tokens": self.tokens,
                                         "loss": self.last_loss, "eval_loss": self.last_eval_loss,
                                         **summary})
-        if summary["median_model_tflops"] is not None:
-            mfu_text = (f", MFU {100 * summary['median_mfu']:.1f}%"
-                        if summary["median_mfu"] is not None else "")
-            self.metrics.line(f"summary: median {summary['median_model_tflops']:.3g} model "
-                              f"TFLOP/s{mfu_text} over {len(self._tflops_history)} log steps")
+        line = self._mfu.summary_line() if self._mfu is not None else None
+        if line:
+            self.metrics.line(line)
         return TrainResult(steps=self.step, tokens=self.tokens, final_loss=self.last_loss,
                            final_eval_loss=self.last_eval_loss, run_dir=self.run_dir,
                            metrics_path=self.metrics.path)
+
+
+@dataclass
+class _LogInterval:
+    """Where the open log interval started: clock (minus pauses), step and counters."""
+
+    start: float
+    steps: int
+    tokens: int
+    samples: int
 
 
 def trainable_parameters(model: nn.Module) -> Iterable[nn.Parameter]:

@@ -539,3 +539,22 @@ def test_a_failed_build_keeps_another_runs_log_file(tmp_path):
         logging.getLogger("speedtronic").removeHandler(h)
         h.close()
     assert "step 2/2" in (tmp_path / "ok.log").read_text()
+
+
+def test_step_weights_make_an_accumulated_step_a_mean_over_its_tokens():
+    """The weights times each micro-batch's mean, scaled by the factor, equal the token mean."""
+    from speedtronic.accumulation import StepWeights, counted_tokens
+
+    labels = [torch.tensor([[1, 2, -100, -100]]), torch.tensor([[3, -100, -100, -100]]),
+              torch.tensor([[4, 5, 6, 7]])]
+    counts = [counted_tokens(y) for y in labels]
+    assert counts == [2, 1, 4]
+    token_losses = [torch.tensor([1.0, 3.0]), torch.tensor([5.0]), torch.tensor([2.0, 2, 4, 4])]
+    weights = StepWeights(3)
+    # what backward sees: mean loss * rel / k per micro-batch, then the factor on the sum
+    summed = sum(loss.mean() * weights.weight(n) / 3
+                 for loss, n in zip(token_losses, counts, strict=True))
+    assert weights.gradient_factor() * summed == pytest.approx(torch.cat(token_losses).mean())
+    equal = StepWeights(2)
+    assert [equal.weight(5), equal.weight(5)] == [1.0, 1.0] and equal.gradient_factor() == 1.0
+    assert counted_tokens(torch.zeros(2, 3)) is None  # float targets are not ids: plain mean
