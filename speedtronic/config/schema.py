@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -77,6 +78,26 @@ def _check_finite(section: Any, prefix: str = "") -> None:
                 rule = "a finite number or .inf (no limit)" if no_limit else "a finite number"
                 _check(False, key, f"{'every item ' if is_list else ''}must be {rule}, "
                        f"got {list(value) if is_list else value!r}")
+
+
+def _check_choices(section: Any, prefix: str) -> None:
+    """Refuse a value outside its ``Literal[...]`` choices in the fields of one section.
+
+    The YAML loader checks these while parsing; this covers configs built in Python (e.g.
+    ``OptimizerConfig(name="Muon")`` handed to ``build_optimizer``, which once built an
+    all-AdamW optimizer without a word). Fields whose type mixes a Literal with other types
+    (``compile: bool | "auto"``) are left to the section's own rules."""
+    hints = typing.get_type_hints(type(section))
+    for f in dataclasses.fields(section):
+        hint = hints.get(f.name)
+        if typing.get_origin(hint) is not Literal:
+            continue
+        choices = typing.get_args(hint)
+        value = getattr(section, f.name)
+        if not any(type(value) is type(c) and value == c for c in choices):
+            key = f"{prefix}.{f.name}" if prefix else f.name
+            _check(False, key, f"must be one of {', '.join(repr(c) for c in choices)}, "
+                   f"got {value!r}")
 
 
 @dataclass
@@ -332,6 +353,8 @@ class OptimizerConfig:
     """Rescale kept entries by numel / (kept + 1) as in the Cautious Optimizers paper."""
 
     def validate(self, p: str = "optimizer") -> None:
+        _check_choices(self, p)  # build_optimizer validates this section on its own
+        _check_finite(self, p)
         for key in ("lr", "eps", "muon_lr", "muon_eps", "muon_norm_eps"):
             value = getattr(self, key)
             _check(value > 0, f"{p}.{key}", f"must be > 0, got {value}")
@@ -647,7 +670,9 @@ class SpeedtronicConfig:
         if self.gradient_checkpointing or self.model.gradient_checkpointing:
             self.gradient_checkpointing = self.model.gradient_checkpointing = True
         _check_finite(self)  # first: range rules below read inf as a valid large value
+        _check_choices(self, "")
         for name in _SECTIONS:
+            _check_choices(getattr(self, name), name)
             getattr(self, name).validate(name)
         _check(1 <= self.ooo_streams <= 8, "ooo_streams",
                f"must be in 1..8, got {self.ooo_streams}")

@@ -69,9 +69,17 @@ def _use_fused(group: dict[str, Any], params: list[Tensor]) -> bool:
     return bool(fused)
 
 
+def _as_real(t: Tensor) -> Tensor:
+    """A complex tensor as its (..., 2) real view (what torch.optim.AdamW does); others as is."""
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
 def adamw_step(state: dict, group: dict[str, Any]) -> None:
-    """One AdamW step on one param group (keys of :data:`ADAMW_DEFAULTS`)."""
-    params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+    """One AdamW step on one param group (keys of :data:`ADAMW_DEFAULTS`).
+
+    Complex parameters are updated as their real and imaginary parts (``torch.view_as_real``),
+    like ``torch.optim.AdamW``; a cautious mask then compares signs per part."""
+    owners, params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], [], []
     for p in group["params"]:
         if p.grad is None:
             continue
@@ -83,10 +91,18 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
             st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        params.append(p)
-        grads.append(p.grad)
-        exp_avgs.append(st["exp_avg"])
-        exp_avg_sqs.append(st["exp_avg_sq"])
+        grad = p.grad
+        if grad.stride() != p.stride():
+            # torch's fused kernel reads a gradient laid out unlike its parameter (e.g. a
+            # transposed view) as if it were laid out the same: measured, the update of a (4, 6)
+            # parameter with a column-major gradient differed by 2 lr. One copy into the
+            # parameter's layout; gradients from autograd already have it.
+            grad = torch.empty_like(p).copy_(grad)
+        owners.append(p)
+        params.append(_as_real(p))
+        grads.append(_as_real(grad))
+        exp_avgs.append(_as_real(st["exp_avg"]))
+        exp_avg_sqs.append(_as_real(st["exp_avg_sq"]))
         steps.append(st["step"])
     if not params:
         return
@@ -97,7 +113,7 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
         # op below needs each step as a Python int (.item(), another break). Trace the same math
         # per parameter with its step tensor instead; inductor fuses it.
         for i, p in enumerate(params):
-            steps[i] = state[p]["step"] = steps[i] + 1
+            steps[i] = state[owners[i]]["step"] = steps[i] + 1
             ops.adamw_traceable([p], [grads[i]], [exp_avgs[i]], [exp_avg_sqs[i]], lr,
                                 float(beta1), float(beta2), float(group["eps"]),
                                 float(group["weight_decay"]), steps[i], bool(group["cautious"]),
@@ -107,7 +123,7 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
         # torch's fused kernel wants each step on its parameter's device.
         for i, p in enumerate(params):
             if steps[i].device != p.device:
-                steps[i] = state[p]["step"] = steps[i].to(p.device)
+                steps[i] = state[owners[i]]["step"] = steps[i].to(p.device)
         _torch_adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True,
                     decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
                     lr=lr, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
@@ -115,7 +131,7 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
     # Speedtronic op path (cautious, or fused disabled). Steps are bucketed by value: params
     # that first got a gradient later have a smaller step.
     by_step: dict[int, list[int]] = defaultdict(list)
-    for i, p in enumerate(params):
+    for i, p in enumerate(owners):
         # A new tensor, not add_: a loaded state_dict may share its step tensors with the saver.
         steps[i] = state[p]["step"] = steps[i] + 1
         by_step[int(steps[i].item())].append(i)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -86,7 +87,9 @@ def resolve_ns_dtype(spec: str | torch.dtype | None) -> str:
         return "auto"
     if isinstance(spec, torch.dtype):
         if spec not in _DTYPE_NAMES:
-            raise ValueError(f"ns_dtype {spec} is not supported; valid: {sorted(_DTYPE_NAMES)}")
+            raise ValueError(f"ns_dtype {spec} is not supported; valid: "
+                             f"{', '.join(str(d) for d in _DTYPE_NAMES)} or their names "
+                             f"{sorted(_NS_DTYPES)}")
         return _DTYPE_NAMES[spec]
     if spec not in _NS_DTYPES:
         raise ValueError(f"ns_dtype {spec!r} is not valid; use one of {sorted(_NS_DTYPES)}")
@@ -142,6 +145,8 @@ def _check_group(group: dict[str, Any]) -> None:
         raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
     if not 0.0 <= group["weight_decay"]:
         raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
+    if isinstance(group["ns_steps"], bool) or not isinstance(group["ns_steps"], numbers.Integral):
+        raise TypeError(f"ns_steps must be an int, got {group['ns_steps']!r}")
     if group["ns_steps"] < 1 or group["ns_steps"] >= 100:
         raise ValueError(f"ns_steps must be in [1, 100), got {group['ns_steps']}")
     adjusted_lr_scale(group["adjust_lr_fn"], (1, 1))

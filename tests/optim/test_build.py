@@ -225,3 +225,64 @@ def test_standalone_cautious_adamw_matches_torch_when_not_cautious() -> None:
             opt.step()
         outs.append(p.detach())
     assert torch.allclose(outs[0], outs[1], atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"fused": False}, {"cautious": True}])
+def test_adamw_update_does_not_depend_on_the_gradient_layout(kwargs) -> None:
+    """A gradient laid out unlike its parameter (a transposed view) gives the same update: torch's
+    fused kernel alone read it as if laid out like the parameter (2 x lr off)."""
+    torch.manual_seed(0)
+    w, g = torch.randn(4, 6), torch.randn(6, 4).T  # (4, 6), column-major
+    assert not g.is_contiguous()
+    outs = []
+    for grad in (g, g.contiguous()):
+        p = nn.Parameter(w.clone())
+        opt = AdamW([p], lr=1e-2, **kwargs)
+        p.grad = grad
+        opt.step()
+        outs.append(p.detach())
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"fused": False}])
+def test_adamw_updates_complex_parameters_like_torch(kwargs) -> None:
+    torch.manual_seed(0)
+    w, grads = torch.randn(3, 4, dtype=torch.cfloat), [torch.randn(3, 4, dtype=torch.cfloat)
+                                                       for _ in range(2)]
+    outs = []
+    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2),
+                 lambda ps: AdamW(ps, lr=1e-2, **kwargs)):
+        p = nn.Parameter(w.clone())
+        opt = make([p])
+        for grad in grads:
+            p.grad = grad.clone()
+            opt.step()
+        outs.append(p.detach())
+    assert not torch.equal(outs[1].imag, w.imag)  # the imaginary part moved (it was wiped)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
+    model = nn.Linear(4, 4)
+    model.register_parameter("phase", nn.Parameter(w.clone()))
+    opt = build_optimizer(model, OptimizerConfig(name="muon"))
+    model.phase.grad = grads[0].clone()
+    opt.step()
+    assert not torch.equal(model.phase.imag, w.imag)
+
+
+def test_cautious_adamw_keeps_fp16_entries_with_zero_gradient_finite() -> None:
+    """eps = 1e-8 is 0 in fp16: the fallback computes the direction in fp32 (it gave NaN)."""
+    p = nn.Parameter(torch.ones(1, 4, dtype=torch.float16))
+    opt = AdamW([p], lr=1e-3, cautious=True)
+    p.grad = torch.tensor([[0.5, 0.0, -0.25, 0.0]], dtype=torch.float16)
+    opt.step()
+    assert torch.isfinite(p).all()
+    assert p[0, 1].item() == 1.0 and p[0, 0].item() < 1.0 < p[0, 2].item()
+
+
+@pytest.mark.parametrize("field, value", [("name", "Muon"), ("name", "sgd"),
+                                          ("muon_ns_dtype", "float16"), ("lr", float("inf"))])
+def test_build_optimizer_validates_a_config_built_in_python(field, value) -> None:
+    """The YAML loader's checks also hold for a dataclass built in Python ("Muon" once built an
+    all-AdamW optimizer without a word)."""
+    cfg = OptimizerConfig(**{field: value})
+    with pytest.raises(ConfigError, match=f"optimizer.{field}"):
+        build_optimizer(nn.Linear(4, 4), cfg)

@@ -269,6 +269,10 @@ def test_errors_are_clear() -> None:
         Muon([nn.Parameter(torch.randn(3, 3))], adjust_lr_fn="nope")
     with pytest.raises(ValueError, match="ns_dtype"):
         Muon([nn.Parameter(torch.randn(3, 3))], ns_dtype="int8")
+    with pytest.raises(ValueError, match="ns_dtype torch.int8 is not supported; valid: .*bfloat16"):
+        Muon([nn.Parameter(torch.randn(3, 3))], ns_dtype=torch.int8)  # was a TypeError from sorted
+    with pytest.raises(TypeError, match="ns_steps must be an int, got 2.5"):
+        Muon([nn.Parameter(torch.randn(3, 3))], ns_steps=2.5)  # silently ran 2 iterations
     p = nn.Parameter(torch.randn(4, 4))
     p.grad = torch.eye(4).to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
