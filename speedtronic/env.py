@@ -107,20 +107,21 @@ def _kernel_status() -> dict[str, Any]:
 
 
 def format_env(info: dict[str, Any]) -> str:
-    """Human-readable ``key: value`` lines."""
-    lines = []
+    """Human-readable ``key: value`` lines, the colons in one column."""
+    rows: list[tuple[str, Any]] = []
     for key, value in info.items():
         if key == "cuda_devices":
             if not value:
-                lines.append(f"{key:16s}: none")
+                rows.append((key, "none"))
             for dev in value:
-                lines.append(f"{'cuda:' + str(dev['index']):16s}: {dev['name']} (sm "
-                             f"{dev['capability']}, {dev['memory_gib']} GiB, bf16={dev['bf16']})")
+                rows.append((f"cuda:{dev['index']}", f"{dev['name']} (sm {dev['capability']}, "
+                             f"{dev['memory_gib']} GiB, bf16={dev['bf16']})"))
         elif isinstance(value, dict):
-            for k, v in value.items():
-                lines.append(f"{key + '.' + k:16s}: {v}")
+            rows.extend((f"{key}.{k}", v) for k, v in value.items())
         else:
             missing = {"OMP_NUM_THREADS": "unset", "torch_cuda": "none (CPU-only torch)"}.get(
                 key, "not installed")
-            lines.append(f"{key:16s}: {missing if value is None else value}")
+            rows.append((key, missing if value is None else value))
+    width = max((len(name) for name, _ in rows), default=0)
+    lines = [f"{name:{width}s} : {value}" for name, value in rows]
     return "\n".join(lines)

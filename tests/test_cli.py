@@ -201,6 +201,16 @@ def test_env_and_plot_commands(tmp_path, capsys):
     assert "no metrics.jsonl" in capsys.readouterr().err
 
 
+
+def test_env_text_keeps_its_colons_in_one_column(capsys):
+    """Keys longer than 16 characters (kernels.built_with_torch) once pushed their colon out."""
+    assert main(["env"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if " : " in ln]
+    assert len(lines) > 10
+    assert len({ln.index(" : ") for ln in lines}) == 1
+    assert any(ln.startswith("kernels.built_with_torch ") for ln in lines)
+
+
 def _readme_command_2() -> str:
     text = (ROOT / "README.md").read_text()
     blocks = re.findall(r"```(?:bash|sh)\n(.*?)```", text, flags=re.S)
