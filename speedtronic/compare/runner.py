@@ -121,7 +121,14 @@ def data_fingerprint(cfg: SpeedtronicConfig, micro_batches: int = 4) -> str:
     runtime builds them: equal fingerprints mean the same data order and the same eval set."""
     from ..data import build_data
 
-    data = build_data(cfg, rank=0, world=1)
+    # The run builds the same data again and logs its line then; once per run is enough.
+    data_logger = logging.getLogger("speedtronic.data")
+    level = data_logger.level
+    data_logger.setLevel(max(level, logging.WARNING))
+    try:
+        data = build_data(cfg, rank=0, world=1)
+    finally:
+        data_logger.setLevel(level)
     digest = hashlib.sha256()
     batches = [next(data.train) for _ in range(micro_batches)]
     for x, y in [*batches, *data.eval_batches(cfg.run.eval_batches)]:

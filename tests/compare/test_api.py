@@ -24,7 +24,12 @@ def test_cli_compare_two_variants_two_seeds_same_init_and_data(tiny_yaml, tmp_pa
     rc = main(["compare", "--config", str(tiny_yaml), "--variant", "adamw", "--variant", "muon",
                "--steps", "3", "--seeds", "2", "--output-dir", str(out)])
     assert rc == 0
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    # one data line per run (the fingerprint's own data build once logged a second)
+    data_lines = [ln for ln in (captured.out + captured.err).splitlines()
+                  if " data: " in ln and "micro-batch" in ln]
+    assert len(data_lines) == 4, data_lines
     assert "| adamw |" in printed and "| muon |" in printed and " ± " in printed
     report = json.loads((out / "compare.json").read_text())
     assert list(report["variants"]) == ["adamw", "muon"]
