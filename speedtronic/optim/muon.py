@@ -286,10 +286,20 @@ def _bucket_step(key: tuple, items: list[tuple[dict, Tensor, Tensor, Tensor]]) -
         end = start
         while end < len(items) and items[end][0] is group:
             end += 1
-        logical = shape[::-1] if group.get("layout") == "transposed" else shape
-        post(params[start:end], orth[start:end], grads[start:end], float(group["lr"]),
+        transposed = group.get("layout") == "transposed"
+        logical = shape[::-1] if transposed else shape
+        update, muon_plus = orth[start:end], bool(group["muon_plus"])                # (b, m, n)
+        if muon_plus and transposed:
+            # Muon+ normalizes rows (fan-out) then columns of the logical (out, in) matrix; this
+            # one is stored (in, out) (GPT-2's Conv1D), where the post-pass would normalize
+            # columns first: 29% off the nn.Linear update of the same layer.
+            normalize = ops.kernel_or_fallback("muon_plus_normalize", device, [torch.float32])
+            update = normalize(update.mT.float().contiguous(),                       # (b, n, m)
+                               float(group["norm_eps"])).mT.contiguous()            # (b, m, n)
+            muon_plus = False
+        post(params[start:end], update, grads[start:end], float(group["lr"]),
              float(group["weight_decay"]), adjusted_lr_scale(group["adjust_lr_fn"], logical),
-             bool(group["muon_plus"]), float(group["norm_eps"]), bool(group["cautious"]),
+             muon_plus, float(group["norm_eps"]), bool(group["cautious"]),
              bool(group["cautious_rescale"]))
         start = end
 

@@ -314,3 +314,20 @@ def test_huge_shape_groups_are_split_and_give_the_same_result(monkeypatch) -> No
     assert sorted(calls[:4]) == [(1, 16, 16), (1, 16, 24), (1, 24, 16), (2, 16, 16)]
     for a, b in zip(whole, split, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("cautious", [False, True])
+def test_muon_plus_normalizes_a_transposed_weight_in_its_logical_layout(cautious) -> None:
+    """A weight stored (in, out) (layout "transposed", GPT-2's Conv1D) gets the transpose of the
+    update of the same weight stored (out, in): Muon+ normalizes fan-out rows first in both (it
+    normalized the stored rows first, 29% off)."""
+    torch.manual_seed(0)
+    w, g = torch.randn(40, 24), torch.randn(40, 24)                      # (out, in)
+    a, b = nn.Parameter(w.clone()), nn.Parameter(w.T.contiguous())      # (out, in), (in, out)
+    kw = dict(lr=0.02, weight_decay=0.0, muon_plus=True, cautious=cautious)
+    opt_a = Muon([a], **kw)
+    opt_b = Muon([{"params": [b], "layout": "transposed"}], **kw)
+    a.grad, b.grad = g.clone(), g.T.contiguous()
+    opt_a.step()
+    opt_b.step()
+    torch.testing.assert_close(b.detach().T, a.detach(), rtol=1e-5, atol=1e-6)
