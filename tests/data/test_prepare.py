@@ -87,6 +87,30 @@ def test_parallel_and_serial_tokenization_agree(tmp_path, tokenizer_json, text_d
         assert (a.directory / name).read_bytes() == (b.directory / name).read_bytes()
 
 
+def test_blocks_tokenize_to_the_whole_files_ids(tmp_path, tokenizer_json, corpus_text,
+                                               monkeypatch):
+    """Files are tokenized in blocks (4 KiB here, 1 MiB by default): the cuts fall where
+    byte-level BPE splits anyway, so the ids equal the whole file's (a cut inside a whitespace
+    run once merged two newline tokens into one)."""
+    from tokenizers import Tokenizer
+
+    from speedtronic.data import prepare as prepare_module
+
+    monkeypatch.setattr(prepare_module, "_TEXT_BLOCK", 4096)
+    d = tmp_path / "code"
+    d.mkdir()
+    text = corpus_text[:120_000]
+    assert text.count("\n\n    ") > 50  # blank lines before indented code: the risky cuts
+    (d / "one.txt").write_text(text)
+    meta = prepare(cfg(tmp_path, {"tokenizer": str(tokenizer_json), "text_path": str(d)}))
+    from speedtronic.data.token_files import open_token_file
+
+    ids = [int(t) for name in meta["shards"]
+           for t in open_token_file(meta.directory / name, "auto", "test").tokens]
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    assert ids == tok.encode(text, add_special_tokens=False).ids + [meta["eos_id"]]
+
+
 def test_vocab_follows_the_tokenizer_and_a_run_trains(tmp_path, tokenizer_json, text_dir):
     c = cfg(tmp_path, {"tokenizer": str(tokenizer_json), "text_path": str(text_dir / "*.txt")})
     assert c.model.vocab_size is None
