@@ -22,7 +22,7 @@ import json
 import re
 import struct
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -268,10 +268,19 @@ class Pointer:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Pointer:
+        """Parse and type-check a pointer; anything else is a :class:`FormatError` (a version
+        written as ``"7"`` once raised a TypeError that ended a worker's poll thread)."""
         try:
-            return cls(**json.loads(data))
+            pointer = cls(**json.loads(data))
         except (ValueError, TypeError) as exc:
             raise FormatError(f"unreadable pointer {POINTER_KEY}: {exc}") from exc
+        for f in fields(cls):
+            value = getattr(pointer, f.name)
+            kind = {"int": int, "str": str, "float": (int, float)}[f.type]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise FormatError(f"unreadable pointer {POINTER_KEY}: {f.name} is "
+                                  f"{value!r}, not {f.type}")
+        return pointer
 
 
 def global_key(version: int, epoch: int, nonce: str) -> str:

@@ -55,3 +55,17 @@ def test_compression_error_and_size(name, bound, ratio):
     assert 0 < err < bound
     assert len(data) < len(raw) / ratio * 1.1
     assert all(torch.equal(out[k], decoded[k]) for k in d)  # sender knows what master sees
+
+
+@pytest.mark.parametrize("field, value", [("version", "7"), ("master_epoch", True),
+                                          ("path", 3), ("created_at", "now")])
+def test_a_pointer_with_a_mistyped_field_is_a_format_error(field, value):
+    """The poll loop handles FormatError; a TypeError from a "7" version once ended the thread."""
+    import json
+
+    good = codec.Pointer(version=7, path="global/v.safetensors", sha256="a", weights_digest="b",
+                         outer_step=1, master_epoch=1, state_path="master/s", state_sha256="c")
+    assert codec.Pointer.from_bytes(good.to_bytes()) == good
+    bad = json.dumps({**json.loads(good.to_bytes()), field: value}).encode()
+    with pytest.raises(codec.FormatError, match=f"{field} is"):
+        codec.Pointer.from_bytes(bad)
