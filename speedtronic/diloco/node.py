@@ -172,19 +172,47 @@ class Worker:
             return
         if self._steps_in_round:
             self._snapshot()  # the partial last round is sent too: no work is dropped
+        deadline = time.monotonic() + self.cfg.shutdown_timeout
         flushed = self.flush(self.cfg.shutdown_timeout)
         if not flushed:
             logger.warning("diloco worker %s: uploads still pending after shutdown_timeout=%.0fs;"
                            " that work is lost", self.node_id, self.cfg.shutdown_timeout)
-        try:
-            self.store.put(f"nodes/{self.node_id}/{self.session}/done.json",
-                           json.dumps({"last_seq": self.last_seq}).encode())
-        except StoreError as exc:
-            logger.warning("diloco worker %s: could not write done marker: %s", self.node_id, exc)
-        if flushed and self.cfg.final_sync_timeout > 0:
+        marked = self._write_done_marker(max(0.0, deadline - time.monotonic()))
+        if flushed and marked and self.cfg.final_sync_timeout > 0:
             self.final_synced = self.final_sync(trainer, self.cfg.final_sync_timeout)
         self.close()
         self._log(trainer)
+
+    def _write_done_marker(self, timeout: float) -> bool:
+        """Write ``done.json`` within ``timeout`` (what is left of ``shutdown_timeout``).
+
+        The put retries with backoff; during an outage it held the training thread 8.3 s past a
+        1 s ``shutdown_timeout``. It runs on a helper thread, and what is still retrying when the
+        time is up is abandoned (the master then counts this session as gone once it stays
+        quiet, as for a crashed node)."""
+        error: list[BaseException] = []
+
+        def put() -> None:
+            try:
+                self.store.put(f"nodes/{self.node_id}/{self.session}/done.json",
+                               json.dumps({"last_seq": self.last_seq}).encode())
+            except StoreError as exc:
+                error.append(exc)
+
+        thread = threading.Thread(target=put, daemon=True, name=f"diloco-done-{self.node_id}")
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            self._stop.set()  # ends the put's retry waits; close() joins the rest
+            thread.join(5.0)
+            logger.warning("diloco worker %s: done marker not written within shutdown_timeout="
+                           "%.0fs (store unreachable?)", self.node_id, self.cfg.shutdown_timeout)
+            return False
+        if error:
+            logger.warning("diloco worker %s: could not write done marker: %s", self.node_id,
+                           error[0])
+            return False
+        return True
 
     def state_dict(self) -> dict:
         # Resume re-installs the newest global (at most one inner round of local work is lost).

@@ -5,11 +5,11 @@ The contract itself (errors, keys, the :class:`Store` API, documented there) liv
 through it. :func:`open_store` picks the back end from the URL (``file://`` ->
 :class:`DirectoryStore`, ``s3://`` -> :class:`S3Store`, ``hf://`` -> :class:`HfStore`).
 
-Back ends raise :class:`TransientStoreError` for what may succeed later (timeouts, 429, 5xx);
-:class:`RetryingStore` retries exactly those with exponential backoff and full jitter, honouring
-``Retry-After``, and never retries 401/403/404 or precondition failures. Retries sleep, so
-they must never run on the training thread: the worker and master call the store from their
-own threads (see node.py / master.py).
+Back ends raise :class:`TransientStoreError` for what may succeed later (timeouts, 408, 425,
+429, 5xx); :class:`RetryingStore` retries exactly those with exponential backoff and full jitter,
+honouring ``Retry-After``, and never retries another 4xx answer or a precondition failure.
+Retries sleep, so they must not run on the training thread while it trains: the worker and
+master call the store from their own threads (see node.py / master.py).
 """
 
 from __future__ import annotations

@@ -166,3 +166,40 @@ def test_a_round_bound_below_min_deltas_is_refused():
                                           "min_deltas=20"):
         load_config({"distributed": {"enabled": True, "store": "file:///tmp/x", "min_deltas": 20,
                                      "max_deltas_per_round": 16}})
+
+
+def test_the_done_marker_during_an_outage_holds_the_training_thread_only_shutdown_timeout(
+        tmp_path, monkeypatch, caplog):
+    """The end-of-run put of done.json retries with backoff (it held the training thread 8.3 s
+    past a 1 s shutdown_timeout); what is still retrying at the deadline is abandoned."""
+    import logging
+
+    from speedtronic.diloco.service import MasterThread
+
+    flag = tmp_path / "outage"
+    monkeypatch.setenv("SPEEDTRONIC_DILOCO_OUTAGE_FILE", str(flag))
+    url = f"file://{tmp_path}/store"
+    cfg = make_cfg(url, inner_steps=2, shutdown_timeout=1.0, final_sync_timeout=30.0,
+                   start_timeout=3.0)
+    mt = MasterThread(cfg, "master", lambda: initial_weights())
+    mt.start()
+    try:
+        assert mt.ready.wait(30) and mt.error is None, mt.error
+        w, t = Worker(cfg, node_id="w0"), FakeTrainer(TinyModel(0))
+        start = [0.0]
+
+        def outage_after_step_1(step: int) -> None:
+            if step == 1:
+                flag.touch()  # the store goes away; step 2 ends a round, then the run ends
+                start[0] = time.monotonic()
+
+        with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+            train(w, t, 2, on_step=outage_after_step_1)  # ends with on_train_end
+        elapsed = time.monotonic() - start[0]
+    finally:
+        flag.unlink(missing_ok=True)
+        mt.stop.set()
+        mt.join(10)
+    assert "done marker not written within shutdown_timeout=1s" in caplog.text
+    assert elapsed < 1.0 + 5.0  # the flush's 1 s, then at most the join after the stop
+    assert not any(k.endswith("done.json") for k in open_store(url).list("nodes/"))

@@ -32,6 +32,7 @@ from speedtronic.diloco.store import (  # noqa: E402
     PreconditionFailed,
     RetryingStore,
     RetryPolicy,
+    StoreError,
     open_store,
 )
 from speedtronic.diloco.store_remote import HfStore, S3Store  # noqa: E402
@@ -100,6 +101,13 @@ def test_hf_retries_429_and_5xx_but_not_401():
     with pytest.raises(AccessDenied):
         s.get("a.bin")
     assert sleeps == []
+    for status in (400, 405, 413, 422):  # the same request fails again: no retry
+        api.fail = [("hf_hub_download", status, None)]
+        with pytest.raises(StoreError, match=f"HTTP {status}, refused by the server"):
+            s.get("a.bin")
+        assert sleeps == []
+    api.fail = [("hf_hub_download", 408, None)]  # a request timeout is worth another try
+    assert s.get("a.bin") == b"x" and len(sleeps) == 1
 
 
 def test_hf_publication_is_one_commit():
