@@ -203,3 +203,40 @@ def test_the_done_marker_during_an_outage_holds_the_training_thread_only_shutdow
     assert "done marker not written within shutdown_timeout=1s" in caplog.text
     assert elapsed < 1.0 + 5.0  # the flush's 1 s, then at most the join after the stop
     assert not any(k.endswith("done.json") for k in open_store(url).list("nodes/"))
+
+
+def test_every_confirmed_upload_resets_the_inner_optimizer(tmp_path):
+    """Also the upload of a round that ended by installing a newer global (it did not)."""
+    import threading as _threading
+
+    from speedtronic.diloco.master import Master
+
+    url = f"file://{tmp_path}/store"
+    cfg = make_cfg(url, inner_steps=2, poll_interval=1e6, lease_ttl=1e7,
+                   reset_inner_optimizer=True)
+    master = Master(open_store(url), cfg, "m", lambda: initial_weights())
+    assert master.acquire_lease(_threading.Event(), timeout=5)
+    master.load_or_bootstrap()
+    w, t = Worker(cfg, node_id="w0"), FakeTrainer(TinyModel(0))
+    w.on_train_start(t)
+    try:
+        def step() -> None:
+            x, y = torch.randn(4, 8), torch.randn(4, 4)
+            t.optimizer.zero_grad()
+            torch.nn.functional.mse_loss(t.model(x), y).backward()
+            t.optimizer.step()
+            t.step += 1
+            w.after_optimizer_step(t, t.step)
+
+        step(), step()  # a round: snapshot, upload
+        assert w.flush(30)
+        master.run_once()  # v1 holds it
+        w.poll_now()  # v1 staged: the next round ends by installing it
+        step()  # the first upload's reset
+        assert w.m["resets"] == 1 and not t.optimizer.state
+        step()  # a round: snapshot, then install v1
+        assert w.m["installs"] == 2 and w.flush(30)
+        step()
+        assert w.m["deltas_sent"] == 2 and w.m["resets"] == 2 and not t.optimizer.state
+    finally:
+        w.close()
