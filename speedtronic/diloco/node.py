@@ -56,8 +56,17 @@ def default_node_id() -> str:
 
 def sync_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     """The tensors DiLoCo synchronizes: every parameter once (tied weights are deduplicated by
-    ``named_parameters``, so a tied embedding/head is sent once). Buffers are not synchronized."""
-    return dict(model.named_parameters())
+    ``named_parameters``, so a tied embedding/head is sent once). Buffers are not synchronized.
+
+    Deltas and globals are real fp32 tensors, so a complex parameter is refused here: copied
+    into them it lost its imaginary part (torch only warned)."""
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        if p.is_complex() or not p.is_floating_point():
+            raise ConfigError(f"diloco: parameter {name!r} is {p.dtype}; DiLoCo synchronizes "
+                              "real floating-point parameters only (store a complex one as "
+                              "two real ones, e.g. torch.view_as_real)")
+    return params
 
 
 @dataclass

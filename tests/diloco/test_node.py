@@ -240,3 +240,14 @@ def test_every_confirmed_upload_resets_the_inner_optimizer(tmp_path):
         assert w.m["deltas_sent"] == 2 and w.m["resets"] == 2 and not t.optimizer.state
     finally:
         w.close()
+
+
+def test_a_complex_parameter_is_refused_before_anything_is_sent(tmp_path):
+    """Deltas and globals are real fp32: a complex parameter lost its imaginary part."""
+    model = TinyModel(0)
+    model.phase = torch.nn.Parameter(torch.tensor([1 + 2j, 3 - 1j]))
+    w = Worker(make_cfg(f"file://{tmp_path}/store"), node_id="w0")
+    with pytest.raises(ConfigError, match="'phase' is torch.complex64; DiLoCo synchronizes real"):
+        w.on_train_start(FakeTrainer(model))
+    assert model.phase.imag.tolist() == [2.0, -1.0]
+    assert open_store(f"file://{tmp_path}/store").list("") == []
