@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import tempfile
 from pathlib import Path
@@ -35,6 +36,8 @@ from .store_contract import (
     TransientStoreError,
     check_key,
 )
+
+logger = logging.getLogger("speedtronic.diloco.store")
 
 
 def _retry_after(headers: Any) -> float | None:
@@ -211,6 +214,14 @@ class HfStore(Store):
             self._call("create_repo", self.api.create_repo, self.repo_id,
                        repo_type=self.repo_type, private=True, exist_ok=True)
             self._created = True
+            # A new repo is created private; an existing one keeps its visibility, and every
+            # delta and global written to a public one is readable by anyone.
+            info = self._call("repo_info", self.api.repo_info, self.repo_id,
+                              repo_type=self.repo_type)
+            if getattr(info, "private", None) is False:
+                logger.warning("diloco store %s: the Hub repo is public, so every delta and "
+                               "global written to it can be downloaded by anyone; make it "
+                               "private in its settings unless that is intended", self.url)
 
     def _head(self) -> str:
         return self._call("repo_info", self.api.repo_info, self.repo_id,

@@ -34,6 +34,8 @@ class FakeHfApi:
     fails with a 503, as when the reply to a request that landed is lost on the way back."""
     calls: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    private: bool | None = True
+    """What ``repo_info`` says of the repo's visibility (None: the field is absent)."""
 
     def _enter(self, name: str) -> None:
         with self.lock:
@@ -49,7 +51,7 @@ class FakeHfApi:
 
     def repo_info(self, repo_id: str, **kw: Any) -> Any:
         self._enter("repo_info")
-        return SimpleNamespace(sha=self.commits[-1])
+        return SimpleNamespace(sha=self.commits[-1], private=self.private)
 
     def create_commit(self, repo_id: str, operations: list, *, commit_message: str,
                       parent_commit: str | None = None, **kw: Any) -> Any:

@@ -110,6 +110,20 @@ def test_hf_retries_429_and_5xx_but_not_401():
     assert s.get("a.bin") == b"x" and len(sleeps) == 1
 
 
+@pytest.mark.parametrize("private", [True, False])
+def test_hf_warns_once_when_the_repo_is_public(private, caplog):
+    """A new repo is created private; an existing public one keeps its visibility (it was
+    written to without a word)."""
+    import logging
+
+    store = HfStore("hf://me/run", api=FakeHfApi(private=private))
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        store.put("a.bin", b"x")
+        store.put("b.bin", b"y")
+    warnings = [r for r in caplog.records if "Hub repo is public" in r.getMessage()]
+    assert len(warnings) == (0 if private else 1)
+
+
 def test_hf_publication_is_one_commit():
     api = FakeHfApi()
     store = RetryingStore(HfStore("hf://me/run", api=api), sleep=lambda _: None)
