@@ -110,6 +110,13 @@ class Master:
         self._initial = initial_weights
         self._log_metrics = log_metrics
         self.outer = OuterOptimizer(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum)
+        if cfg.outer_optimizer != "sgd" and cfg.outer_momentum >= 0.8 and cfg.inner_steps < 100:
+            # The paper's 0.7/0.9 were tuned for rounds of ~500 steps; with short rounds the
+            # momentum overshoots (bench_diloco.md, H=20: 1.185 against 1.031 at 0.5/0.5).
+            logger.warning("diloco master: outer_momentum %.2g with inner_steps %d: short rounds "
+                           "with a high outer momentum overshoot; docs/diloco.md#recommendation "
+                           "starts from outer_lr 0.5, outer_momentum 0.5", cfg.outer_momentum,
+                           cfg.inner_steps)
         self.weights: dict[str, torch.Tensor] = {}
         self.pointer: Pointer | None = None
         self.pointer_etag: str | None = None

@@ -387,3 +387,17 @@ def test_a_node_whose_only_delta_was_rejected_is_not_waited_for_after_a_restart(
     m2.load_or_bootstrap()
     m2.run_once()
     assert m2.all_done()  # "bad" never had a delta applied
+
+
+@pytest.mark.parametrize("outer, warned", [
+    ({"outer_momentum": 0.9, "inner_steps": 10}, True),
+    ({"outer_momentum": 0.5, "inner_steps": 10}, False),
+    ({"outer_momentum": 0.9, "inner_steps": 500}, False),  # the paper's regime
+    ({"outer_momentum": 0.9, "inner_steps": 10, "outer_optimizer": "sgd"}, False),
+])
+def test_a_high_outer_momentum_with_short_rounds_is_warned_about(tmp_path, caplog, outer, warned):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        Master(open_store(f"file://{tmp_path}/s"), make_cfg(f"file://{tmp_path}/s", **outer), "m")
+    assert ("short rounds with a high outer momentum overshoot" in caplog.text) == warned
