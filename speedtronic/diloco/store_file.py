@@ -139,8 +139,12 @@ class DirectoryStore(Store):
 
     def list(self, prefix: str = "") -> list[str]:
         out: list[str] = []
+        # Walk only below the prefix's folder ("nodes/" never reads global/ or master/).
+        folders = prefix.split("/")[:-1]
+        safe = all(part not in ("", ".", "..") for part in folders)
+        start = self.root.joinpath(*folders) if safe else self.root
         try:
-            for dirpath, _dirs, files in os.walk(self.root):  # never descends into dir links
+            for dirpath, _dirs, files in os.walk(start):  # never descends into dir links
                 rel = Path(dirpath).relative_to(self.root).as_posix()
                 for name in files:
                     if name.startswith(".tmp-") or name.startswith(".lock"):
@@ -155,8 +159,11 @@ class DirectoryStore(Store):
         return sorted(out)
 
     def delete(self, key: str) -> None:
+        path = self._path(key)
         try:
-            self._path(key).unlink()
+            path.unlink()
+            # the lock file of a key once swapped (the master's probe key left one per start)
+            (path.parent / f".lock-{path.name}").unlink(missing_ok=True)
         except FileNotFoundError:
             pass
         except OSError as exc:

@@ -204,3 +204,20 @@ def test_a_store_folder_that_cannot_be_created_is_one_user_error(tmp_path):
     cfg = tmp_path / "m.yaml"
     cfg.write_text(f"distributed: {{enabled: true, role: master, store: 'file://{a_file}/s'}}\n")
     assert main(["master", "--config", str(cfg)]) == 2
+
+
+def test_file_store_lists_below_the_prefix_folder_and_delete_leaves_no_lock(tmp_path):
+    import os
+
+    from speedtronic.diloco.store import open_store, probe_conditional_writes
+
+    store = open_store(f"file://{tmp_path}")
+    for key in ("nodes/a/s/d1", "global/v1", "top", "nodesx/q"):
+        store.put(key, b"x")
+    assert store.list("nodes/") == ["nodes/a/s/d1"]
+    assert store.list("nodes") == ["nodes/a/s/d1", "nodesx/q"]
+    assert store.list("global/v") == ["global/v1"] and store.list("no/such/") == []
+    assert store.list("../") == []  # not a way out of the store's folder
+    probe_conditional_writes(store, "m")  # a create-only put, a swap (with its lock), a delete
+    left = sorted(f for _, _, files in os.walk(tmp_path) for f in files)
+    assert left == ["d1", "q", "top", "v1"]  # the probe's object and its .lock- file are gone
