@@ -329,10 +329,14 @@ class Worker:
                 job = self._inflight
             try:
                 self._put(job)
-            except StoreError as exc:
+            except Exception as exc:  # noqa: BLE001 - a dead upload thread loses every round
                 self.m["upload_failures"] += 1
-                logger.warning("diloco worker %s: upload of %s failed (%s); it stays queued and "
-                               "newer work coalesces", self.node_id, job.key, exc)
+                if isinstance(exc, StoreError):
+                    logger.warning("diloco worker %s: upload of %s failed (%s); it stays queued "
+                                   "and newer work coalesces", self.node_id, job.key, exc)
+                else:  # not a store error: a bug or an OS error; say so, keep the thread alive
+                    logger.exception("diloco worker %s: upload of %s failed unexpectedly; it "
+                                     "stays queued and is retried", self.node_id, job.key)
                 if self._stop.wait(backoff):
                     return
                 backoff = min(backoff * 2, 30.0)
@@ -430,6 +434,9 @@ class Worker:
                 # e.g. the pointer moved and the old global was collected mid-download
                 logger.warning("diloco worker %s: poll failed (%s); retrying next poll",
                                self.node_id, exc)
+            except Exception:  # noqa: BLE001 - a dead poll thread never installs a global again
+                logger.exception("diloco worker %s: poll failed unexpectedly; retrying next poll",
+                                 self.node_id)
 
     # ------------------------------------------------------------------ driven use
     def poll_now(self) -> None:

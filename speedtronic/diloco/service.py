@@ -62,7 +62,10 @@ class MasterThread:
             logger.error("diloco master stopped: %s", exc)
             self.error = exc
         except BaseException as exc:  # surfaced to the training thread at the end
-            logger.exception("diloco master failed")
+            if isinstance(exc, SpeedtronicError):  # a store or config problem: its one line
+                logger.error("diloco master stopped: %s", exc)
+            else:
+                logger.exception("diloco master failed")
             self.error = exc
         finally:
             self.ready.set()

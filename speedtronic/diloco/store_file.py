@@ -56,7 +56,11 @@ class DirectoryStore(Store):
         cur = self.root
         for part in check_key(key).split("/"):
             cur = cur / part
-            if cur.is_symlink():
+            try:
+                is_link = cur.is_symlink()
+            except OSError as exc:  # EACCES / EIO / ESTALE: a store error, never a raw one
+                raise self._translate(exc, key) from exc
+            if is_link:
                 raise AccessDenied(f"{key!r}: {cur} is a symbolic link; the file store refuses "
                                    f"links below its root {self.root}")
         return cur
@@ -171,9 +175,9 @@ class DirectoryStore(Store):
 
     def swap(self, key: str, data: bytes, expected_etag: str | None) -> str:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
         lock_path = path.parent / f".lock-{path.name}"
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise self._translate(exc, key) from exc

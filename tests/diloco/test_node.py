@@ -251,3 +251,33 @@ def test_a_complex_parameter_is_refused_before_anything_is_sent(tmp_path):
         w.on_train_start(FakeTrainer(model))
     assert model.phase.imag.tolist() == [2.0, -1.0]
     assert open_store(f"file://{tmp_path}/store").list("") == []
+
+
+def test_the_upload_thread_survives_an_unexpected_error(tmp_path, monkeypatch, caplog):
+    """Anything but a StoreError once ended the upload thread: every later round stayed queued
+    and was lost at the end, with upload_failures 0."""
+    import logging
+    import threading as _threading
+
+    from speedtronic.diloco.master import Master
+
+    url = f"file://{tmp_path}/store"
+    cfg = make_cfg(url, inner_steps=2, poll_interval=1e6, lease_ttl=1e7)
+    master = Master(open_store(url), cfg, "m", lambda: initial_weights())
+    assert master.acquire_lease(_threading.Event(), timeout=5)
+    master.load_or_bootstrap()
+    w, t = Worker(cfg, node_id="w0"), FakeTrainer(TinyModel(0))
+    real_put, calls = Worker._put, []
+
+    def flaky_put(self, job):
+        calls.append(job.key)
+        if len(calls) == 1:
+            raise OSError("a raw OS error from some back end")
+        real_put(self, job)
+
+    monkeypatch.setattr(Worker, "_put", flaky_put)
+    with caplog.at_level(logging.ERROR, logger="speedtronic.diloco"):
+        train(w, t, 4)  # two rounds; on_train_end flushes
+    assert w.m["upload_failures"] == 1 and w.m["deltas_sent"] >= 1
+    assert "failed unexpectedly" in caplog.text
+    assert any(k.endswith("done.json") for k in open_store(url).list("nodes/"))

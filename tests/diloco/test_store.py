@@ -221,3 +221,26 @@ def test_file_store_lists_below_the_prefix_folder_and_delete_leaves_no_lock(tmp_
     probe_conditional_writes(store, "m")  # a create-only put, a swap (with its lock), a delete
     left = sorted(f for _, _, files in os.walk(tmp_path) for f in files)
     assert left == ["d1", "q", "top", "v1"]  # the probe's object and its .lock- file are gone
+
+
+def test_file_store_turns_an_os_error_on_the_key_path_into_a_store_error(tmp_path, monkeypatch):
+    """A permission or NFS error while checking the key's path for links escaped put and swap
+    as a raw OSError, which the worker's upload thread and the master did not survive."""
+    import errno
+    from pathlib import Path
+
+    from speedtronic.diloco.store import AccessDenied, StoreError, open_store
+
+    store = open_store(f"file://{tmp_path}")
+    real = Path.is_symlink
+
+    def failing(self):
+        if self.name == "nodes":
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real(self)
+
+    monkeypatch.setattr(Path, "is_symlink", failing)
+    with pytest.raises(AccessDenied):
+        store.put("nodes/w0/s/d1", b"x")
+    with pytest.raises(StoreError):
+        store.swap("nodes/w0/pointer", b"x", None)
