@@ -518,7 +518,7 @@ class DistributedConfig:
     arrive, momentum refreshed once per round of ``expected_workers`` deltas - identical to
     ``nesterov`` when a round arrives together, stable when workers run at uneven speeds.
     ``nesterov``: torch SGD-Nesterov on the mean of each poll's deltas (synchronous DiLoCo).
-    ``sgd``: momentum-free (outer_lr 1 = plain parameter averaging)."""
+    ``sgd``: momentum-free, each delta weighted 1/M (outer_lr 1 = plain parameter averaging)."""
     expected_workers: int | None = None
     """Deltas per round (M) for delayed Nesterov, and how many finished nodes a master waits
     for before it stops; None = nodes that sent a delta recently / every node it has seen."""

@@ -414,6 +414,10 @@ class Worker:
         missing = set(self._params) - set(tensors) if self._params else set()
         if missing:
             raise ModelMismatch(f"global v{pointer.version} lacks {sorted(missing)[:3]}")
+        extra = set(tensors) - set(self._params) if self._params else set()
+        if extra:  # a smaller model took the global's subset and had every delta refused
+            raise ModelMismatch(f"global v{pointer.version} has tensors this model lacks: "
+                                f"{sorted(extra)[:3]}")
         for k, param in self._params.items():
             # copy_ would broadcast a (1, n) tensor into an (m, n) parameter without a word.
             got = tensors[k]
@@ -421,8 +425,7 @@ class Worker:
                 raise ModelMismatch(f"global v{pointer.version}: {k!r} is {got.dtype} "
                                   f"{tuple(got.shape)}, the model has {param.dtype} "
                                   f"{tuple(param.shape)}; not installed")
-        keep = self._params or tensors
-        tensors = {k: v.float() for k, v in tensors.items() if k in keep}
+        tensors = {k: v.float() for k, v in tensors.items()}
         with self._lock:
             self._candidate = (pointer, tensors)
 

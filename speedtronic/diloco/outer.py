@@ -16,7 +16,10 @@ Three methods (``distributed.outer_optimizer``):
     of a round arrive together this *is* the Nesterov step above, so the synchronous case loses
     nothing; when they trickle in, momentum moves once per round instead of once per arrival.
 ``sgd``
-    ``theta -= lr * g`` on the weighted mean (``lr=1`` gives plain parameter averaging, LocalSGD).
+    ``theta -= lr * g`` with ``g = sum(w_i * d_i) / M`` as in delayed Nesterov, so ``lr=1`` is
+    plain parameter averaging (LocalSGD) whether a round's deltas arrive in one poll or one per
+    poll (dividing by the poll's own count applied each lone arrival in full: the sum of the
+    workers' deltas, not their mean).
 
 Staleness ``s = current_version - base_version`` scales a delta by ``w(s)``
 (``distributed.staleness_weighting``: ``none`` = 1, ``inverse`` = 1/(1+s), ``inverse_sqrt``).
@@ -75,7 +78,7 @@ class OuterOptimizer:
         whatever the backlog. ``weighted_sum`` is consumed (scaled in place)."""
         if count <= 0:
             return
-        if self.method == "delayed_nesterov":
+        if self.method in ("delayed_nesterov", "sgd"):
             denom = max(float(workers), 1.0)
         else:
             denom = total_weight if total_weight > 0 else 1.0

@@ -121,19 +121,27 @@ def test_worker_refuses_a_global_whose_tensors_do_not_fit_the_model(tmp_path, co
     assert worker._candidate is None
 
 
-def test_a_worker_whose_model_cannot_take_the_global_stops_at_once(tmp_path):
+@pytest.mark.parametrize("master_model", ["wider", "one more layer"])
+def test_a_worker_whose_model_cannot_take_the_global_stops_at_once(tmp_path, master_model):
     """A global that does not fit the model never will: the worker raises a config error at
-    start instead of waiting start_timeout and then blaming the master."""
+    start instead of waiting start_timeout and then blaming the master. A global with tensors
+    the worker lacks (a deeper master model) was installed as a subset, and every delta of the
+    run was then refused."""
     from speedtronic.config import ConfigError
 
     url = f"file://{tmp_path}/store"
     store = open_store(url)
     weights = initial_weights()
-    weights["fc1.weight"] = torch.zeros(32, 8)  # the master's model is wider
+    if master_model == "wider":
+        weights["fc1.weight"] = torch.zeros(32, 8)
+        expected = r"'fc1.weight'.*same model\.\* settings"
+    else:
+        weights["fc3.weight"] = torch.zeros(4, 4)
+        expected = r"has tensors this model lacks: \['fc3.weight'\].*same model\.\* settings"
     store.put(codec.POINTER_KEY, _put_global(store, weights, version=0).to_bytes())
     worker = Worker(make_cfg(url, start_timeout=600.0), node_id="w0")
     t0 = time.monotonic()
-    with pytest.raises(ConfigError, match=r"'fc1.weight'.*same model\.\* settings"):
+    with pytest.raises(ConfigError, match=expected):
         worker.on_train_start(FakeTrainer(TinyModel(0)))
     assert time.monotonic() - t0 < 30
     worker.close()

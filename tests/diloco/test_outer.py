@@ -63,3 +63,16 @@ def test_outer_step_moves_downhill():
         for k, p in model.named_parameters():
             p.copy_(start[k])
     assert eval_loss(model) < before
+
+
+def test_sgd_at_lr_1_averages_also_when_deltas_arrive_one_per_poll():
+    """Each lone arrival was applied in full: 3 workers' deltas in 3 polls moved the weights by
+    their sum, not their mean."""
+    deltas = [{"w": torch.full((4,), v)} for v in (1.0, 2.0, 6.0)]
+    together, apart = {"w": torch.zeros(4)}, {"w": torch.zeros(4)}
+    OuterOptimizer("sgd", 1.0, 0.0).step(together, [(d, 1.0) for d in deltas], workers=3)
+    one_by_one = OuterOptimizer("sgd", 1.0, 0.0)
+    for d in deltas:
+        one_by_one.step(apart, [(d, 1.0)], workers=3)
+    assert torch.allclose(together["w"], torch.full((4,), -3.0))  # minus the mean
+    assert torch.allclose(apart["w"], together["w"])
