@@ -140,6 +140,9 @@ class Trainer:
         self._lr_used: Any = 0.0  # the lr of the last log step (read before the schedule moves)
         self._grad_factor = 1.0  # token weighting of the current accumulated step (see fit)
         self.log_handlers: list[logging.Handler] = []  # the run's logging.file (runtime sets it)
+        self.stopped_by: BaseException | None = None
+        """The exception (KeyboardInterrupt included) that ended ``fit`` early; None after a
+        run that reached its target. Set before ``on_train_end`` is called."""
         self._configure_features()
 
     # ----------------------------------------------------------------------------- setup
@@ -465,6 +468,7 @@ class Trainer:
         target = cfg.run.max_steps
         log_every, eval_every = cfg.logging.every_steps, cfg.run.eval_every
         ckpt_every = cfg.checkpoint.every_steps
+        self.stopped_by = None
         self._start_features()
         report = self._shape_report
         self.metrics.emit("train_start", {
@@ -523,6 +527,9 @@ class Trainer:
                 # Evaluations and checkpoints are not training steps: keep them out of the
                 # interval's ms/step, tokens/s and MFU (an eval once put 93 against 77 ms/step).
                 interval.start += time.perf_counter() - t_pause
+        except BaseException as exc:
+            self.stopped_by = exc  # callbacks' on_train_end tell an interrupted run from a done one
+            raise
         finally:
             if self._ooo_trial is not None:  # the run ended before the trial did
                 self._ooo_trial.abandon()

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -186,6 +187,15 @@ class Worker:
         if not flushed:
             logger.warning("diloco worker %s: uploads still pending after shutdown_timeout=%.0fs;"
                            " that work is lost", self.node_id, self.cfg.shutdown_timeout)
+        # An interrupted run (Ctrl-C, an error) is not done: a done marker would let the master
+        # stop before a --resume comes back, and the final sync would wait for it.
+        stopped_by = getattr(trainer, "stopped_by", None) or sys.exc_info()[1]
+        if stopped_by is not None:
+            logger.info("diloco worker %s: run stopped early (%s): no done marker, no final "
+                        "sync", self.node_id, type(stopped_by).__name__)
+            self.close()
+            self._log(trainer)
+            return
         marked = self._write_done_marker(max(0.0, deadline - time.monotonic()))
         if flushed and marked and self.cfg.final_sync_timeout > 0:
             self.final_synced = self.final_sync(trainer, self.cfg.final_sync_timeout)

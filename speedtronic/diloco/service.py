@@ -13,6 +13,7 @@ not train (a small coordinator machine); it builds the model only to publish ver
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -116,7 +117,7 @@ class MasterNode:
             self._reported = True
             raise SpeedtronicError(f"diloco master thread died: {type(err).__name__}: "
                                    f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}"
-                                   " (the run stops; see the log above for the traceback)")
+                                   " (the run stops; the log above has the details)")
 
     def after_optimizer_step(self, trainer: Any, step: int) -> None:
         self._raise_if_master_died()
@@ -125,6 +126,14 @@ class MasterNode:
     def on_train_end(self, trainer: Any) -> None:
         self.worker.on_train_end(trainer)
         self._train_done = True
+        if self.thread is not None and (getattr(trainer, "stopped_by", None)
+                                        or sys.exc_info()[1]) is not None:
+            # Interrupted: stop aggregating now (the store holds its state; --resume restarts
+            # it) instead of waiting for every other node to finish.
+            logger.info("diloco master: run stopped early; the master thread stops too")
+            self.thread.stop.set()
+            self.thread.join(30)
+            return
         if self.thread is not None:
             logger.info("diloco master: training done; aggregating until every node is done")
             self.thread.join()

@@ -289,3 +289,31 @@ def test_the_upload_thread_survives_an_unexpected_error(tmp_path, monkeypatch, c
     assert w.m["upload_failures"] == 1 and w.m["deltas_sent"] >= 1
     assert "failed unexpectedly" in caplog.text
     assert any(k.endswith("done.json") for k in open_store(url).list("nodes/"))
+
+
+def test_an_interrupted_run_writes_no_done_marker_and_skips_the_final_sync(tmp_path):
+    """Ctrl-C wrote done.json (the master then stopped before a --resume came back) and waited
+    up to final_sync_timeout for a master that might be gone."""
+    import threading as _threading
+
+    from speedtronic.diloco.master import Master
+
+    url = f"file://{tmp_path}/store"
+    cfg = make_cfg(url, inner_steps=2, poll_interval=1e6, lease_ttl=1e7,
+                   final_sync_timeout=90.0)
+    master = Master(open_store(url), cfg, "m", lambda: initial_weights())
+    assert master.acquire_lease(_threading.Event(), timeout=5)
+    master.load_or_bootstrap()
+    w, t = Worker(cfg, node_id="w0"), FakeTrainer(TinyModel(0))
+
+    def interrupt(step: int) -> None:
+        if step == 3:
+            raise KeyboardInterrupt
+
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        train(w, t, 10, on_step=interrupt)  # ends with on_train_end, inside the finally
+    assert time.monotonic() - start < 60  # not the 90 s final sync
+    keys = open_store(url).list("nodes/")
+    assert not any(k.endswith("done.json") for k in keys)
+    assert sum(k.endswith(".safetensors") for k in keys) == 2  # the round and the partial one
