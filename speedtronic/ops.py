@@ -445,11 +445,8 @@ def _adamw_impl(params, grads, exp_avgs, exp_avg_sqs, lr, beta1, beta2, eps, wei
         # The direction in fp32 for 16-bit state, as the CUDA kernel computes it: eps = 1e-8 is 0
         # in fp16, so an entry with v = m = 0 gave 1 / sqrt(0) * 0 = NaN (a cautious fp16 model
         # was all NaN after 2 steps).
-        if v[0].dtype in (torch.float16, torch.bfloat16):
-            upd = [vi.float() for vi in v]                        # the chunk's only temporary
-            torch._foreach_sqrt_(upd)
-        else:
-            upd = torch._foreach_sqrt(v)                          # the chunk's only temporary
+        upd = torch._foreach_sqrt([vi.float() if vi.dtype in (torch.float16, torch.bfloat16)
+                                   else vi for vi in v])          # fresh tensors, never v itself
         torch._foreach_div_(upd, bias2_sqrt)
         torch._foreach_add_(upd, eps)
         torch._foreach_reciprocal_(upd)

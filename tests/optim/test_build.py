@@ -286,3 +286,25 @@ def test_build_optimizer_validates_a_config_built_in_python(field, value) -> Non
     cfg = OptimizerConfig(**{field: value})
     with pytest.raises(ConfigError, match=f"optimizer.{field}"):
         build_optimizer(nn.Linear(4, 4), cfg)
+
+
+@pytest.mark.parametrize("order", ["16-bit first", "fp32 first"])
+def test_the_adamw_fallback_on_mixed_dtypes_keeps_fp32_state_exact(order) -> None:
+    """The fp32 upcast of 16-bit state once took its cue from the first tensor of a chunk: an
+    fp32 parameter behind a 16-bit one had its exp_avg_sq overwritten by its square root (NaN
+    soon after), and an fp16 one behind an fp32 one lost the upcast."""
+    torch.manual_seed(0)
+    w32, w16 = torch.randn(3, 4), torch.randn(5)
+    grads = [(torch.randn(3, 4), torch.randn(5)) for _ in range(3)]
+    p32, p16 = nn.Parameter(w32.clone()), nn.Parameter(w16.clone().to(torch.float16))
+    params = [p16, p32] if order == "16-bit first" else [p32, p16]
+    opt = AdamW(params, lr=1e-2, fused=False)
+    ref = nn.Parameter(w32.clone())
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2)
+    for g32, g16 in grads:
+        p32.grad, p16.grad, ref.grad = g32.clone(), g16.to(torch.float16), g32.clone()
+        p16.grad[0] = 0.0  # an entry with no gradient: v = m = 0 there
+        opt.step()
+        ref_opt.step()
+    torch.testing.assert_close(p32.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.isfinite(p16).all()
