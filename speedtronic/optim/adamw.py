@@ -69,9 +69,13 @@ def _use_fused(group: dict[str, Any], params: list[Tensor]) -> bool:
     return bool(fused)
 
 
-def _as_real(t: Tensor) -> Tensor:
-    """A complex tensor as its (..., 2) real view (what torch.optim.AdamW does); others as is."""
-    return torch.view_as_real(t) if t.is_complex() else t
+def _same_layout(a: Tensor, b: Tensor) -> bool:
+    """Same memory layout (strides of size-1 dims do not matter); two contiguous tensors are
+    the common case and cost two C calls."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    return all(sa == sb for n, sa, sb in zip(b.shape, a.stride(), b.stride(), strict=True)
+               if n > 1)
 
 
 def adamw_step(state: dict, group: dict[str, Any]) -> None:
@@ -91,18 +95,17 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
             st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        grad = p.grad
-        if grad.stride() != p.stride():
-            # torch's fused kernel reads a gradient laid out unlike its parameter (e.g. a
-            # transposed view) as if it were laid out the same: measured, the update of a (4, 6)
-            # parameter with a column-major gradient differed by 2 lr. One copy into the
-            # parameter's layout; gradients from autograd already have it.
-            grad = torch.empty_like(p).copy_(grad)
         owners.append(p)
-        params.append(_as_real(p))
-        grads.append(_as_real(grad))
-        exp_avgs.append(_as_real(st["exp_avg"]))
-        exp_avg_sqs.append(_as_real(st["exp_avg_sq"]))
+        if p.is_complex():
+            params.append(torch.view_as_real(p))
+            grads.append(torch.view_as_real(p.grad))
+            exp_avgs.append(torch.view_as_real(st["exp_avg"]))
+            exp_avg_sqs.append(torch.view_as_real(st["exp_avg_sq"]))
+        else:
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(st["exp_avg"])
+            exp_avg_sqs.append(st["exp_avg_sq"])
         steps.append(st["step"])
     if not params:
         return
@@ -124,6 +127,11 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
         for i, p in enumerate(params):
             if steps[i].device != p.device:
                 steps[i] = state[owners[i]]["step"] = steps[i].to(p.device)
+            if not _same_layout(grads[i], p):
+                # The fused kernel reads a gradient laid out unlike its parameter (a transposed
+                # view) as if it were laid out the same: a (4, 6) parameter's update was 2 lr
+                # off. One copy into the parameter's layout; autograd's gradients have it.
+                grads[i] = torch.empty_like(p).copy_(grads[i])
         _torch_adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, fused=True,
                     decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2,
                     lr=lr, weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)

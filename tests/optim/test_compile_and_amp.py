@@ -143,3 +143,21 @@ def test_every_layout_compiles_without_graph_breaks_and_matches_eager():
     # more than eager's fused scalar), visible on near-zero biases.
     for a, b in zip(eager_model.parameters(), compiled_model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_adamw_step_takes_a_gradient_laid_out_unlike_its_parameter():
+    """The eager layout guard for torch's fused kernel (a stride comparison) once broke Dynamo
+    on a transposed gradient; compiled steps trace their own math and need no guard."""
+    from speedtronic.optim import AdamW
+
+    torch.manual_seed(0)
+    w = torch.randn(4, 6)
+    a, b = torch.nn.Parameter(w.clone()), torch.nn.Parameter(w.clone())
+    opt, ref = AdamW([a], lr=1e-2), torch.optim.AdamW([b], lr=1e-2, foreach=False)
+    step = torch.compile(opt.step, backend="aot_eager")
+    for _ in range(2):
+        g = torch.randn(6, 4).t()                                    # (4, 6), column-major
+        a.grad, b.grad = g.clone().t().contiguous().t(), g.contiguous()
+        step()
+        ref.step()
+    torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
