@@ -110,13 +110,7 @@ class Master:
         self._initial = initial_weights
         self._log_metrics = log_metrics
         self.outer = OuterOptimizer(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum)
-        if cfg.outer_optimizer != "sgd" and cfg.outer_momentum >= 0.8 and cfg.inner_steps < 100:
-            # The paper's 0.7/0.9 were tuned for rounds of ~500 steps; with short rounds the
-            # momentum overshoots (bench_diloco.md, H=20: 1.185 against 1.031 at 0.5/0.5).
-            logger.warning("diloco master: outer_momentum %.2g with inner_steps %d: short rounds "
-                           "with a high outer momentum overshoot; docs/diloco.md#recommendation "
-                           "starts from outer_lr 0.5, outer_momentum 0.5", cfg.outer_momentum,
-                           cfg.inner_steps)
+        self._warned_round_length = False
         self.weights: dict[str, torch.Tensor] = {}
         self.pointer: Pointer | None = None
         self.pointer_etag: str | None = None
@@ -301,7 +295,8 @@ class Master:
         pointer = Pointer(version=version, path=gkey, sha256=codec.sha256(wbytes),
                           weights_digest=codec.tensor_digest(self.weights), outer_step=version,
                           master_epoch=self.epoch, state_path=skey,
-                          state_sha256=codec.sha256(sbytes), master=self.node_id)
+                          state_sha256=codec.sha256(sbytes), master=self.node_id,
+                          applied=dict(self.hwm))
         pbytes = pointer.to_bytes()
         if getattr(self.store, "single_commit", False):
             try:
@@ -469,6 +464,7 @@ class Master:
                 self._quarantine(key, f"stale: {stale} versions behind "
                                  f"(max_staleness={self.cfg.max_staleness})", stats)
                 continue
+            self._check_round_length(header.inner_steps)
             reason = self._validate(delta)
             if reason is not None:
                 self._quarantine(key, reason, stats)
@@ -550,6 +546,20 @@ class Master:
             self.store.delete_many(doomed)
         except StoreError as exc:  # garbage collection is best effort
             logger.warning("diloco master: cleanup failed (will retry next round): %s", exc)
+
+    def _check_round_length(self, inner_steps: int) -> None:
+        """Warn once when workers' rounds (from their delta headers) are short for the outer
+        momentum: the paper's 0.7/0.9 were tuned for rounds of ~500 steps, and with short ones
+        the momentum overshoots (bench_diloco.md, H=20: 1.185 against 1.031 at 0.5/0.5)."""
+        cfg = self.cfg
+        if self._warned_round_length or cfg.outer_optimizer == "sgd" \
+                or cfg.outer_momentum < 0.8 or not 0 < inner_steps < 100:
+            return
+        self._warned_round_length = True
+        logger.warning("diloco master: outer_momentum %.2g with rounds of %d inner steps: short "
+                       "rounds with a high outer momentum overshoot; docs/diloco.md"
+                       "#recommendation starts from outer_lr 0.5, outer_momentum 0.5",
+                       cfg.outer_momentum, inner_steps)
 
     def _emit(self, stats: MasterStats) -> None:
         if self._log_metrics is None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -63,10 +64,10 @@ def sync_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     into them it lost its imaginary part (torch only warned)."""
     params = dict(model.named_parameters())
     for name, p in params.items():
-        if p.is_complex() or not p.is_floating_point():
+        if p.is_complex():
             raise ConfigError(f"diloco: parameter {name!r} is {p.dtype}; DiLoCo synchronizes "
-                              "real floating-point parameters only (store a complex one as "
-                              "two real ones, e.g. torch.view_as_real)")
+                              "real parameters only (store a complex one as two real ones, "
+                              "e.g. torch.view_as_real)")
     return params
 
 
@@ -87,6 +88,12 @@ class _Upload:
     data: bytes
     decoded: dict[str, torch.Tensor]
     snapshot: _Snapshot
+    seq: int
+
+
+_MAX_CARRIED = 3
+"""Confirmed deltas a worker keeps (host fp32 copies of its parameters) until a global includes
+them; beyond that the oldest one's work rewinds at the next install (a master far behind)."""
 
 
 class Worker:
@@ -115,6 +122,9 @@ class Worker:
         self._inflight: _Upload | None = None
         self._pool: list[dict[str, torch.Tensor]] = []
         self._candidate: tuple[Pointer, dict[str, torch.Tensor]] | None = None
+        # Confirmed deltas (seq -> decoded delta, fp32 CPU) that no installed global includes
+        # yet: carried onto the next global at install (see _own_unapplied_work).
+        self._unapplied: dict[int, dict[str, torch.Tensor]] = {}
         self._reset_due = False
         self._seq = 0
         self.last_seq = -1
@@ -220,13 +230,15 @@ class Worker:
 
         thread = threading.Thread(target=put, daemon=True, name=f"diloco-done-{self.node_id}")
         thread.start()
-        thread.join(timeout)
+        thread.join(timeout if math.isfinite(timeout) else None)  # .inf: no limit
         if thread.is_alive():
-            self._stop.set()  # ends the put's retry waits; close() joins the rest
+            self._stop.set()  # ends the put's retry waits (a request under way may finish)
             thread.join(5.0)
-            logger.warning("diloco worker %s: done marker not written within shutdown_timeout="
-                           "%.0fs (store unreachable?)", self.node_id, self.cfg.shutdown_timeout)
-            return False
+            if thread.is_alive() or error:
+                logger.warning("diloco worker %s: done marker not written within "
+                               "shutdown_timeout=%.0fs (store unreachable?)", self.node_id,
+                               self.cfg.shutdown_timeout)
+                return False
         if error:
             logger.warning("diloco worker %s: could not write done marker: %s", self.node_id,
                            error[0])
@@ -290,10 +302,15 @@ class Worker:
             self._candidate = None
             if pointer.version <= self.version and not force:
                 return
+            if force:  # after a rejection receipt: the rejected work is not carried either
+                self._unapplied.clear()
+            own = None if force else self._own_unapplied_work(pointer)
+            if own is not None:  # the global plus this node's work it does not hold yet
+                tensors = {k: t.sub(own[k]) if k in own else t for k, t in tensors.items()}
             for k, p in self._params.items():
                 p.copy_(tensors[k])
             self.gen += 1
-            self._refs[self.gen] = tensors  # the global becomes this generation's reference
+            self._refs[self.gen] = tensors  # the installed weights: this generation's reference
             self._gen_version[self.gen] = pointer.version
             self.version, self.digest = pointer.version, pointer.weights_digest
             self._drop_unused_refs()
@@ -302,6 +319,38 @@ class Worker:
         replaced = getattr(trainer, "weights_replaced", None)
         if callable(replaced):
             replaced(f"DiLoCo global v{pointer.version}")
+
+    def _own_unapplied_work(self, pointer: Pointer) -> dict[str, torch.Tensor] | None:
+        """This node's work that ``pointer``'s global does not include yet, as a delta (the sum
+        of ``reference - snapshot`` over it); None when there is none to carry.
+
+        Installing the bare global rewound the worker by every round the master had not applied
+        yet: at least the one snapshotted at this very boundary, which no published global can
+        hold. Real 3-worker runs then ended above one node training alone. Called with the lock
+        held, at a boundary, where _install has checked that pending and in-flight snapshots
+        are all of the current generation.
+        """
+        done = pointer.applied.get(f"{self.node_id}/{self.session}")
+        self._unapplied = {seq: d for seq, d in self._unapplied.items()
+                           if done is None or seq > done}
+        parts: list[dict[str, torch.Tensor]] = list(self._unapplied.values())
+        snap = self._pending.get(self.gen)
+        if snap is not None:
+            # The reference moves only when an upload is confirmed, so reference - snapshot
+            # also covers an upload still in flight.
+            if snap.event is not None:
+                snap.event.synchronize()
+            ref = self._refs[snap.gen]
+            parts.append({k: ref[k] - t for k, t in snap.tensors.items()})
+        elif self._inflight is not None:
+            parts.append(self._inflight.decoded)
+        if not parts:
+            return None
+        own = {k: t.clone() for k, t in parts[0].items()}
+        for part in parts[1:]:
+            for k, t in part.items():
+                own[k].add_(t)
+        return own
 
     def _drop_unused_refs(self) -> None:
         live = {self.gen, *self._pending}
@@ -368,7 +417,7 @@ class Worker:
         data, decoded = codec.encode_delta(snap.tensors, header)
         if self.cfg.compression != "none":
             self.m["codec_rel_err"] = codec.relative_error(snap.tensors, decoded)
-        return _Upload(snap.gen, header.key, data, decoded, snap)
+        return _Upload(snap.gen, header.key, data, decoded, snap, header.seq)
 
     def _put(self, job: _Upload) -> None:
         crash_point("before_delta_put")
@@ -390,7 +439,11 @@ class Worker:
             # installed since the snapshot: skipping that case left a worker whose every round
             # ends with an install (a fast master) with 1 reset in 5 uploads.
             self._reset_due = True
-            self.last_seq = int(job.key.rsplit("/d", 1)[1][:8])
+            self.last_seq = job.seq
+            # kept until a global includes it (a copy: the snapshot buffers are reused)
+            self._unapplied[job.seq] = {k: d.clone() for k, d in job.decoded.items()}
+            while len(self._unapplied) > _MAX_CARRIED:
+                del self._unapplied[min(self._unapplied)]  # its work rewinds at the next install
             self.m["deltas_sent"] += 1
             self.m["staleness"] = max(0, self.version - job.snapshot.base_version)
             self._pool.append(job.snapshot.tensors)
