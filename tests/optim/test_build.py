@@ -308,3 +308,12 @@ def test_the_adamw_fallback_on_mixed_dtypes_keeps_fp32_state_exact(order) -> Non
         ref_opt.step()
     torch.testing.assert_close(p32.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
     assert torch.isfinite(p16).all()
+
+
+def test_python_built_config_values_other_than_strings_still_reach_the_optimizer() -> None:
+    """The choices check refuses unknown strings only: a torch dtype or None for muon_ns_dtype
+    worked before it and still does."""
+    for value, name in ((torch.bfloat16, "bf16"), (None, "auto")):
+        opt = build_optimizer(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)),
+                              OptimizerConfig(name="muon", muon_ns_dtype=value))
+        assert {g["ns_dtype"] for g in opt.param_groups if "ns_dtype" in g} == {name}
