@@ -53,10 +53,15 @@ def translate_http_error(exc: BaseException, what: str) -> Exception:
     plain network error onto the store's error classes."""
     if isinstance(exc, StoreError):
         return exc
-    resp = getattr(exc, "response", None)
-    status = getattr(resp, "status_code", None)
-    if status is None and isinstance(resp, dict):  # botocore ClientError
-        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    status, resp, cause = None, None, exc
+    for _ in range(4):  # s3fs re-raises botocore's ClientError as a plain OSError "from" it
+        resp = getattr(cause, "response", None)
+        status = getattr(resp, "status_code", None)
+        if status is None and isinstance(resp, dict):  # botocore ClientError
+            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if status is not None or cause is None:
+            break
+        cause = cause.__cause__  # not __context__: an error handled on the way is not this one
     headers = getattr(resp, "headers", None)
     if status in (401, 403):
         return AccessDenied(f"{what}: HTTP {status} (check the token/keys in the environment)")

@@ -195,3 +195,31 @@ def _run(url: str, store, **kw) -> None:
 def test_diloco_over_s3(moto, tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto.endpoint)
     _run(f"s3://{moto.bucket}/run-{tmp_path.name}", None)
+
+
+def test_an_s3fs_error_raised_from_a_botocore_4xx_is_not_retried():
+    """s3fs re-raises botocore's ClientError as a plain OSError "from" it: the status is found
+    on the cause (a 400 / 413 was retried 6 times through s3://)."""
+    from speedtronic.diloco.store_contract import TransientStoreError
+    from speedtronic.diloco.store_remote import translate_http_error
+
+    class ClientError(Exception):
+        def __init__(self, status: int) -> None:
+            super().__init__(f"HTTP {status}")
+            self.response = {"ResponseMetadata": {"HTTPStatusCode": status}}
+
+    def from_s3fs(status: int) -> OSError:
+        try:
+            try:
+                raise ClientError(status)
+            except ClientError as inner:
+                raise OSError(22, "refused") from inner
+        except OSError as exc:
+            return exc
+
+    for status in (400, 413):
+        err = translate_http_error(from_s3fs(status), "put k")
+        assert isinstance(err, StoreError) and not isinstance(err, TransientStoreError)
+        assert f"HTTP {status}, refused by the server" in str(err)
+    assert isinstance(translate_http_error(from_s3fs(503), "put k"), TransientStoreError)
+    assert isinstance(translate_http_error(from_s3fs(403), "put k"), AccessDenied)
