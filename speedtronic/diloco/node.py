@@ -41,7 +41,15 @@ from ..config import ConfigError, DistributedConfig
 from . import codec
 from .codec import POINTER_KEY, FormatError, Pointer
 from .faults import crash_point
-from .store import ObjectExists, ObjectNotFound, Store, StoreError, open_store
+from .store import (
+    ObjectExists,
+    ObjectNotFound,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    TransientStoreError,
+    open_store,
+)
 
 logger = logging.getLogger("speedtronic.diloco.node")
 
@@ -155,9 +163,12 @@ class Worker:
                 raise ConfigError(f"diloco: {exc}. Every node must build the master's model: "
                                   "use the same model.* settings (and vocab) on every "
                                   "node") from None
-            except (StoreError, FormatError) as exc:
+            except (StoreUnavailable, TransientStoreError, FormatError) as exc:
                 logger.warning("diloco worker %s: waiting for the first global: %s",
                                self.node_id, exc)
+            except StoreError as exc:  # denied, a missing bucket, ...: waiting cannot help
+                raise StoreError(f"diloco worker {self.node_id}: cannot read the store: "
+                                 f"{exc}") from None
             if self._candidate is None:
                 if time.monotonic() >= deadline:
                     raise StoreError(f"diloco: no global published at {self.store.url} within "

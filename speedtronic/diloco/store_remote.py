@@ -63,6 +63,13 @@ def translate_http_error(exc: BaseException, what: str) -> Exception:
             break
         cause = cause.__cause__  # not __context__: an error handled on the way is not this one
     headers = getattr(resp, "headers", None)
+    text = f"{exc} {exc.__cause__ or ''}"
+    if "NoSuchBucket" in text or "bucket does not exist" in text:
+        # permanent, and no master creates buckets: a worker must not wait start_timeout on it
+        return StoreError(f"{what}: the bucket does not exist (check distributed.store)")
+    if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+        return AccessDenied(f"{what}: no credentials found: set AWS_ACCESS_KEY_ID and "
+                            "AWS_SECRET_ACCESS_KEY in the environment")
     if status in (401, 403):
         return AccessDenied(f"{what}: HTTP {status} (check the token/keys in the environment)")
     if status == 404 or isinstance(exc, FileNotFoundError):
@@ -80,7 +87,6 @@ def translate_http_error(exc: BaseException, what: str) -> Exception:
         return ObjectExists(f"{what}: already exists")
     if isinstance(exc, (TypeError, AttributeError, KeyError, NameError)):
         return StoreError(f"{what}: {type(exc).__name__}: {exc}")  # a bug, not an outage
-    text = str(exc)
     if "PreconditionFailed" in text or "pre-conditions you specified did not hold" in text:
         return PreconditionFailed(f"{what}: precondition failed")
     # 408, 425, 429, 5xx, timeouts, refused/reset connections and anything unknown: worth a

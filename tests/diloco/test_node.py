@@ -384,3 +384,22 @@ def test_an_installed_global_carries_the_nodes_own_work_it_does_not_hold_yet(tmp
             torch.testing.assert_close(p.detach(), v2[k] - ((v1[k] - (v0[k] - s1[k])) - s2[k]))
     finally:
         w.close()
+
+
+def test_a_worker_that_cannot_read_the_store_stops_at_once(tmp_path):
+    """Denied access or a missing bucket is not an outage: the worker waited start_timeout
+    (600 s by default) and then asked whether the master was up."""
+    from speedtronic.diloco.store import AccessDenied, StoreError
+
+    class DeniedStore:
+        url = "s3://bucket/run"
+
+        def get(self, key):
+            raise AccessDenied(f"get {key}: HTTP 403 (check the token/keys in the environment)")
+
+    worker = Worker(make_cfg(f"file://{tmp_path}/s", start_timeout=600.0), node_id="w0",
+                    store=DeniedStore())
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match="cannot read the store: get global/latest.json: HTTP 403"):
+        worker.on_train_start(FakeTrainer(TinyModel(0)))
+    assert time.monotonic() - t0 < 30

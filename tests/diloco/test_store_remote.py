@@ -223,3 +223,19 @@ def test_an_s3fs_error_raised_from_a_botocore_4xx_is_not_retried():
         assert f"HTTP {status}, refused by the server" in str(err)
     assert isinstance(translate_http_error(from_s3fs(503), "put k"), TransientStoreError)
     assert isinstance(translate_http_error(from_s3fs(403), "put k"), AccessDenied)
+
+
+def test_a_missing_bucket_and_missing_credentials_are_named_and_not_retried():
+    from speedtronic.diloco.store_contract import TransientStoreError
+    from speedtronic.diloco.store_remote import translate_http_error
+
+    missing = FileNotFoundError(2, "The specified bucket does not exist")
+    err = translate_http_error(missing, "get global/latest.json")
+    assert "the bucket does not exist" in str(err) and not isinstance(err, TransientStoreError)
+    assert not isinstance(err, ObjectNotFound)  # not "no pointer yet": waiting cannot help
+
+    class NoCredentialsError(Exception):
+        pass
+
+    err = translate_http_error(NoCredentialsError("Unable to locate credentials"), "put k")
+    assert isinstance(err, AccessDenied) and "AWS_ACCESS_KEY_ID" in str(err)
