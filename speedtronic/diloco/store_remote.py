@@ -48,20 +48,23 @@ def _retry_after(headers: Any) -> float | None:
         return None
 
 
+def _http_status(exc: BaseException | None) -> tuple[int | None, Any]:
+    """``(status, response)`` of an httpx/requests/botocore-style exception, else (None, None)."""
+    resp = getattr(exc, "response", None)
+    status = getattr(resp, "status_code", None)
+    if status is None and isinstance(resp, dict):  # botocore ClientError
+        status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status, resp
+
+
 def translate_http_error(exc: BaseException, what: str) -> Exception:
     """Map an exception carrying ``.response.status_code`` (httpx/requests/botocore styles) or a
     plain network error onto the store's error classes."""
     if isinstance(exc, StoreError):
         return exc
-    status, resp, cause = None, None, exc
-    for _ in range(4):  # s3fs re-raises botocore's ClientError as a plain OSError "from" it
-        resp = getattr(cause, "response", None)
-        status = getattr(resp, "status_code", None)
-        if status is None and isinstance(resp, dict):  # botocore ClientError
-            status = resp.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        if status is not None or cause is None:
-            break
-        cause = cause.__cause__  # not __context__: an error handled on the way is not this one
+    status, resp = _http_status(exc)
+    if status is None:  # s3fs re-raises botocore's ClientError as an OSError "from" it
+        status, resp = _http_status(exc.__cause__)
     headers = getattr(resp, "headers", None)
     text = f"{exc} {exc.__cause__ or ''}"
     if "NoSuchBucket" in text or "bucket does not exist" in text:
@@ -70,6 +73,11 @@ def translate_http_error(exc: BaseException, what: str) -> Exception:
     if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
         return AccessDenied(f"{what}: no credentials found: set AWS_ACCESS_KEY_ID and "
                             "AWS_SECRET_ACCESS_KEY in the environment")
+    # What s3fs already interpreted (a 412 on a create-only put is FileExistsError) comes first.
+    if isinstance(exc, FileExistsError):
+        return ObjectExists(f"{what}: already exists")
+    if isinstance(exc, PermissionError):
+        return AccessDenied(f"{what}: {exc}")
     if status in (401, 403):
         return AccessDenied(f"{what}: HTTP {status} (check the token/keys in the environment)")
     if status == 404 or isinstance(exc, FileNotFoundError):
@@ -81,10 +89,6 @@ def translate_http_error(exc: BaseException, what: str) -> Exception:
         # retry only delays the error (6 tries, up to 15.5 s of backoff, were measured).
         return StoreError(f"{what}: HTTP {status}, refused by the server (not retried): "
                           f"{str(exc)[:200]}")
-    if isinstance(exc, PermissionError):
-        return AccessDenied(f"{what}: {exc}")
-    if isinstance(exc, FileExistsError):
-        return ObjectExists(f"{what}: already exists")
     if isinstance(exc, (TypeError, AttributeError, KeyError, NameError)):
         return StoreError(f"{what}: {type(exc).__name__}: {exc}")  # a bug, not an outage
     if "PreconditionFailed" in text or "pre-conditions you specified did not hold" in text:
