@@ -262,10 +262,6 @@ class Pointer:
     state_sha256: str
     master: str = ""
     created_at: float = field(default_factory=time.time)
-    applied: dict[str, int] = field(default_factory=dict)
-    """Per ``node/session``: the highest delta seq this global includes (the master's high-water
-    mark). A worker keeps its own later work on top of the global it installs. Absent in
-    pointers of older masters (empty)."""
 
     def to_bytes(self) -> bytes:
         return (json.dumps(asdict(self), sort_keys=True, indent=1) + "\n").encode()
@@ -280,14 +276,8 @@ class Pointer:
             raise FormatError(f"unreadable pointer {POINTER_KEY}: {exc}") from exc
         for f in fields(cls):
             value = getattr(pointer, f.name)
-            if f.type == "dict[str, int]":
-                ok = isinstance(value, dict) and all(
-                    isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
-                    for k, v in value.items())
-            else:
-                kind = {"int": int, "str": str, "float": (int, float)}[f.type]
-                ok = isinstance(value, kind) and not isinstance(value, bool)
-            if not ok:
+            kind = {"int": int, "str": str, "float": (int, float)}[f.type]
+            if not isinstance(value, kind) or isinstance(value, bool):
                 raise FormatError(f"unreadable pointer {POINTER_KEY}: {f.name} is "
                                   f"{value!r}, not {f.type}")
         return pointer

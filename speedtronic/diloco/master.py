@@ -295,8 +295,7 @@ class Master:
         pointer = Pointer(version=version, path=gkey, sha256=codec.sha256(wbytes),
                           weights_digest=codec.tensor_digest(self.weights), outer_step=version,
                           master_epoch=self.epoch, state_path=skey,
-                          state_sha256=codec.sha256(sbytes), master=self.node_id,
-                          applied=dict(self.hwm))
+                          state_sha256=codec.sha256(sbytes), master=self.node_id)
         pbytes = pointer.to_bytes()
         if getattr(self.store, "single_commit", False):
             try:

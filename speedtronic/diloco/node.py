@@ -99,11 +99,6 @@ class _Upload:
     seq: int
 
 
-_MAX_CARRIED = 3
-"""Confirmed deltas a worker keeps (host fp32 copies of its parameters) until a global includes
-them; beyond that the oldest one's work rewinds at the next install (a master far behind)."""
-
-
 class Worker:
     """DiLoCo worker callback (``name = "diloco"``). Works with any object exposing ``model``,
     ``optimizer`` and optionally ``log_metrics`` and ``config`` (the Trainer does)."""
@@ -130,9 +125,6 @@ class Worker:
         self._inflight: _Upload | None = None
         self._pool: list[dict[str, torch.Tensor]] = []
         self._candidate: tuple[Pointer, dict[str, torch.Tensor]] | None = None
-        # Confirmed deltas (seq -> decoded delta, fp32 CPU) that no installed global includes
-        # yet: carried onto the next global at install (see _own_unapplied_work).
-        self._unapplied: dict[int, dict[str, torch.Tensor]] = {}
         self._reset_due = False
         self._seq = 0
         self.last_seq = -1
@@ -313,15 +305,10 @@ class Worker:
             self._candidate = None
             if pointer.version <= self.version and not force:
                 return
-            if force:  # after a rejection receipt: the rejected work is not carried either
-                self._unapplied.clear()
-            own = None if force else self._own_unapplied_work(pointer)
-            if own is not None:  # the global plus this node's work it does not hold yet
-                tensors = {k: t.sub(own[k]) if k in own else t for k, t in tensors.items()}
             for k, p in self._params.items():
                 p.copy_(tensors[k])
             self.gen += 1
-            self._refs[self.gen] = tensors  # the installed weights: this generation's reference
+            self._refs[self.gen] = tensors  # the global becomes this generation's reference
             self._gen_version[self.gen] = pointer.version
             self.version, self.digest = pointer.version, pointer.weights_digest
             self._drop_unused_refs()
@@ -330,38 +317,6 @@ class Worker:
         replaced = getattr(trainer, "weights_replaced", None)
         if callable(replaced):
             replaced(f"DiLoCo global v{pointer.version}")
-
-    def _own_unapplied_work(self, pointer: Pointer) -> dict[str, torch.Tensor] | None:
-        """This node's work that ``pointer``'s global does not include yet, as a delta (the sum
-        of ``reference - snapshot`` over it); None when there is none to carry.
-
-        Installing the bare global rewound the worker by every round the master had not applied
-        yet: at least the one snapshotted at this very boundary, which no published global can
-        hold. Real 3-worker runs then ended above one node training alone. Called with the lock
-        held, at a boundary, where _install has checked that pending and in-flight snapshots
-        are all of the current generation.
-        """
-        done = pointer.applied.get(f"{self.node_id}/{self.session}")
-        self._unapplied = {seq: d for seq, d in self._unapplied.items()
-                           if done is None or seq > done}
-        parts: list[dict[str, torch.Tensor]] = list(self._unapplied.values())
-        snap = self._pending.get(self.gen)
-        if snap is not None:
-            # The reference moves only when an upload is confirmed, so reference - snapshot
-            # also covers an upload still in flight.
-            if snap.event is not None:
-                snap.event.synchronize()
-            ref = self._refs[snap.gen]
-            parts.append({k: ref[k] - t for k, t in snap.tensors.items()})
-        elif self._inflight is not None:
-            parts.append(self._inflight.decoded)
-        if not parts:
-            return None
-        own = {k: t.clone() for k, t in parts[0].items()}
-        for part in parts[1:]:
-            for k, t in part.items():
-                own[k].add_(t)
-        return own
 
     def _drop_unused_refs(self) -> None:
         live = {self.gen, *self._pending}
@@ -451,10 +406,6 @@ class Worker:
             # ends with an install (a fast master) with 1 reset in 5 uploads.
             self._reset_due = True
             self.last_seq = job.seq
-            # kept until a global includes it (a copy: the snapshot buffers are reused)
-            self._unapplied[job.seq] = {k: d.clone() for k, d in job.decoded.items()}
-            while len(self._unapplied) > _MAX_CARRIED:
-                del self._unapplied[min(self._unapplied)]  # its work rewinds at the next install
             self.m["deltas_sent"] += 1
             self.m["staleness"] = max(0, self.version - job.snapshot.base_version)
             self._pool.append(job.snapshot.tensors)
