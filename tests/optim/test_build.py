@@ -215,16 +215,20 @@ def test_standalone_cautious_adamw_matches_torch_when_not_cautious() -> None:
     torch.manual_seed(0)
     w = torch.randn(6, 5)
     grads = [torch.randn(6, 5) for _ in range(3)]
-    outs = []
-    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-                 lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1, fused=False)):
-        p = nn.Parameter(w.clone())
-        opt = make([p])
-        for g in grads:
-            p.grad = g.clone()
-            opt.step()
-        outs.append(p.detach())
+    outs = [_stepped(make, w, grads) for make in (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1, fused=False))]
     assert torch.allclose(outs[0], outs[1], atol=1e-6)
+
+
+def _stepped(make, w: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
+    """The weights ``w`` after one step of ``make([param])`` per gradient."""
+    p = nn.Parameter(w.clone())
+    opt = make([p])
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach()
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"fused": False}, {"cautious": True}])
@@ -249,15 +253,8 @@ def test_adamw_updates_complex_parameters_like_torch(kwargs) -> None:
     torch.manual_seed(0)
     w, grads = torch.randn(3, 4, dtype=torch.cfloat), [torch.randn(3, 4, dtype=torch.cfloat)
                                                        for _ in range(2)]
-    outs = []
-    for make in (lambda ps: torch.optim.AdamW(ps, lr=1e-2),
-                 lambda ps: AdamW(ps, lr=1e-2, **kwargs)):
-        p = nn.Parameter(w.clone())
-        opt = make([p])
-        for grad in grads:
-            p.grad = grad.clone()
-            opt.step()
-        outs.append(p.detach())
+    outs = [_stepped(make, w, grads) for make in (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2), lambda ps: AdamW(ps, lr=1e-2, **kwargs))]
     assert not torch.equal(outs[1].imag, w.imag)  # the imaginary part moved (it was wiped)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-6, atol=1e-6)
     model = nn.Linear(4, 4)
