@@ -79,6 +79,15 @@ def sync_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return params
 
 
+def run_stopped_by(trainer: Any) -> BaseException | None:
+    """The exception that ended the run early: the Trainer records it (``stopped_by``); for
+    other drivers, the exception being handled while they call ``on_train_end`` from a
+    ``finally``."""
+    if hasattr(trainer, "stopped_by"):
+        return trainer.stopped_by
+    return sys.exc_info()[1]
+
+
 @dataclass
 class _Snapshot:
     gen: int
@@ -202,7 +211,7 @@ class Worker:
                            " that work is lost", self.node_id, self.cfg.shutdown_timeout)
         # An interrupted run (Ctrl-C, an error) is not done: a done marker would let the master
         # stop before a --resume comes back, and the final sync would wait for it.
-        stopped_by = getattr(trainer, "stopped_by", None) or sys.exc_info()[1]
+        stopped_by = run_stopped_by(trainer)
         if stopped_by is not None:
             logger.info("diloco worker %s: run stopped early (%s): no done marker, no final "
                         "sync", self.node_id, type(stopped_by).__name__)

@@ -13,7 +13,6 @@ not train (a small coordinator machine); it builds the model only to publish ver
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +23,7 @@ import torch
 from ..config import DistributedConfig, SpeedtronicConfig
 from ..errors import SpeedtronicError
 from .master import LeaseLost, Master
-from .node import Worker, default_node_id, sync_parameters
+from .node import Worker, default_node_id, run_stopped_by, sync_parameters
 from .store import open_store, probe_conditional_writes
 
 logger = logging.getLogger("speedtronic.diloco.service")
@@ -126,8 +125,7 @@ class MasterNode:
     def on_train_end(self, trainer: Any) -> None:
         self.worker.on_train_end(trainer)
         self._train_done = True
-        if self.thread is not None and (getattr(trainer, "stopped_by", None)
-                                        or sys.exc_info()[1]) is not None:
+        if self.thread is not None and run_stopped_by(trainer) is not None:
             # Interrupted: stop aggregating now (the store holds its state; --resume restarts
             # it) instead of waiting for every other node to finish.
             logger.info("diloco master: run stopped early; the master thread stops too")
