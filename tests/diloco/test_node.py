@@ -314,9 +314,14 @@ def test_an_interrupted_run_writes_no_done_marker_and_skips_the_final_sync(tmp_p
     with pytest.raises(KeyboardInterrupt):
         train(w, t, 10, on_step=interrupt)  # ends with on_train_end, inside the finally
     assert time.monotonic() - start < 60  # not the 90 s final sync
-    keys = open_store(url).list("nodes/")
+    store = open_store(url)
+    keys = store.list("nodes/")
     assert not any(k.endswith("done.json") for k in keys)
-    assert sum(k.endswith(".safetensors") for k in keys) == 2  # the round and the partial one
+    # the round and the partial one were sent (one delta or two: a round still queued when the
+    # partial one is taken coalesces with it)
+    steps = [codec.decode_delta(store.get(k))[1].inner_steps for k in keys
+             if k.endswith(".safetensors")]
+    assert sum(steps) == 3 and len(steps) in (1, 2)
 
 
 
