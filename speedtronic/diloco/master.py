@@ -192,7 +192,10 @@ class Master:
                 data, etag = self.store.get_with_etag(POINTER_KEY)
             except ObjectNotFound:
                 return  # nothing published yet: bootstrap writes our epoch
-            pointer = Pointer.from_bytes(data)
+            try:
+                pointer = Pointer.from_bytes(data)
+            except FormatError:
+                return  # unreadable: load_or_bootstrap rebuilds it, stamped with our epoch
             if pointer.master_epoch >= self.epoch:
                 return
             stamped = Pointer(**{**asdict(pointer), "master_epoch": self.epoch,
@@ -216,7 +219,7 @@ class Master:
     def _peek_pointer_epoch(self) -> int:
         try:
             return Pointer.from_bytes(self.store.get(POINTER_KEY)).master_epoch
-        except ObjectNotFound:
+        except (ObjectNotFound, FormatError):  # none yet, or damaged (the lease still rules)
             return 0
 
     def renew_lease(self) -> None:
@@ -254,7 +257,11 @@ class Master:
                 return
             except PreconditionFailed:
                 data, etag = self.store.get_with_etag(POINTER_KEY)
-        pointer = Pointer.from_bytes(data)
+        try:
+            pointer = Pointer.from_bytes(data)
+        except FormatError as exc:
+            pointer = self._rebuilt_pointer(exc)
+            etag = self.store.swap(POINTER_KEY, pointer.to_bytes(), etag)
         self.weights = {k: v.float() for k, v in
                         codec.decode_global(self.store.get(pointer.path), pointer).items()}
         state_bytes = self.store.get(pointer.state_path)
@@ -276,6 +283,40 @@ class Master:
         self.pointer, self.pointer_etag = pointer, etag
         logger.info("diloco master: resumed at v%d (epoch %d -> %d), %d sessions tracked",
                     pointer.version, pointer.master_epoch, self.epoch, len(self.hwm))
+
+    def _rebuilt_pointer(self, damage: FormatError) -> Pointer:
+        """A pointer for the newest global + master state pair still in the store, when the
+        pointer itself is unreadable (truncated, overwritten by hand). Both objects are written
+        before the pointer under one name suffix, so a complete pair is a consistent state: its
+        high-water marks say which deltas it holds. A restart had failed although every global
+        and state was intact."""
+        suffix = re.compile(r"v(\d{8})-e(\d{4,})-([0-9a-f]+)\.safetensors")
+        states = {key[len("master/state-"):] for key in self.store.list("master/state-")}
+        pairs = []
+        for key in self.store.list("global/v"):
+            m = suffix.fullmatch(key[len("global/"):])
+            if m and m.group(0) in states:
+                pairs.append((int(m.group(1)), int(m.group(2)), m.group(0)))
+        for version, epoch, name in sorted(pairs, reverse=True):
+            gkey, skey = f"global/{name}", f"master/state-{name}"
+            try:
+                wbytes, sbytes = self.store.get(gkey), self.store.get(skey)
+                weights, meta = codec.decode(wbytes)
+                codec.decode(sbytes)
+            except (FormatError, ObjectNotFound) as exc:
+                logger.warning("diloco master: %s is unusable (%s); trying an older one", gkey,
+                               exc)
+                continue
+            if meta.get("version") != version:
+                continue
+            logger.warning("diloco master: %s is unreadable (%s); rebuilt it from %s", POINTER_KEY,
+                           damage, gkey)
+            return Pointer(version=version, path=gkey, sha256=codec.sha256(wbytes),
+                           weights_digest=codec.tensor_digest(weights), outer_step=version,
+                           master_epoch=max(epoch, self.epoch), state_path=skey,
+                           state_sha256=codec.sha256(sbytes), master=self.node_id)
+        raise FormatError(f"{damage}; and no complete global + master state pair is left in "
+                          f"{self.store.url} to rebuild it from")
 
     def _state_bytes(self, version: int, applied: list[str], parent: str) -> bytes:
         meta = {"format": codec.STATE_FORMAT, "version": version, "epoch": self.epoch,

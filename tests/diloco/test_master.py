@@ -407,3 +407,25 @@ def test_a_high_outer_momentum_with_short_rounds_is_warned_about_once(tmp_path, 
             _put_delta(store, delta, seq, base=m.pointer.version, inner_steps=rounds)
             m.run_once()
     assert caplog.text.count("short rounds with a high outer momentum overshoot") == int(warned)
+
+
+def test_a_restarted_master_rebuilds_an_unreadable_pointer_from_the_newest_pair(tmp_path):
+    """A truncated global/latest.json stopped every restart although every global and state
+    was intact; the master now adopts the newest complete global + state pair and rewrites the
+    pointer, so workers can read it again."""
+    store, m = _master(tmp_path)
+    delta = {k: 0.01 * torch.ones_like(v) for k, v in initial_weights().items()}
+    _put_delta(store, delta, 0)
+    m.run_once()
+    assert m.pointer.version == 1
+    good = read_pointer(store)
+    store.put(codec.POINTER_KEY, codec.POINTER_KEY.encode()[:7])  # truncated by hand
+    restarted = Master(store, m.cfg, "m0", lambda: initial_weights())
+    assert restarted.acquire_lease(threading.Event(), timeout=5)
+    restarted.load_or_bootstrap()
+    assert restarted.pointer.version == 1 and restarted.hwm == {"w1/s1": 0}
+    rebuilt = read_pointer(store)  # readable again, naming the same objects and digests
+    assert (rebuilt.path, rebuilt.sha256, rebuilt.weights_digest, rebuilt.state_path) == (
+        good.path, good.sha256, good.weights_digest, good.state_path)
+    _put_delta(store, delta, 1)
+    assert restarted.run_once().published and read_pointer(store).version == 2
