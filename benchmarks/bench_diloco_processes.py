@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import yaml
+from bench_data import cpu_flags  # the CPU model and the ISA flags that matter here
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -100,16 +101,6 @@ def run_single(cfg: dict, tmp: Path, batch: int) -> dict:
                        stderr=subprocess.STDOUT, check=True,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     return {"eval": final_eval(log), "wall_s": time.perf_counter() - t0}
-
-
-def cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown"
-    flags = next((ln.split(":", 1)[1].split() for ln in text.splitlines()
-                  if ln.startswith("flags")), [])
-    return " ".join(f for f in flags if f.startswith(("avx", "fma")))
 
 
 def main() -> None:

@@ -128,7 +128,8 @@ class MfuMeter:
 
     def summary_line(self) -> str | None:
         """``summary: median ... model TFLOP/s, MFU ...%`` or None without FLOPs."""
-        tflops, mfu = median(self.tflops_history), median(self.mfu_history)
+        summary = self.summary()
+        tflops, mfu = summary["median_model_tflops"], summary["median_mfu"]
         if tflops is None:
             return None
         mfu_text = f", MFU {100 * mfu:.1f}%" if mfu is not None else ""

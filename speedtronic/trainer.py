@@ -547,11 +547,11 @@ class Trainer:
 
     def _finish(self) -> TrainResult:
         """The ``train_end`` row, the MFU summary line and the result."""
-        summary = self._mfu.summary() if self._mfu is not None else {}
+        assert self._mfu is not None  # set by _start_features at the top of fit
         self.metrics.emit("train_end", {"step": self.step, "tokens": self.tokens,
                                         "loss": self.last_loss, "eval_loss": self.last_eval_loss,
-                                        **summary})
-        line = self._mfu.summary_line() if self._mfu is not None else None
+                                        **self._mfu.summary()})
+        line = self._mfu.summary_line()
         if line:
             self.metrics.line(line)
         return TrainResult(steps=self.step, tokens=self.tokens, final_loss=self.last_loss,

@@ -290,11 +290,10 @@ class Master:
         before the pointer under one name suffix, so a complete pair is a consistent state: its
         high-water marks say which deltas it holds. A restart had failed although every global
         and state was intact."""
-        suffix = re.compile(r"v(\d{8})-e(\d{4,})-([0-9a-f]+)\.safetensors")
         states = {key[len("master/state-"):] for key in self.store.list("master/state-")}
         pairs = []
         for key in self.store.list("global/v"):
-            m = suffix.fullmatch(key[len("global/"):])
+            m = _NAME_SUFFIX.fullmatch(key[len("global/"):])
             if m and m.group(0) in states:
                 pairs.append((int(m.group(1)), int(m.group(2)), m.group(0)))
         for version, epoch, name in sorted(pairs, reverse=True):
@@ -681,7 +680,10 @@ class Master:
                 stop.wait(self.cfg.poll_interval)
 
 
-_VERSIONED = re.compile(r"(?:global/v|master/state-v)(\d{8})-e\d{4,}-[0-9a-f]+\.safetensors")
+# The name suffix of every global and master state (codec.global_key / state_key): version,
+# epoch, nonce. A global and the state published with it share it.
+_NAME_SUFFIX = re.compile(r"v(\d{8})-e(\d{4,})-[0-9a-f]+\.safetensors")
+_VERSIONED = re.compile(rf"(?:global/|master/state-){_NAME_SUFFIX.pattern}")
 
 
 def _version_of(key: str) -> int | None:
