@@ -38,7 +38,7 @@ GIB_PER_JOB = 2.0
 
 #: A free-threaded (no-GIL) interpreter: no limited-API (abi3) builds there.
 FREE_THREADED = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
-#: The torch-free CPU kernel library (speedtronic/cpu_kernels.py loads it with ctypes).
+#: The torch-free CPU kernel library (speedtronic/kernels/cpu.py loads it with ctypes).
 CPU_EXTENSION = "speedtronic._cpu_kernels"
 CPU_SOURCE = os.path.join("csrc", "cpu", "fused_cpu.cpp")
 

@@ -7,7 +7,7 @@
 #        with the same resource gates, and a SASS check that every instantiation issues wgmma
 #        (HGMMA) and bulk tensor copies (UTMALDG).
 #   (ii) full build of speedtronic._C against torch==2.14.1 (cu130) in a venv made here,
-#        `import speedtronic._C`, and a check that every op of speedtronic.ops has a CUDA kernel
+#        `import speedtronic._C`, and a check that every op of speedtronic.kernels.ops has a CUDA kernel
 #        registered with the dispatcher.
 # About 8 minutes on 2 cores (venv 2-3 min, compile-only 1-2 min, full build ~4 min).
 set -euo pipefail
@@ -96,8 +96,8 @@ import torch
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 import speedtronic._C  # noqa: F401  (imports without a GPU)
-import speedtronic.kernels as kernels
-import speedtronic.ops as ops  # defines the schemas, then hands CUDA_KERNEL_OPS to the loader
+import speedtronic.kernels.extension as kernels
+import speedtronic.kernels.ops as ops  # defines the schemas, then hands CUDA_KERNEL_OPS to the loader
 
 st = kernels.status()
 print("ci[cuda]:", st.line(), kernels.env_info())
@@ -114,7 +114,7 @@ assert lt == "ok", f"poly_lt cannot bind torch's cuBLASLt: {lt}"
 print("ci[cuda]: poly_lt binds torch's cuBLASLt")
 print(f"ci[cuda]: all {len(ops.CUDA_KERNEL_OPS)} kernel ops are registered; arches {st.so_arches}")
 # The same build (torch's BuildExtension) also compiles the torch-free CPU kernel library.
-import speedtronic.cpu_kernels as cpu_kernels
+import speedtronic.kernels.cpu as cpu_kernels
 
 assert cpu_kernels.status().loaded, cpu_kernels.status().line()
 print("ci[cuda]:", cpu_kernels.status().line())

@@ -2,7 +2,7 @@
 
 * RMSNorm: torch's ``F.rms_norm`` (composite on CPU in torch 2.13) against the model's torch-ops
   path (``_RMSNormCPU``, a hand-written backward), and that against the fused C++ kernel of
-  ``speedtronic.cpu_kernels``, at (8, 128, 128) fp32.
+  ``speedtronic.kernels.cpu``, at (8, 128, 128) fp32.
 * SwiGLU: ``silu(gate) * up`` in torch ops against the fused kernel, at (8, 128, 384).
 * The short-run YAML's model (benchmarks/bench_short_run.py), forward + backward at batch 8,
   with the fused kernels off and on, at 1 and 2 threads (the kernels are single-threaded: the
@@ -16,7 +16,7 @@
   out as the model makes them (a transposed view of the projection's output).
 
 One thread unless a case says otherwise, interleaved rounds, medians; the numbers quoted in
-``speedtronic/models/reference.py``, ``speedtronic/cpu_kernels.py`` and ``csrc/cpu/`` come from
+``speedtronic/models/reference.py``, ``speedtronic/kernels/cpu.py`` and ``csrc/cpu/`` come from
 here.
 
     python benchmarks/bench_cpu_layers.py
@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from speedtronic import cpu_kernels
 from speedtronic.config import ModelConfig
+from speedtronic.kernels import cpu as cpu_kernels
 from speedtronic.models import extract_loss
 from speedtronic.models import reference as ref
 
@@ -239,7 +239,7 @@ def main() -> None:
         lines.append(f"| {name} | {r['before']} | {r['before_us']:.0f} | {r['after_us']:.0f} | "
                      f"{r['ratio']:.2f} |")
     lines += ["", "RMSNorm: `F.rms_norm` against the model's torch-ops path (a hand-written "
-              "backward), and that against the fused C++ kernel (`speedtronic.cpu_kernels`). "
+              "backward), and that against the fused C++ kernel (`speedtronic.kernels.cpu`). "
               "SwiGLU: torch ops against the fused kernel. RoPE: the textbook half-split form "
               "and the three-pass form with its swap as a `cat` of two slices, against "
               "`_rotate` (swap by `roll`). Model: the short-run YAML's model, forward + backward "

@@ -60,7 +60,7 @@ from speedtronic.diloco.node import Worker
 from speedtronic.diloco.store import open_store
 from speedtronic.models import build_model
 from speedtronic.optim import build_optimizer
-from speedtronic.runtime import lr_factor
+from speedtronic.train.runtime import lr_factor
 
 M, H, SPEEDS = 4, 20, (1.0, 1.0, 0.7, 0.35)
 # Outer settings of the tuned rows (chosen by the sweep recorded in results/bench_diloco.md).

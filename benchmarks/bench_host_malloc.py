@@ -1,4 +1,4 @@
-"""CPU training steps under three glibc malloc settings: what ``speedtronic.host_memory`` buys.
+"""CPU training steps under three glibc malloc settings: what ``train.host_memory`` buys.
 
 Each setting trains the short-run YAML's model (``bench_short_run.py``: 4 layers, d 128,
 micro-batch 8 x 128 tokens, fp32, AdamW) for ``--steps`` steps in a fresh process and reports
@@ -36,7 +36,7 @@ import json, resource, sys, time
 import torch
 from speedtronic import host_memory
 from speedtronic.config import load_config
-from speedtronic.runtime import build_trainer
+from speedtronic.train.runtime import build_trainer
 tune, steps, config = sys.argv[1] == "1", int(sys.argv[2]), sys.argv[3]
 line = host_memory.tune_malloc() if tune else "not called"
 torch.set_num_threads(1)
@@ -106,7 +106,7 @@ def main() -> None:
     meta["torch"] = torch.__version__
     (RESULTS / "host_malloc_cpu.json").write_text(
         json.dumps({**meta, "runs": runs, "summary": summary}, indent=1) + "\n")
-    lines = ["# Host malloc settings: CPU training steps (speedtronic.host_memory)", "",
+    lines = ["# Host malloc settings: CPU training steps (speedtronic.train.host_memory)", "",
              f"Command: `{meta['command']}`, {meta['date']} UTC; {meta['cpu']}; torch "
              f"{meta['torch']}, Python {meta['python']}, 1 thread, fp32. {args.steps} steps of "
              f"the short-run model (4 layers, d 128, 8 x 128 tokens, AdamW), start-up excluded; "

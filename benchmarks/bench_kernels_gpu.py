@@ -27,9 +27,9 @@ from pathlib import Path
 
 import torch
 
-import speedtronic.kernels as kernels
-import speedtronic.ops as ops
-from speedtronic.autotune import cuda_event_timer
+import speedtronic.kernels.extension as kernels
+import speedtronic.kernels.ops as ops
+from speedtronic.kernels.autotune import cuda_event_timer
 
 GPT2_SMALL = [(768, 768)] * 48 + [(3072, 768)] * 12 + [(768, 3072)] * 12
 LLAMA_1B = ([(2048, 2048)] * 32 + [(512, 2048)] * 32 + [(8192, 2048)] * 32 + [(2048, 8192)] * 16)

@@ -37,7 +37,7 @@ from torch import nn
 
 from speedtronic.config import load_config
 from speedtronic.models import build_model
-from speedtronic.ooo import OOOScheduler, build_ooo_scheduler
+from speedtronic.ooo.scheduler import OOOScheduler, build_ooo_scheduler
 
 VARIANTS = ("standard", "off", "paused", "on")
 

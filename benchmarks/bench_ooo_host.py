@@ -10,8 +10,8 @@ calls replaced by counting no-ops, and reports, per deferred ``nn.Linear``:
   counted so they can be priced on a GPU);
 * the stream API calls made (``wait_stream``, ``record_stream``, stream switches, events).
 
-``--baseline-rev REV`` also loads ``speedtronic/ooo.py`` from that git revision and measures it
-in the same interleaved rounds (before/after of an optimisation, one run).
+``--baseline-rev REV`` also loads ``speedtronic/ooo/scheduler.py`` from that git revision and
+measures it in the same interleaved rounds (before/after of an optimisation, one run).
 
     python benchmarks/bench_ooo_host.py --baseline-rev HEAD~1
 """
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-import speedtronic.ooo as ooo_current
+import speedtronic.ooo.scheduler as ooo_current
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = Path(__file__).resolve().parents[1]
@@ -115,8 +115,8 @@ class MLPStack(nn.Module):
 
 
 def _load_baseline(rev: str) -> Any:
-    source = subprocess.run(["git", "show", f"{rev}:speedtronic/ooo.py"], cwd=ROOT, check=True,
-                            capture_output=True, text=True).stdout
+    source = subprocess.run(["git", "show", f"{rev}:speedtronic/ooo/scheduler.py"], cwd=ROOT,
+                            check=True, capture_output=True, text=True).stdout
     path = Path(tempfile.mkdtemp()) / "ooo_baseline.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("speedtronic._ooo_baseline", path)

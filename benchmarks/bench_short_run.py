@@ -67,8 +67,8 @@ def main() -> None:
     # "ours, final eval only": the same YAML with run.eval_every: 0, to price our evaluations
     # (2.0.0 runs none by default). "ours, d_ff 344": the same model width as 2.0.0's, to
     # separate the engine from the extra MLP work our default width does. "ours, glibc malloc
-    # defaults": without speedtronic.host_memory's thresholds, to price them. "ours, cpu kernels
-    # off": without the fused SwiGLU / RMSNorm kernels (speedtronic.cpu_kernels).
+    # defaults": without train.host_memory's thresholds, to price them. "ours, cpu kernels
+    # off": without the fused SwiGLU / RMSNorm kernels (speedtronic.kernels.cpu).
     variants = {"ours": (sys.executable, "", "", {}),
                 "ours, final eval only": (sys.executable, NO_EVAL, "", {}),
                 "ours, d_ff 344": (sys.executable, "", SAME_WIDTH, {}),
@@ -101,7 +101,7 @@ def main() -> None:
     import torch
     from bench_data import cpu_flags  # this folder is sys.path[0] when run as a script
 
-    from speedtronic import cpu_kernels
+    from speedtronic.kernels import cpu as cpu_kernels
 
     torch.set_num_threads(1)  # as in the runs (OMP_NUM_THREADS=1)
     kernels_line = cpu_kernels.status().line()

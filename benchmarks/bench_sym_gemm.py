@@ -71,7 +71,7 @@ def bench_steps(timer_repeat: int) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     import bench_kernels_gpu as bk  # the same step and clock as the main benchmark
 
-    from speedtronic import newton_schulz as ns
+    from speedtronic.kernels import newton_schulz as ns
 
     out: dict = {}
     clock = bk.Clock(torch.device("cuda"))
@@ -118,9 +118,9 @@ def main() -> int:
             print(r)
         print(f"bench_sym_gemm: dry run, {len(rows)} rows planned")
         return 0
-    import speedtronic.kernels as kernels
-    import speedtronic.ops  # noqa: F401  (defines the schemas, then loads the kernels)
-    from speedtronic.autotune import cuda_event_timer
+    import speedtronic.kernels.extension as kernels
+    import speedtronic.kernels.ops  # noqa: F401  (defines the schemas, then loads the kernels)
+    from speedtronic.kernels.autotune import cuda_event_timer
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("bench_sym_gemm: needs an sm_90 (Hopper) GPU; nothing measured")

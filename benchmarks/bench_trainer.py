@@ -1,4 +1,4 @@
-"""Trainer overhead: tokens/s of ``speedtronic.trainer.Trainer`` vs a minimal hand-written loop.
+"""Trainer overhead: tokens/s of ``speedtronic.train.Trainer`` vs a minimal hand-written loop.
 
 Both sides train the same model (same init), on the same data iterator type, with the same
 batch, precision (fp32 on CPU), optimizer (``build_optimizer``), LR schedule and grad clipping.
@@ -34,8 +34,8 @@ import torch
 from speedtronic.config import load_config
 from speedtronic.data import build_data
 from speedtronic.models import build_model
-from speedtronic.precision import resolve_precision
-from speedtronic.runtime import build_optimizer, build_scheduler, build_trainer
+from speedtronic.train.precision import resolve_precision
+from speedtronic.train.runtime import build_optimizer, build_scheduler, build_trainer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

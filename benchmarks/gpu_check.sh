@@ -56,13 +56,13 @@ if ! "$PY" -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)
     record gpu "none visible: tests, sanitizer and benchmarks not run"
     finish 3
 fi
-"$PY" -c "import logging; logging.basicConfig(level=logging.INFO); import speedtronic.ops, speedtronic.kernels as k; st = k.status(); print(k.env_info()); raise SystemExit(0 if st.active else 1)" \
+"$PY" -c "import logging; logging.basicConfig(level=logging.INFO); import speedtronic.kernels.ops, speedtronic.kernels.extension as k; st = k.status(); print(k.env_info()); raise SystemExit(0 if st.active else 1)" \
     || { record load "FAILED: kernels not active"; finish 1; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null || true
 
 # ---- 2. GPU tests ------------------------------------------------------------------------------
 note "GPU tests"
-"$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gpu.py tests/test_ooo.py 2>&1 | tee "$LOG_DIR/gpu_check_tests.log"
+"$PY" -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_kernels_gpu.py tests/ooo/test_scheduler.py 2>&1 | tee "$LOG_DIR/gpu_check_tests.log"
 rc=${PIPESTATUS[0]}
 record tests "$([[ $rc -eq 0 ]] && echo ok || echo "FAILED (exit $rc)") $(tail -1 "$LOG_DIR/gpu_check_tests.log")"
 overall=$rc

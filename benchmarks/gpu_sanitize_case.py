@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import torch
 
-import speedtronic.kernels as kernels
-import speedtronic.ops as ops
+import speedtronic.kernels.extension as kernels
+import speedtronic.kernels.ops as ops
 
 
 def main() -> int:
-    st = kernels.status()  # importing speedtronic.ops loaded the kernels
+    st = kernels.status()  # importing speedtronic.kernels.ops loaded the kernels
     if not st.active:
         print(f"gpu_sanitize_case: kernels not active: {st.reason}")
         return 3

@@ -1,5 +1,5 @@
 """Place the Gram Newton-Schulz restarts for every shipped coefficient schedule, and check the
-16-bit choices of ``speedtronic.newton_schulz`` against float64.
+16-bit choices of ``speedtronic.kernels.newton_schulz`` against float64.
 
 For each schedule (quintic, polar_express; 5 steps) and each set of restart points (subsets of
 iterations 1..4), the Gram iteration's error relative to a float64 standard NS of the same input
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from speedtronic import newton_schulz as ns
+from speedtronic.kernels import newton_schulz as ns
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}

@@ -15,8 +15,8 @@ from torch import nn
 
 from speedtronic import load_config
 from speedtronic.models import register_model
-from speedtronic.runtime import train_from_config
-from speedtronic.trainer import TrainerCallback
+from speedtronic.train.runtime import train_from_config
+from speedtronic.train.trainer import TrainerCallback
 
 
 @register_model("bigram_mlp")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import _renamed
 from .config import ConfigError, SpeedtronicConfig, load_config
 from .errors import SpeedtronicError
 
@@ -16,11 +17,14 @@ __version__ = "2.1.0.dev0"
 
 __all__ = ["ConfigError", "SpeedtronicConfig", "SpeedtronicError", "load_config", "__version__"]
 
-_LAZY_SUBMODULES = {"ops", "optim", "models", "data", "trainer", "runtime", "kernels", "diloco",
-                    "ooo", "shapes", "compare", "checkpoint", "metrics", "plot", "env"}
+#: The packages, bottom layer first (docs/architecture.md has the table and the rules).
+_LAZY_SUBMODULES = {"kernels", "models", "data", "optim", "ooo", "diloco", "train", "compare",
+                    "cli"}
+
+_renamed.install_module_aliases()
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY_SUBMODULES:
+    if name in _LAZY_SUBMODULES or f"{__name__}.{name}" in _renamed.MOVED_MODULES:
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'speedtronic' has no attribute {name!r}")

@@ -1,9 +1,50 @@
-"""Old names that still import, with a DeprecationWarning that gives the new one."""
+"""Old names that still import, with a DeprecationWarning that gives the new one.
+
+Two kinds, both served from here so there is one deprecation path to test and later remove:
+
+* an attribute renamed inside a module (:func:`renamed`, a module ``__getattr__``);
+* a module that moved to a package (:data:`MOVED_MODULES`): ``import speedtronic.trainer``
+  still works and returns the very module object ``speedtronic.train.trainer`` (so a
+  ``monkeypatch`` through either name patches the same thing), after one warning.
+"""
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
 import warnings
 from collections.abc import Callable
+
+#: Modules that moved when the top level became the layer map (release 2.1): old -> new.
+MOVED_MODULES: dict[str, str] = {
+    "speedtronic.cpu_kernels": "speedtronic.kernels.cpu",
+    "speedtronic.ops": "speedtronic.kernels.ops",
+    "speedtronic.newton_schulz": "speedtronic.kernels.newton_schulz",
+    "speedtronic.kernel_choice": "speedtronic.kernels.choice",
+    "speedtronic.autotune": "speedtronic.kernels.autotune",
+    "speedtronic.trainer": "speedtronic.train.trainer",
+    "speedtronic.runtime": "speedtronic.train.runtime",
+    "speedtronic.accumulation": "speedtronic.train.accumulation",
+    "speedtronic.precision": "speedtronic.train.precision",
+    "speedtronic.checkpoint": "speedtronic.train.checkpoint",
+    "speedtronic.metrics": "speedtronic.train.metrics",
+    "speedtronic.mfu": "speedtronic.train.mfu",
+    "speedtronic.plot": "speedtronic.train.plot",
+    "speedtronic.host_memory": "speedtronic.train.host_memory",
+    "speedtronic.shapes": "speedtronic.train.shapes",
+    "speedtronic.ooo_trial": "speedtronic.ooo.trial",
+    "speedtronic.env": "speedtronic.cli.env",
+}
+
+#: Old modules whose name is now a package: their public attributes are served from the
+#: module that holds them now (``speedtronic.kernels.status`` -> ``.kernels.extension``).
+MOVED_INTO_PACKAGE: dict[str, str] = {
+    "speedtronic.kernels": "speedtronic.kernels.extension",
+    "speedtronic.ooo": "speedtronic.ooo.scheduler",
+}
 
 
 def renamed(module: str, old: str, new: str, value: object) -> Callable[[str], object]:
@@ -16,3 +57,50 @@ def renamed(module: str, old: str, new: str, value: object) -> Callable[[str], o
         raise AttributeError(f"module {module!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+def moved_into_package(package: str) -> Callable[[str], object]:
+    """A package ``__getattr__`` serving the public names of the module that used to be called
+    ``package`` (before it became a package) from where they live now, with a warning."""
+    target = MOVED_INTO_PACKAGE[package]
+
+    def __getattr__(name: str) -> object:
+        if not name.startswith("_"):
+            module = importlib.import_module(target)
+            if hasattr(module, name):
+                warnings.warn(f"{package}.{name} is now {target}.{name}", DeprecationWarning,
+                              stacklevel=2)
+                return getattr(module, name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+class _MovedModuleLoader(importlib.abc.Loader):
+    def __init__(self, new: str) -> None:
+        self.new = new
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        # A placeholder: exec_module swaps in the real module, so the real one's __spec__ and
+        # __name__ are never overwritten with the old name.
+        return types.ModuleType(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        warnings.warn(f"{module.__name__} is now {self.new}", DeprecationWarning, stacklevel=2)
+        # The import system returns whatever sys.modules holds under the old name after this.
+        sys.modules[module.__name__] = importlib.import_module(self.new)
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname: str, path: object = None,
+                  target: object = None) -> importlib.machinery.ModuleSpec | None:
+        new = MOVED_MODULES.get(fullname)
+        if new is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _MovedModuleLoader(new))
+
+
+def install_module_aliases() -> None:
+    """Make the old module names importable (idempotent; called by ``speedtronic/__init__``)."""
+    if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+        sys.meta_path.append(_MovedModuleFinder())

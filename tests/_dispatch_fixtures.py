@@ -1,9 +1,9 @@
 """A per-shape dispatch table with a fake timer, shared by the kernel-family tests
-(tests/test_kernel_choice.py, tests/test_sym_gemm_dispatch.py)."""
+(tests/kernels/test_choice.py, tests/kernels/test_sym_gemm_dispatch.py)."""
 
 from __future__ import annotations
 
-from speedtronic import autotune
+from speedtronic.kernels import autotune
 
 
 def counting_dispatch(monkeypatch, kernel, kernel_ms: float) -> autotune.ShapeDispatch:
@@ -24,7 +24,7 @@ def run_orthogonalize(dtype):
     """One small Newton-Schulz call through the dispatcher: (2, 16, 40), 3 quintic steps."""
     import torch
 
-    from speedtronic import newton_schulz as ns
+    from speedtronic.kernels import newton_schulz as ns
 
     G = torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(0))
     return ns.orthogonalize(G, 3, list(ns.QUINTIC), 1e-7, dtype, "standard")

@@ -1,11 +1,11 @@
-"""Build/load the CPU CUDA emulator (tests/cuda_emulation/emu_build.py) from any test file."""
+"""Build/load the CPU CUDA emulator (tests/kernels/cuda_emulation/emu_build.py) from any test."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
-_BUILD = Path(__file__).resolve().parent / "cuda_emulation" / "emu_build.py"
+_BUILD = Path(__file__).resolve().parent / "kernels" / "cuda_emulation" / "emu_build.py"
 
 
 def load_emulator():

@@ -127,15 +127,15 @@ def test_lazy_and_string_imports_are_edges(tmp_path):
 
 @pytest.mark.parametrize("module, forbidden", [
     # The loader of the compiled extension is a leaf: ops hands it the op list.
-    ("speedtronic.kernels", "speedtronic"),
+    ("speedtronic.kernels.extension", "speedtronic"),
     # So is the loader of the torch-free CPU kernel library (models import it).
-    ("speedtronic.cpu_kernels", "speedtronic"),
+    ("speedtronic.kernels.cpu", "speedtronic"),
     # A model module never imports the registry; the registry names built-ins by string.
     ("speedtronic.models.reference", "speedtronic.models.registry"),
     # The contract is what back ends import; it imports none of them.
     ("speedtronic.diloco.store_contract", "speedtronic.diloco.store"),
     # The trainer runs what runtime built; it never reaches back into runtime.
-    ("speedtronic.trainer", "speedtronic.runtime"),
+    ("speedtronic.train.trainer", "speedtronic.train.runtime"),
     # The schema needs only the redaction helpers, never the loader.
     ("speedtronic.config.schema", "speedtronic.config.loading"),
 ])
@@ -145,3 +145,67 @@ def test_layering_seams(module, forbidden):
                  if t == forbidden or t.startswith(forbidden + ".")
                  or (forbidden == PACKAGE and t.startswith(PACKAGE)))
     assert not bad, f"{module} must not import {forbidden}: imports {bad}"
+
+
+# ----------------------------------------------------------------------------- the layers
+#: Each package's layer, lowest first. A module may import its own package, the package root
+#: (``__version__``) and any package of a LOWER layer, never one of its own layer or above
+#: (docs/architecture.md states the same table).
+LAYERS: dict[str, int] = {
+    "speedtronic.errors": 0, "speedtronic._renamed": 0,
+    "speedtronic.config": 1, "speedtronic.kernels": 1,
+    "speedtronic.models": 2, "speedtronic.data": 2, "speedtronic.optim": 2, "speedtronic.ooo": 2,
+    "speedtronic.diloco": 3,
+    "speedtronic.train": 4,
+    "speedtronic.compare": 5,
+    "speedtronic.cli": 6, "speedtronic.__main__": 7,
+}
+
+
+def _unit(module: str) -> str:
+    """The layer unit a module belongs to: its top-level package (or top-level module)."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 1 else module
+
+
+def layer_violations(graph: dict[str, set[str]], layers: dict[str, int]) -> list[str]:
+    bad = []
+    for mod, targets in sorted(graph.items()):
+        if mod == PACKAGE:
+            continue
+        src = _unit(mod)
+        for t in sorted(targets):
+            dst = _unit(t)
+            if t == PACKAGE or dst == src:
+                continue
+            if layers[dst] >= layers[src]:
+                bad.append(f"{mod} (layer {layers[src]}) imports {t} (layer {layers[dst]})")
+    return bad
+
+
+def test_every_top_level_entry_has_a_layer():
+    units = {_unit(m) for m in import_graph() if m != PACKAGE}
+    assert units == set(LAYERS), (f"not in LAYERS: {sorted(units - set(LAYERS))}; "
+                                  f"gone: {sorted(set(LAYERS) - units)}")
+
+
+def test_no_package_imports_its_own_layer_or_a_higher_one():
+    bad = layer_violations(import_graph(), LAYERS)
+    assert not bad, "layer rule broken:\n  " + "\n  ".join(bad)
+
+
+def test_the_layer_rule_catches_an_upward_import():
+    graph = {"speedtronic.kernels.ops": {"speedtronic.train.trainer"},
+             "speedtronic.train.trainer": {"speedtronic.kernels.ops", "speedtronic"},
+             "speedtronic.optim.muon": {"speedtronic.data.build"}}
+    assert layer_violations(graph, LAYERS) == [
+        "speedtronic.kernels.ops (layer 1) imports speedtronic.train.trainer (layer 4)",
+        "speedtronic.optim.muon (layer 2) imports speedtronic.data.build (layer 2)"]
+
+
+def test_the_top_level_holds_only_packages_and_the_foundation():
+    loose = sorted(p.name for p in PACKAGE_DIR.glob("*.py"))
+    assert loose == ["__init__.py", "__main__.py", "_renamed.py", "errors.py"], loose
+    for pkg in sorted(p for p in PACKAGE_DIR.iterdir() if (p / "__init__.py").is_file()):
+        doc = ast.get_docstring(ast.parse((pkg / "__init__.py").read_text()))
+        assert doc and len(doc.splitlines()) >= 2, f"{pkg.name}/__init__.py: no layer docstring"

@@ -7,6 +7,9 @@ functions. Heavy imports (torch) happen inside the ``_cmd_*`` functions, so ``va
 
 Any error a user can cause prints one line ``speedtronic: error: ...`` on stderr and exits 2;
 ``--debug`` shows the traceback instead.
+
+The top layer: it may import every package (heavy ones lazily, inside ``_cmd_*``); nothing in
+the package imports it. :mod:`.env` is the ``speedtronic env`` report.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .errors import SpeedtronicError
+from ..errors import SpeedtronicError
 
 EXIT_USER_ERROR = 2
 _USER_ERRORS = (SpeedtronicError, ValueError, FileNotFoundError, OSError)
@@ -96,7 +99,7 @@ def _add_set(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .config import load_config
+    from ..config import load_config
 
     overrides = list(args.overrides)
     if args.max_steps is not None:
@@ -107,8 +110,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         overrides.append(f"run.device={json.dumps(args.device)}")
     cfg = load_config(args.config, overrides)
 
-    from .host_memory import requested_for_cpu_runs
-    from .runtime import train_from_config
+    from ..train.host_memory import requested_for_cpu_runs
+    from ..train.runtime import train_from_config
 
     with requested_for_cpu_runs():  # applied by the run builder once the device is the CPU
         result = train_from_config(cfg, resume=args.resume)
@@ -145,8 +148,8 @@ def _positive_int(text: str) -> int:
 
 
 def _cmd_prepare(args: argparse.Namespace) -> int:
-    from .config import load_config
-    from .data.prepare import prepare
+    from ..config import load_config
+    from ..data.prepare import prepare
 
     cfg = load_config(args.config, args.overrides)
     meta = prepare(cfg, workers=args.workers)
@@ -185,7 +188,7 @@ def _strict_json(data: Any) -> str:
 def _cmd_validate(args: argparse.Namespace) -> int:
     import yaml
 
-    from .config import load_config
+    from ..config import load_config
 
     data = load_config(args.config, args.overrides).to_dict(redact=True)
     if args.format == "json":
@@ -225,7 +228,7 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from .plot import plot_runs
+    from ..train.plot import plot_runs
 
     print(f"wrote {plot_runs(args.run_dirs, args.output)}")
     return 0
@@ -245,7 +248,7 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None],
 
 
 def _compare_command():  # speedtronic/compare/command.py (imports no torch)
-    from .compare import command
+    from ..compare import command
 
     return command
 
@@ -257,7 +260,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = _Parser(prog="speedtronic", description="Speedtronic training engine")
     parser.add_argument("--version", action="version", version=f"speedtronic {__version__}")

@@ -26,7 +26,7 @@ def collect_env() -> dict[str, Any]:
     """A dict of environment facts (JSON-serializable)."""
     import torch
 
-    from . import __version__
+    from .. import __version__
 
     info: dict[str, Any] = {
         "speedtronic": __version__,
@@ -60,8 +60,8 @@ def collect_env() -> dict[str, Any]:
 
 
 def _optional_kernels() -> dict[str, str]:
-    """Whether each optional Newton-Schulz kernel family may compete (speedtronic.kernel_choice)."""
-    from . import newton_schulz as ns
+    """Whether each optional Newton-Schulz kernel family may compete (kernels.choice)."""
+    from ..kernels import newton_schulz as ns
 
     out = {}
     for family in (ns.POLY_LT, ns.SYM_GEMM):
@@ -78,8 +78,8 @@ def _optional_kernels() -> dict[str, str]:
 
 
 def _autotune_table() -> dict[str, Any]:
-    """The per-shape choices measured on this GPU so far (see speedtronic.autotune)."""
-    from . import autotune
+    """The per-shape choices measured on this GPU so far (see speedtronic.kernels.autotune)."""
+    from ..kernels import autotune
 
     dispatch = autotune.active_dispatch()
     out: dict[str, Any] = {"enabled": dispatch.enabled, "table": str(dispatch.path)}
@@ -90,8 +90,8 @@ def _autotune_table() -> dict[str, Any]:
 
 
 def _cpu_kernel_status() -> dict[str, Any]:
-    """The fused CPU kernels (speedtronic.cpu_kernels): loaded or why not, and which ISA copy."""
-    from . import cpu_kernels
+    """The fused CPU kernels (speedtronic.kernels.cpu): loaded or why not, and which ISA copy."""
+    from ..kernels import cpu as cpu_kernels
 
     report = cpu_kernels.status()
     return {"decision": report.line(), "library": report.path}
@@ -99,7 +99,7 @@ def _cpu_kernel_status() -> dict[str, Any]:
 
 def _kernel_status() -> dict[str, Any]:
     """The kernel loader's decision, as plain values (importing ops makes the loader decide)."""
-    from . import kernels, ops  # noqa: F401  (ops defines the schemas, then loads the kernels)
+    from ..kernels import extension as kernels  # noqa: F401  (ops defines the schemas, then loads the kernels)
 
     report = kernels.status()
     return {k: (list(v) if isinstance(v, tuple) else v)

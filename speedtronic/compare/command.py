@@ -67,7 +67,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the comparison and print the table; returns the exit code."""
-    from ..host_memory import requested_for_cpu_runs
+    from ..train.host_memory import requested_for_cpu_runs
     from .api import DEFAULT_LR_FACTORS, run_compare
 
     command = "speedtronic " + " ".join(shlex.quote(a) for a in sys.argv[1:]) \

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..precision import max_memory_bytes
+from ..train.precision import max_memory_bytes
 from .spectrum import model_spectrum
 
 __all__ = ["CompareRecorder", "state_hash"]
@@ -60,7 +60,7 @@ def _reset_peak_memory(device: torch.device) -> str:
 
 def _peak_memory(device: torch.device) -> int | None:
     """CUDA allocator peak, or this process's peak RSS since the last reset (Linux VmHWM);
-    elsewhere the lifetime peak RSS from :func:`speedtronic.precision.max_memory_bytes`."""
+    elsewhere the lifetime peak RSS from :func:`speedtronic.train.precision.max_memory_bytes`."""
     if device.type != "cuda":
         try:
             for line in _PROC_STATUS.read_text().splitlines():

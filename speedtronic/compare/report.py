@@ -105,8 +105,8 @@ def write_json(path: str | Path, payload: dict[str, Any], strict: bool = True) -
     ``strict``: non-finite floats become strings (valid JSON for any reader); otherwise
     NaN/Infinity are kept so Python's json reads them back as floats.
     """
-    from ..checkpoint import atomic_write_text
-    from ..metrics import _jsonable
+    from ..train.checkpoint import atomic_write_text
+    from ..train.metrics import _jsonable
 
     data = _jsonable(payload) if strict else payload
     atomic_write_text(Path(path), json.dumps(data, indent=1, default=str) + "\n")

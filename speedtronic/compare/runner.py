@@ -161,7 +161,7 @@ def _saved_run_config(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _has_checkpoint(cfg: SpeedtronicConfig) -> bool:
-    from ..checkpoint import CheckpointManager
+    from ..train.checkpoint import CheckpointManager
 
     return bool(CheckpointManager(cfg.run_dir / cfg.checkpoint.directory).list())
 
@@ -191,7 +191,7 @@ def run_one(cfg: SpeedtronicConfig, spec: RunSpec, *, device: str | None,
         logger.info("compare: %s: training %d steps in %s", label, spec.steps, run_dir)
     fingerprint = data_fingerprint(cfg)
 
-    from ..runtime import train_from_config
+    from ..train.runtime import train_from_config
 
     rec = CompareRecorder(spectra=spec.spectra)
     result = train_from_config(cfg, resume=resume, device=device, hooks=[rec],

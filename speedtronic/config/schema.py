@@ -119,7 +119,7 @@ class RunConfig:
     """Base folder for run directories."""
     peak_tflops: float | None = None
     """Peak dense TFLOP/s of one device, the denominator of MFU. None = NVIDIA's datasheet figure
-    for the GPU (16-bit or TF32 by precision; see speedtronic/mfu.py), or no MFU when unknown."""
+    for the GPU (16-bit or TF32 by precision; see train/mfu.py), or no MFU when unknown."""
     num_threads: int | None = None
     """CPU threads for torch (``torch.set_num_threads``); None keeps torch's default (one per
     core). On a 2-core machine with the other core busy, 2 threads ran the quickstart ~9x slower

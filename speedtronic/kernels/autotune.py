@@ -61,7 +61,7 @@ def cuda_event_timer(fn: Callable[[], object], warmup: int = 1, repeat: int = 3)
 
 def _extension_build_id() -> str:
     """Size and mtime of the loaded ``speedtronic._C`` (a rebuild invalidates the table)."""
-    from . import kernels
+    from . import extension as kernels
 
     so = kernels.status().so_path
     if not so:
@@ -75,7 +75,7 @@ def _extension_build_id() -> str:
 
 def fingerprint() -> dict[str, str]:
     """What a timing table is valid for: device, driver, CUDA, torch, extension build."""
-    from . import __version__
+    from .. import __version__
 
     info = {"torch": torch.__version__, "cuda": str(torch.version.cuda),
             "speedtronic": __version__, "extension": _extension_build_id()}

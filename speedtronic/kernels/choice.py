@@ -7,8 +7,8 @@ A :class:`MeasuredKernel` is one family of alternatives (the Hopper ``sym_gemm``
 * the extension is loaded and registers the op, and the device supports it;
 * the first result for this shape matched the baseline (16-bit tolerance; exactly symmetric
   where the family promises it), checked once, outside CUDA-graph capture;
-* the per-shape measurement (:mod:`speedtronic.autotune`) found it at least
-  :data:`speedtronic.autotune.MIN_GAIN` faster than the baseline on this GPU.
+* the per-shape measurement (:mod:`speedtronic.kernels.autotune`) found it at least
+  :data:`speedtronic.kernels.autotune.MIN_GAIN` faster than the baseline on this GPU.
 
 Any exception from the family's op switches the whole family off for the process with one log
 line, and the baseline runs: a kernel that no GPU has measured can cost a warning, never a run.
@@ -38,7 +38,7 @@ def debug_op(name: str) -> Callable[[], Callable[..., Tensor] | None]:
     """A loader for ``torch.ops.speedtronic_debug.<name>`` (None without the extension)."""
 
     def load() -> Callable[..., Tensor] | None:
-        from . import kernels
+        from . import extension as kernels
 
         if not kernels.available():
             return None

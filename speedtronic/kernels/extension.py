@@ -4,7 +4,7 @@ Nothing else in the package imports ``speedtronic._C``. :func:`load` decides, on
 whether the hand-written CUDA kernels are used, and records why not when they are not:
 
 * ``SPEEDTRONIC_DISABLE_KERNELS=1`` disables them (the pure-PyTorch ops in
-  :mod:`speedtronic.ops` then run everywhere);
+  :mod:`speedtronic.kernels.ops` then run everywhere);
 * a CPU-only torch, a missing build, a build for another torch version, or a GPU whose
   architecture is not in the binary all fall back instead of failing.
 
@@ -16,8 +16,8 @@ Loading never raises: every failure becomes a ``fallback: <reason>`` status, log
 on the ``speedtronic.kernels`` logger (``cuda kernels: loaded (sm_90)`` or
 ``cuda kernels: fallback: <reason>``). :func:`env_info` feeds ``speedtronic env``.
 
-This module is a leaf: it imports nothing from the package. :mod:`speedtronic.ops` owns the op
-list; it defines every schema first and then calls ``load(op_names=OP_NAMES)``, so the CUDA
+This module is a leaf: it imports nothing from the package. :mod:`speedtronic.kernels.ops` owns
+the op list; it defines every schema first and then calls ``load(op_names=OP_NAMES)``, so the CUDA
 implementations in the binary always attach to ops that exist. Until then :func:`status`
 reports "not loaded" instead of importing the binary out of order.
 """
@@ -44,7 +44,8 @@ EXTENSION = "speedtronic._C"
 #: import (a crash no try/except can catch).
 BUILD_INFO_NAME = "_C.build.json"
 
-NOT_LOADED = "not loaded yet: import speedtronic.ops (it defines the op schemas, then loads)"
+NOT_LOADED = ("not loaded yet: import speedtronic.kernels.ops (it defines the op schemas, then "
+              "loads)")
 
 
 @dataclass(frozen=True)
@@ -79,7 +80,7 @@ class KernelStatus:
 
 _lock = threading.RLock()
 _status: KernelStatus | None = None
-#: The ops the extension must implement for CUDA, as handed over by speedtronic.ops.
+#: The ops the extension must implement for CUDA, as handed over by speedtronic.kernels.ops.
 _expected_ops: tuple[str, ...] = ()
 
 
@@ -174,7 +175,7 @@ def _so_arches(so_path: Path, info: dict[str, Any]) -> tuple[str, ...]:
 
 
 def expected_ops() -> tuple[str, ...]:
-    """The ops that must have a CUDA kernel (empty until :mod:`speedtronic.ops` has loaded)."""
+    """The ops that must have a CUDA kernel (empty until :mod:`.ops` has loaded)."""
     return _expected_ops
 
 
@@ -252,9 +253,9 @@ def _decide() -> KernelStatus:
 def load(force: bool = False, *, op_names: tuple[str, ...] | None = None) -> KernelStatus:
     """Decide (once) whether the CUDA kernels are used; log the decision; never raise.
 
-    ``op_names`` is the op list of :mod:`speedtronic.ops`, passed once its schemas exist. Called
-    before that, a decision that needs the binary is not cached: the status says "not loaded
-    yet" until ``speedtronic.ops`` is imported.
+    ``op_names`` is the op list of :mod:`speedtronic.kernels.ops`, passed once its schemas exist.
+    Called before that, a decision that needs the binary is not cached: the status says "not loaded
+    yet" until ``speedtronic.kernels.ops`` is imported.
     """
     global _status, _expected_ops
     with _lock:

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .kernel_choice import TOLERANCE_16BIT, MeasuredKernel, debug_op
+from .choice import TOLERANCE_16BIT, MeasuredKernel, debug_op
 
 __all__ = [
     "COEFFICIENT_SCHEDULES",
@@ -176,7 +176,7 @@ def _iter_coefficients(coefficients: Sequence[float], steps: int) -> list[tuple[
 
 
 # ------------------------------------------------------------------ optional GEMM kernels
-# Two families may replace torch's cuBLAS call per shape (speedtronic.kernel_choice: used only
+# Two families may replace torch's cuBLAS call per shape (speedtronic.kernels.choice: used only
 # where measured faster on this GPU, checked against cuBLAS first, any error switches the family
 # off with one log line):
 # * sym_gemm (csrc/kernels/sym_gemm_sm90.cuh): X X^T and b A + c A^2 on lower-triangle tiles only
@@ -283,7 +283,7 @@ def ns_gram(X: Tensor, coeffs: Sequence[tuple[float, ...]], restarts: Sequence[i
 def _auto(X: Tensor, coeffs: list[tuple[float, ...]], restarts: Sequence[int], tall: bool,
           schedule: str | None) -> Tensor:
     """Standard or Gram for this shape: measured once per shape on CUDA (see
-    :mod:`speedtronic.autotune`), else the aspect rule."""
+    :mod:`speedtronic.kernels.autotune`), else the aspect rule."""
     from . import autotune  # leaf helper; imported here so CPU-only imports stay light
 
     b, m, n = X.shape

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from . import kernels as _kernels
+from . import extension as _kernels
 from . import newton_schulz as _ns
 from .newton_schulz import (
     COEFFICIENT_SCHEDULES,
@@ -100,7 +100,7 @@ def kernel_or_fallback(name: str, device: torch.device, dtypes: Sequence[torch.d
     return _PYTORCH_IMPLS[name]
 
 
-# The Newton-Schulz math and its schedules live in speedtronic.newton_schulz; re-exported here
+# The Newton-Schulz math and its schedules live in kernels.newton_schulz; re-exported here
 # because they are part of the op's contract (its ``coefficients`` argument).
 GRAM_MIN_ASPECT = _ns.GRAM_MIN_ASPECT
 
@@ -156,7 +156,7 @@ def newton_schulz(G: Tensor, steps: int = 5, coefficients: Sequence[float] = QUI
 
     Every FLOP is a batched GEMM, so this Python body is the implementation on every device
     (cuBLAS on CUDA): there is no separate CUDA kernel to drift from it
-    (:mod:`speedtronic.newton_schulz` has the math).
+    (:mod:`speedtronic.kernels.newton_schulz` has the math).
     """
     return _newton_schulz_impl(G, steps, coefficients, eps, compute_dtype, method, normalized)
 

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .. import cpu_kernels
 from ..config import ConfigError, ModelConfig
+from ..kernels import cpu as cpu_kernels
 
 __all__ = ["ReferenceTransformer", "RMSNorm", "apply_rope", "rope_tables", "swiglu_hidden"]
 
@@ -93,7 +93,7 @@ class _RMSNormCPU(torch.autograd.Function):
     autograd through each of them); this does one reduction for the mean square and computes
     ``dx = rstd * (g*w - xhat * mean(g*w * xhat))`` directly: 909 -> 536 us forward + backward at
     (8, 128, 128) on one thread (``benchmarks/results/cpu_layers.md``), nine norms per step of
-    the reference model. The fused kernel of :mod:`speedtronic.cpu_kernels` (258 us) replaces
+    the reference model. The fused kernel of :mod:`speedtronic.kernels.cpu` (258 us) replaces
     it where that is built and usable; this is the path otherwise. Returns ``(y, xhat, rstd)``;
     the last two are non-differentiable outputs, so that the ``setup_context`` form (which
     ``torch.func`` needs) can save them. With ``create_graph=True`` the backward recomputes
@@ -227,7 +227,7 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, C) -> (B, T, C)
         gate, up = self.gate_proj(x), self.up_proj(x)  # (B, T, hidden) each
         if not torch.jit.is_scripting():  # TorchScript compiles only the torch-ops line
-            # fp32 eager CPU, large enough: one fused pass each way (speedtronic.cpu_kernels)
+            # fp32 eager CPU, large enough: one fused pass each way (speedtronic.kernels.cpu)
             if cpu_kernels.usable(gate, up, min_numel=cpu_kernels.SWIGLU_MIN_NUMEL):
                 return self.down_proj(cpu_kernels.fused_swiglu(gate, up))
         return self.down_proj(F.silu(gate) * up)
@@ -261,7 +261,7 @@ class ReferenceTransformer(nn.Module):
         self.config = cfg
         if cfg.vocab_size is None:
             raise ConfigError("model.vocab_size is not set; None means 'from the data', which "
-                              "speedtronic.runtime resolves before building the model: set it "
+                              "train_from_config resolves before building the model: set it "
                               "when building the model yourself")
         self.vocab_size = cfg.vocab_size
         self.max_seq_len = cfg.max_seq_len
@@ -306,7 +306,7 @@ class ReferenceTransformer(nn.Module):
         }
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (PaLM's ``6 N + 12 L d T``, see :mod:`speedtronic.mfu`):
+        """Training FLOPs per token (PaLM's ``6 N + 12 L d T``, see :mod:`speedtronic.train.mfu`):
         ``N`` counts every linear weight, the output head included even when tied."""
         n = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
         return 6.0 * n + 12.0 * len(self.blocks) * self.embed.embedding_dim * seq_len

@@ -41,8 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import SpeedtronicConfig
-from .precision import decide_compile
+from ..config import SpeedtronicConfig
 
 __all__ = ["OOOScheduler", "build_ooo_scheduler", "find_deferrable_linears"]
 
@@ -519,9 +518,12 @@ def build_ooo_scheduler(model: nn.Module, cfg: SpeedtronicConfig, device: torch.
 def _fallback_reason(cfg: SpeedtronicConfig, device: torch.device, force_cpu: bool) -> str | None:
     if not cfg.ooo_backprop:
         return "ooo_backprop: false"
-    compiled, why = decide_compile(cfg, device)
-    if compiled:
-        return f"{why}; torch.compile and ooo_backprop are mutually exclusive in this release"
+    # With ooo_backprop on, only ``compile: true`` compiles (the precision layer's
+    # decide_compile turns ``auto`` off for it), so this reads the flag instead of importing
+    # the training layer above this one.
+    if cfg.compile is True:
+        return ("compile: true; torch.compile and ooo_backprop are mutually exclusive in this "
+                "release")
     if device.type == "cpu" and force_cpu:
         return None
     if device.type != "cuda" or not torch.cuda.is_available():

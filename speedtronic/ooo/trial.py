@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from .ooo import OOOScheduler
+from .scheduler import OOOScheduler
 
 __all__ = ["KEEP_IF_FASTER_BY", "OOOTrial"]
 

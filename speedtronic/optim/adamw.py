@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 
-from .. import ops
+from ..kernels import ops
 from ._state import EagerMethodsMixin, checked_or_dropped, fill_group_defaults, run_closure
 
 __all__ = ["AdamW", "adamw_step", "ADAMW_DEFAULTS", "fused_supported"]

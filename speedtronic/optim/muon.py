@@ -11,10 +11,10 @@ update of ``torch.optim.Muon`` (torch 2.13, ``_single_tensor_muon``):
 
 The speed comes from doing this per *shape* instead of per parameter: all same-shape matrices of
 a step go through one ``muon_pre_orthogonalize_`` (foreach momentum + stack), ONE batched
-``newton_schulz`` call and one ``muon_post_update_`` (see :mod:`speedtronic.ops`). NS runs in fp32
-on CPU (torch forces bf16 there, ~40x slower and ~1e-2 less accurate) and fp16 on CUDA
-(3-7x more accurate than bf16, benchmarks/results/gram_restarts.md; overflow-free, see
-:mod:`speedtronic.newton_schulz`).
+``newton_schulz`` call and one ``muon_post_update_`` (see :mod:`~speedtronic.kernels.ops`).
+NS runs in fp32 on CPU (torch forces bf16 there, ~40x slower and ~1e-2 less accurate) and fp16
+on CUDA (3-7x more accurate than bf16, benchmarks/results/gram_restarts.md; overflow-free, see
+:mod:`speedtronic.kernels.newton_schulz`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import ops
+from ..kernels import ops
 from ._state import (
     EagerMethodsMixin,
     Fp32StateMixin,
@@ -316,8 +316,8 @@ def _can_sync() -> bool:
 def _recompute_fp32(stacked: Tensor, steps: int, flat: list[float], eps: float,
                     shape: tuple[int, ...]) -> Tensor:
     """The fp16 guard: fp16 NS cannot overflow on a finite, normalized input (see
-    :mod:`speedtronic.newton_schulz`), so a non-finite result means a non-finite gradient or a
-    broken assumption; either way this bucket is redone in fp32, and it is said once."""
+    :mod:`~speedtronic.kernels.newton_schulz`), so a non-finite result means a non-finite
+    gradient or a broken assumption; either way this bucket is redone in fp32, said once."""
     global _fp16_guard_logged
     newton_schulz = ops.kernel_or_fallback("newton_schulz", stacked.device, [])
     orth = newton_schulz(stacked.float(), steps, flat, eps, torch.float32, "auto", True)

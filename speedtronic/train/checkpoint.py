@@ -33,7 +33,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from .errors import SpeedtronicError
+from ..errors import SpeedtronicError
 
 logger = logging.getLogger("speedtronic.checkpoint")
 

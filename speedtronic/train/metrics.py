@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from .errors import SpeedtronicError
+from ..errors import SpeedtronicError
 
 logger = logging.getLogger("speedtronic.metrics")
 

@@ -11,7 +11,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import SpeedtronicError
+from ..errors import SpeedtronicError
 from .metrics import iter_metrics
 
 

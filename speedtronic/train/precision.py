@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import SpeedtronicError
+from ..errors import SpeedtronicError
 
 if TYPE_CHECKING:
-    from .config import SpeedtronicConfig
+    from ..config import SpeedtronicConfig
 
 logger = logging.getLogger("speedtronic.precision")
 

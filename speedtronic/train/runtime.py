@@ -2,7 +2,7 @@
 checkpoints, metrics, callbacks. The one place where the parts are wired together.
 
 Data flows one way: the CLI reads a config, this module builds the parts, the
-:class:`~speedtronic.trainer.Trainer` runs them. Nothing in the package imports this module
+:class:`~speedtronic.train.trainer.Trainer` runs them. Nothing in the package imports this module
 except the CLI and ``compare``.
 """
 
@@ -23,12 +23,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import cpu_kernels, host_memory, optim
+from .. import optim
+from ..config import ConfigError, SpeedtronicConfig, load_config
+from ..data import DataBundle, build_data, check_data
+from ..kernels import cpu as cpu_kernels
+from ..models import build_model
+from . import host_memory
 from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, restore_rng_state
-from .config import ConfigError, SpeedtronicConfig, load_config
-from .data import DataBundle, build_data, check_data
 from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook, require_hook_packages
-from .models import build_model
 from .precision import resolve_device, resolve_precision
 from .trainer import Trainer, TrainerCallback, TrainResult
 
@@ -227,7 +229,7 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
     callbacks = list(callbacks)
     if cfg.distributed.enabled:
         # Imported only for DiLoCo runs: single-node runs never load the store back ends.
-        from .diloco import build_callbacks
+        from ..diloco import build_callbacks
 
         callbacks.extend(build_callbacks(cfg))
     ckpt_dir = run_dir / cfg.checkpoint.directory

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .config import ShapeValidationConfig, SpeedtronicConfig
+from ..config import ShapeValidationConfig, SpeedtronicConfig
 
 __all__ = ["ShapeRow", "ShapeReport", "check_shapes", "resolve_alignment"]
 

@@ -2,7 +2,7 @@
 
 The loop never reads a device value per micro-batch: losses are summed into a device tensor and
 read only at log/eval steps, so a CUDA run queues work ahead of the host. Everything the loop
-needs is built by :mod:`speedtronic.runtime`; the :class:`Trainer` can also be constructed
+needs is built by :mod:`speedtronic.train.runtime`; the :class:`Trainer` can also be constructed
 directly around any model whose forward is ``model(input_ids, labels) -> loss``.
 """
 
@@ -19,15 +19,16 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from . import ooo, shapes
+from ..config import SpeedtronicConfig
+from ..errors import SpeedtronicError
+from ..models.loss import extract_loss
+from ..ooo import scheduler as ooo
+from ..ooo.trial import OOOTrial
+from . import shapes
 from .accumulation import IGNORE_INDEX, StepWeights, counted_tokens
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
-from .config import SpeedtronicConfig
-from .errors import SpeedtronicError
 from .metrics import MetricsLogger, format_step_line
 from .mfu import MfuMeter
-from .models.loss import extract_loss
-from .ooo_trial import OOOTrial
 from .precision import PrecisionPlan, compile_error_types, decide_compile, max_memory_bytes
 
 logger = logging.getLogger("speedtronic.trainer")
@@ -89,7 +90,7 @@ class Trainer:
             ``state_dict``/``load_state_dict``) and ``.eval_batches(n)``.
         config: the resolved config.
         device: where the model lives.
-        precision: from :func:`speedtronic.precision.resolve_precision`.
+        precision: from :func:`speedtronic.train.precision.resolve_precision`.
         scheduler: LR scheduler stepped once per optimizer step (None = constant lr).
         checkpoints: None disables checkpointing.
         metrics: the metrics fan-out (None = metrics.jsonl in ``run_dir`` without a bar).
@@ -193,7 +194,7 @@ class Trainer:
 
     # ----------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-exactly (see :mod:`speedtronic.checkpoint`)."""
+        """Everything needed to continue bit-exactly (see :mod:`speedtronic.train.checkpoint`)."""
         train = getattr(self.data, "train", None)
         return {
             "format": 1,
@@ -399,7 +400,7 @@ class Trainer:
 
     def _accumulate_step(self, it: Iterator[Any]) -> bool:
         """Forward + backward of one optimizer step's micro-batches, token-weighted (see
-        :mod:`speedtronic.accumulation`); False when every micro-batch was padding (no gradient).
+        :mod:`.accumulation`); False when every micro-batch was padding (no gradient).
         """
         k = self.accumulation_steps
         weigh = k > 1

@@ -16,7 +16,7 @@ from _engine_fixtures import one_thread, tiny_raw  # noqa: F401
 
 from speedtronic.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _write(path: Path, raw: dict) -> Path:
@@ -125,7 +125,7 @@ def test_train_end_to_end_leaves_metrics_config_and_plot(tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "done: steps=4" in out
-    assert "host malloc: " in out  # the allocator decision is logged (speedtronic.host_memory)
+    assert "host malloc: " in out  # the allocator decision is logged (train.host_memory)
     run = out_dir / "cli"
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert saved["run"]["max_steps"] == 4 and saved["optimizer"]["lr"] == 1e-3

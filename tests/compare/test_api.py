@@ -54,7 +54,7 @@ def test_cli_compare_two_variants_two_seeds_same_init_and_data(tiny_yaml, tmp_pa
     # The hashes are of the model the runtime builds for that seed and of the batches the data
     # builder yields for it (first micro-batches + eval batches), not of some stand-in.
     from speedtronic.models import build_model
-    from speedtronic.runtime import seed_everything
+    from speedtronic.train.runtime import seed_everything
 
     seed_everything(4)
     assert state_hash(build_model(load_config(TINY))) == a[1]["init_hash"]

@@ -46,7 +46,7 @@ def test_saved_config_holds_no_credential(tmp_path):
 
 def test_a_secret_with_slashes_and_ats_reaches_no_file_and_no_log_line(tmp_path, caplog):
     """config.yaml, checkpoints and metrics.jsonl of a real run, and every log line."""
-    from speedtronic.runtime import train_from_config
+    from speedtronic.train.runtime import train_from_config
 
     secret = "s3cr/et@with/odd+chars"
     cfg = load_config({

@@ -18,7 +18,7 @@ from speedtronic.config import ConfigError, load_config  # noqa: E402
 from speedtronic.data import build_data, check_data  # noqa: E402
 from speedtronic.data.prepare import _source_fingerprint, prepare  # noqa: E402
 from speedtronic.data.sources import stdlib_corpus  # noqa: E402
-from speedtronic.runtime import train_from_config  # noqa: E402
+from speedtronic.train.runtime import train_from_config  # noqa: E402
 
 MODEL = {"max_seq_len": 32, "n_layer": 1, "n_head": 2, "d_model": 16}
 

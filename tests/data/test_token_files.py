@@ -173,7 +173,7 @@ def test_every_shipped_data_config_is_valid():
 
 
 def test_a_run_trains_from_token_files_and_resumes_mid_shard(tmp_path):
-    from speedtronic.runtime import train_from_config
+    from speedtronic.train.runtime import train_from_config
 
     for i in range(2):
         write_shard(tmp_path / f"train_{i:03d}.bin", ids(3000, 3000 * i, vocab=500))

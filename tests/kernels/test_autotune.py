@@ -1,4 +1,4 @@
-"""Per-shape dispatch (speedtronic/autotune.py) with fake timers, its use by Newton-Schulz, and the
+"""Per-shape dispatch (kernels/autotune.py) with fake timers, its use by Newton-Schulz, and the
 per-op fallback for dtypes the CUDA kernels lack."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from speedtronic import autotune, ops
-from speedtronic import newton_schulz as ns
+from speedtronic.kernels import autotune, ops
+from speedtronic.kernels import newton_schulz as ns
 
 
 def fake_timer(times: dict[str, float], calls: list[str]):

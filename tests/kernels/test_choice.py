@@ -10,8 +10,8 @@ import pytest
 import torch
 from _dispatch_fixtures import choices, counting_dispatch, run_orthogonalize
 
-from speedtronic import newton_schulz as ns
-from speedtronic.kernel_choice import MeasuredKernel
+from speedtronic.kernels import newton_schulz as ns
+from speedtronic.kernels.choice import MeasuredKernel
 
 
 class FakePolyLt:
@@ -100,7 +100,7 @@ def test_without_the_extension_there_is_no_candidate():
 
 
 def test_speedtronic_env_says_which_families_may_compete(monkeypatch):
-    from speedtronic.env import _optional_kernels
+    from speedtronic.cli.env import _optional_kernels
 
     op = FakePolyLt()
     monkeypatch.delenv(ns.CUBLASLT_ENV, raising=False)

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (speedtronic.cpu_kernels, csrc/cpu/fused_cpu.cpp): numerics against
+"""The fused CPU kernels (speedtronic.kernels.cpu, csrc/cpu/fused_cpu.cpp): numerics against
 float64 references, the gate that decides when they run, and the setup.py build that makes them.
 
 The library is built by every ``pip install -e .`` with a working C++ compiler, so CI (README
@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from speedtronic import cpu_kernels as ck
 from speedtronic.config import ModelConfig
+from speedtronic.kernels import cpu as ck
 from speedtronic.models import reference as ref
 from speedtronic.models.loss import extract_loss
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BUILT = ck.status().loaded
 
 needs_lib = pytest.mark.skipif(not BUILT, reason=f"cpu kernels not built: {ck.status().reason}")

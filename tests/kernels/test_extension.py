@@ -1,4 +1,4 @@
-"""The kernel loader (speedtronic.kernels) and the setup.py extension seam, on a CPU machine."""
+"""The kernel loader (kernels.extension) and the setup.py extension seam, on a CPU machine."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import speedtronic.kernels as kernels
-import speedtronic.ops  # noqa: F401  (defines the schemas, then hands its op list to the loader)
+import speedtronic.kernels.extension as kernels
+import speedtronic.kernels.ops  # noqa: F401  (defines the schemas, then hands its op list to the loader)
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -132,7 +132,7 @@ def test_arch_compatibility(arches, cap, ok):
 
 
 def test_ops_owns_the_op_list_and_hands_it_to_the_loader():
-    from speedtronic import ops
+    from speedtronic.kernels import ops
 
     for name in ops.OP_NAMES:
         assert hasattr(torch.ops.speedtronic, name), name
@@ -161,7 +161,7 @@ def test_setup_without_cuda_builds_pure_python(monkeypatch, capsys):
     monkeypatch.delenv("SPEEDTRONIC_CUDA", raising=False)
     monkeypatch.setattr(torch.version, "cuda", None)
     mod, calls = _setup_module(monkeypatch)
-    # Only the torch-free CPU kernel library (tests/test_cpu_kernels.py builds it for real).
+    # Only the torch-free CPU kernel library (tests/kernels/test_cpu.py builds it for real).
     assert calls and [e.name for e in calls[0]["ext_modules"]] == [mod.CPU_EXTENSION]
     # It uses no Python API: one cp310-abi3 wheel serves every Python version.
     assert calls[0]["ext_modules"][0].py_limited_api
@@ -203,7 +203,7 @@ def test_setup_caps_max_jobs_by_free_ram(monkeypatch):
 
 
 def test_load_before_ops_import_waits_for_the_schemas(tmp_path):
-    """kernels is a leaf: called before speedtronic.ops exists it neither imports ops nor the
+    """kernels is a leaf: called before kernels.ops exists it neither imports ops nor the
     binary (whose CUDA impls would attach to undefined ops), and caches nothing; importing ops
     then makes the real decision."""
     import subprocess
@@ -216,13 +216,14 @@ def test_load_before_ops_import_waits_for_the_schemas(tmp_path):
     code = (
         "import torch, sys\n"
         "torch.version.cuda = '13.0'\n"
-        "import speedtronic.kernels as k\n"
+        "import speedtronic.kernels.extension as k\n"
         f"k._find_extension = lambda: __import__('pathlib').Path({str(so)!r})\n"
         "st = k.load()\n"
-        "assert 'speedtronic.ops' not in sys.modules and 'speedtronic._C' not in sys.modules\n"
+        "assert 'speedtronic.kernels.ops' not in sys.modules\n"
+        "assert 'speedtronic._C' not in sys.modules\n"
         "assert not st.active and st.reason == k.NOT_LOADED, st\n"
         "assert k._status is None\n"
-        "import speedtronic.ops\n"
+        "import speedtronic.kernels.ops\n"
         "print(k.status().reason)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

@@ -13,8 +13,8 @@ import pytest
 import torch
 from _emu_fixtures import load_emulator
 
-import speedtronic.kernels as kernels
-import speedtronic.ops as ops
+import speedtronic.kernels.extension as kernels
+import speedtronic.kernels.ops as ops
 
 pytestmark = pytest.mark.gpu
 
@@ -24,7 +24,7 @@ SEED = int.from_bytes(os.urandom(4), "little")
 def _ready() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device"
-    st = kernels.status()  # speedtronic.ops (imported above) has loaded the kernels
+    st = kernels.status()  # speedtronic.kernels.ops (imported above) has loaded the kernels
     return None if st.active else st.reason
 
 

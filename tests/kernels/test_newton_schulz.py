@@ -1,4 +1,4 @@
-"""Newton-Schulz math (speedtronic/newton_schulz.py): the standard and the Gram iteration against
+"""Newton-Schulz math (kernels/newton_schulz.py): the standard and the Gram iteration against
 float64, fp16 numerics, restart placement, and the op's normalized / method arguments."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from speedtronic import newton_schulz as ns
-from speedtronic import ops
+from speedtronic.kernels import newton_schulz as ns
+from speedtronic.kernels import ops
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCHEDULES = [(name, 5) for name in ns.COEFFICIENT_SCHEDULES]
 
 

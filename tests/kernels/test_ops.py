@@ -1,11 +1,11 @@
-"""speedtronic.ops: opcheck for every op, numerics against float64 references, compile tracing."""
+"""kernels.ops: opcheck for every op, numerics against float64 references, compile tracing."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from speedtronic import ops
+from speedtronic.kernels import ops
 
 OPS = torch.ops.speedtronic
 

@@ -1,4 +1,4 @@
-"""Dispatch of the Hopper symmetric kernel inside Newton-Schulz (speedtronic/newton_schulz.py),
+"""Dispatch of the Hopper symmetric kernel inside Newton-Schulz (kernels/newton_schulz.py),
 on CPU with a fake kernel and fake timers: off by default, used only where measured faster and
 checked correct, switched off by the environment or by any error (one log line)."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from _dispatch_fixtures import choices, counting_dispatch, run_orthogonalize
 
-from speedtronic import autotune
-from speedtronic import newton_schulz as ns
-from speedtronic.kernel_choice import MeasuredKernel
+from speedtronic.kernels import autotune
+from speedtronic.kernels import newton_schulz as ns
+from speedtronic.kernels.choice import MeasuredKernel
 
 
 class FakeKernel:
@@ -137,7 +137,7 @@ def test_gpu_benchmark_plans_the_issue_table_without_a_gpu(monkeypatch, capsys):
     import sys
     from pathlib import Path
 
-    path = Path(__file__).parent.parent / "benchmarks" / "bench_sym_gemm.py"
+    path = Path(__file__).parents[2] / "benchmarks" / "bench_sym_gemm.py"
     spec = importlib.util.spec_from_file_location("bench_sym_gemm", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -202,8 +202,8 @@ def test_apply_rope_rotates_each_half_split_pair_by_its_angle():
 
 
 def test_cpu_rmsnorm_matches_the_composite_definition_and_its_gradients(monkeypatch):
-    # The torch-ops path (used when the fused C++ kernels of speedtronic.cpu_kernels are not
-    # built or not usable; tests/test_cpu_kernels.py covers those).
+    # The torch-ops path (used when the fused C++ kernels of speedtronic.kernels.cpu are not
+    # built or not usable; tests/kernels/test_cpu.py covers those).
     monkeypatch.setattr(ref.cpu_kernels, "usable", lambda *t, **kw: False)
     torch.manual_seed(0)
     norm = ref.RMSNorm(16, eps=1e-5)

@@ -8,11 +8,12 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from _ooo_fixtures import _FixedLMData, _force_cpu_queue, _lm_batches
 from torch import nn
 
 from speedtronic.config import load_config
 from speedtronic.models import build_model
-from speedtronic.ooo import OOOScheduler, build_ooo_scheduler, find_deferrable_linears
+from speedtronic.ooo.scheduler import OOOScheduler, build_ooo_scheduler, find_deferrable_linears
 
 OOO_LOGGER = "speedtronic.ooo"
 
@@ -58,12 +59,6 @@ def _tiny_reference(**model: object) -> nn.Module:
                                  "n_layer": 2, "max_seq_len": 16, **model}})
     torch.manual_seed(0)
     return build_model(cfg.model)
-
-
-def _lm_batches(n: int, vocab: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(0, vocab, (3, 16), generator=g),
-             torch.randint(0, vocab, (3, 16), generator=g)) for _ in range(n)]
 
 
 def _branchy_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -392,7 +387,7 @@ def test_trainer_run_with_forced_cpu_queue_matches_standard_run(tmp_path, monkey
     The config path falls back on CPU, so the builder is patched to force the CPU queue."""
     import json
 
-    from speedtronic.runtime import build_trainer
+    from speedtronic.train.runtime import build_trainer
 
     built = _force_cpu_queue(monkeypatch)
     finals = []
@@ -418,36 +413,6 @@ def test_trainer_run_with_forced_cpu_queue_matches_standard_run(tmp_path, monkey
     assert finals[0].keys() == finals[1].keys()
     for name in finals[0]:
         assert torch.equal(finals[0][name], finals[1][name]), name
-
-
-def _force_cpu_queue(monkeypatch) -> list[OOOScheduler]:
-    """The config path falls back on CPU: patch the builder to force the CPU queue; returns the
-    list every built scheduler is appended to."""
-    import speedtronic.ooo as ooo_mod
-
-    real = ooo_mod.build_ooo_scheduler
-    built: list[OOOScheduler] = []
-
-    def forced(model, cfg, device):
-        sched = real(model, cfg, device, force_cpu=True)
-        built.extend([sched] if sched else [])
-        return sched
-
-    monkeypatch.setattr(ooo_mod, "build_ooo_scheduler", forced)
-    return built
-
-
-class _FixedLMData:
-    def __init__(self, batches: list) -> None:
-        self.batches = batches
-        self.train = iter(self._cycle())
-
-    def _cycle(self):
-        while True:
-            yield from self.batches
-
-    def eval_batches(self, n: int) -> list:
-        return self.batches[:n]
 
 
 def test_grad_scaler_unscales_deferred_grads_like_standard() -> None:

@@ -8,13 +8,13 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from test_ooo import _force_cpu_queue
+from _ooo_fixtures import _force_cpu_queue
 from torch import nn
 
-import speedtronic.ooo_trial as trial_mod
+import speedtronic.ooo.trial as trial_mod
 from speedtronic.config import load_config
-from speedtronic.ooo import OOOScheduler
-from speedtronic.ooo_trial import KEEP_IF_FASTER_BY, OOOTrial
+from speedtronic.ooo.scheduler import OOOScheduler
+from speedtronic.ooo.trial import KEEP_IF_FASTER_BY, OOOTrial
 
 
 class TwoLayers(nn.Module):
@@ -52,9 +52,9 @@ def _sched() -> tuple[nn.Module, OOOScheduler]:
 
 def _trainer(tmp_path, name: str, max_steps: int, **root):
     """A 2-layer reference model on fixed LM batches, trained on CPU with the given root keys."""
-    from test_ooo import _FixedLMData, _lm_batches
+    from _ooo_fixtures import _FixedLMData, _lm_batches
 
-    from speedtronic.runtime import build_trainer
+    from speedtronic.train.runtime import build_trainer
 
     cfg = load_config({
         "run": {"name": name, "output_dir": str(tmp_path), "max_steps": max_steps,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from speedtronic import ops
+from speedtronic.kernels import ops
 from speedtronic.optim import Muon
 from speedtronic.optim import muon as muon_mod
 

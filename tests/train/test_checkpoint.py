@@ -17,15 +17,15 @@ import torch
 import yaml
 from _engine_fixtures import one_thread, tiny_raw  # noqa: F401
 
-from speedtronic.checkpoint import (
+from speedtronic.config import load_config
+from speedtronic.train.checkpoint import (
     CRASH_ENV,
     CheckpointError,
     CheckpointManager,
     capture_rng_state,
     restore_rng_state,
 )
-from speedtronic.config import load_config
-from speedtronic.runtime import train_from_config
+from speedtronic.train.runtime import train_from_config
 
 N = 8  # total steps of the exact-resume runs
 

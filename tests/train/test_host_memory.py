@@ -1,4 +1,4 @@
-"""speedtronic.host_memory: glibc keeps a training step's freed memory instead of faulting it in
+"""train.host_memory: glibc keeps a training step's freed memory instead of faulting it in
 again next step; only CPU runs the CLI asked for are tuned, and every case where malloc is left
 alone (opt-out, not glibc, a preloaded allocator, the user's own settings) says why."""
 
@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from speedtronic import host_memory
 from speedtronic.cli import main
+from speedtronic.train import host_memory
 
 # Training steps of a small reference model (activations allocated in the forward, freed by the
 # backward); prints the decision line, then the minor page faults of steps 3-6 (steps 1-2 let
@@ -21,7 +21,7 @@ _STEPS = """
 import resource
 import torch
 from speedtronic.config.schema import ModelConfig
-from speedtronic.host_memory import tune_malloc
+from speedtronic.train.host_memory import tune_malloc
 from speedtronic.models import extract_loss
 from speedtronic.models.reference import ReferenceTransformer
 print(tune_malloc())

@@ -9,8 +9,8 @@ import logging
 import pytest
 
 from speedtronic.errors import SpeedtronicError
-from speedtronic.metrics import MetricsLogger, TensorBoardHook, format_step_line, read_metrics
-from speedtronic.plot import plot_runs
+from speedtronic.train.metrics import MetricsLogger, TensorBoardHook, format_step_line, read_metrics
+from speedtronic.train.plot import plot_runs
 
 RECORD = {"step": 10, "loss": 2.5, "lr": 3e-4, "grad_norm": 0.75, "tokens_per_sec": 12345.0,
           "samples_per_sec": 96.4, "step_ms": 41.0, "memory_bytes": 3 * 2**29}

@@ -1,4 +1,4 @@
-"""MFU arithmetic (speedtronic/mfu.py) and its place in the step lines and metrics.jsonl."""
+"""MFU arithmetic (speedtronic/train/mfu.py) and its place in the step lines and metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from speedtronic import mfu
 from speedtronic.config import load_config
 from speedtronic.models import build_model
-from speedtronic.runtime import train_from_config
+from speedtronic.train import mfu
+from speedtronic.train.runtime import train_from_config
 
 
 def test_reference_model_flops_follow_the_palm_formula():

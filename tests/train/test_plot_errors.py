@@ -9,7 +9,7 @@ import pytest
 
 from speedtronic.cli import main
 from speedtronic.errors import SpeedtronicError
-from speedtronic.plot import plot_runs
+from speedtronic.train.plot import plot_runs
 
 pytest.importorskip("matplotlib")
 

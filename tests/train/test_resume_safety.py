@@ -8,12 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+from _engine_fixtures import one_thread, tiny_config, tiny_raw  # noqa: F401
 
-from speedtronic.checkpoint import CheckpointError
 from speedtronic.cli import main
-from speedtronic.runtime import train_from_config
-
-from ._engine_fixtures import one_thread, tiny_config, tiny_raw  # noqa: F401
+from speedtronic.train.checkpoint import CheckpointError
+from speedtronic.train.runtime import train_from_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,12 +108,11 @@ def test_resume_between_log_steps_logs_the_uninterrupted_mean_loss(tmp_path):
 
 
 def test_a_checkpoint_of_another_model_names_the_mismatched_tensors(tmp_path):
+    from _engine_fixtures import FixedData, TinyLM
     from torch import nn
 
     from speedtronic.errors import SpeedtronicError
-    from speedtronic.runtime import build_trainer
-
-    from ._engine_fixtures import FixedData, TinyLM
+    from speedtronic.train.runtime import build_trainer
 
     cfg = tiny_config(tmp_path, name="m", run={"max_steps": 2, "eval_every": 0})
     state = build_trainer(cfg, model=TinyLM(), data=FixedData()).state_dict()

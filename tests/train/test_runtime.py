@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from speedtronic.config import load_config
-from speedtronic.runtime import build_scheduler
+from speedtronic.train.runtime import build_scheduler
 
 
 def _sched(**kw):
@@ -65,7 +65,7 @@ def test_sound_schedules_say_nothing(caplog, kw):
 ])
 def test_compile_auto_decides_by_device_length_and_ooo(setting, device, steps, ooo, expected,
                                                        fragment):
-    from speedtronic.precision import decide_compile
+    from speedtronic.train.precision import decide_compile
 
     cfg = load_config({"compile": setting, "run": {"max_steps": steps}, "ooo_backprop": ooo})
     on, why = decide_compile(cfg, torch.device(device))

@@ -12,7 +12,7 @@ from torch import nn
 
 from speedtronic.config import load_config
 from speedtronic.models import build_model
-from speedtronic.shapes import _batch_suggestion, check_shapes, resolve_alignment
+from speedtronic.train.shapes import _batch_suggestion, check_shapes, resolve_alignment
 
 H100 = (9, 0)
 

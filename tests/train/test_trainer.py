@@ -12,9 +12,9 @@ import pytest
 import torch
 from _engine_fixtures import FixedData, TinyLM, one_thread, tiny_config  # noqa: F401
 
-from speedtronic.precision import resolve_precision
-from speedtronic.runtime import build_scheduler, build_trainer, lr_factor, train_from_config
-from speedtronic.trainer import TrainerCallback, loss_from_output
+from speedtronic.train.precision import resolve_precision
+from speedtronic.train.runtime import build_scheduler, build_trainer, lr_factor, train_from_config
+from speedtronic.train.trainer import TrainerCallback, loss_from_output
 
 
 def _optimizer_names() -> list[str]:
@@ -102,7 +102,7 @@ def _count_host_syncs(monkeypatch, tmp_path, accumulation: int) -> int:
 
     def from_speedtronic() -> bool:
         path = sys._getframe(2).f_code.co_filename.replace("\\", "/")
-        return path.endswith(("speedtronic/trainer.py", "speedtronic/metrics.py"))
+        return path.endswith(("speedtronic/train/trainer.py", "speedtronic/train/metrics.py"))
 
     def counting(name):
         def wrapper(self, *args):
@@ -224,7 +224,7 @@ class Recorder(TrainerCallback):
 
 
 def test_callbacks_hooks_and_metrics_file(tmp_path):
-    from speedtronic.metrics import read_metrics
+    from speedtronic.train.metrics import read_metrics
 
     events = []
     cb = Recorder()
@@ -266,8 +266,8 @@ def test_eval_uses_the_same_held_out_batches(tmp_path):
 def test_weights_replaced_at_train_end_are_evaluated_and_checkpointed(tmp_path):
     """DiLoCo's final sync installs the last global in on_train_end, after the loop's last eval
     and checkpoint: the trainer evaluates and checkpoints those weights too."""
-    from speedtronic.checkpoint import CheckpointManager
-    from speedtronic.runtime import build_trainer
+    from speedtronic.train.checkpoint import CheckpointManager
+    from speedtronic.train.runtime import build_trainer
 
     class InstallAtEnd:
         name = "install"
@@ -302,8 +302,8 @@ def test_evaluation_and_checkpoint_time_is_not_charged_to_step_timing(tmp_path, 
     steps alone (a fake clock: every read advances 1 ms, an eval or a save 1000 s)."""
     from types import SimpleNamespace
 
-    import speedtronic.trainer as trainer_module
-    from speedtronic.metrics import read_metrics
+    import speedtronic.train.trainer as trainer_module
+    from speedtronic.train.metrics import read_metrics
 
     clock = [0.0]
 
@@ -543,7 +543,7 @@ def test_a_failed_build_keeps_another_runs_log_file(tmp_path):
 
 def test_step_weights_make_an_accumulated_step_a_mean_over_its_tokens():
     """The weights times each micro-batch's mean, scaled by the factor, equal the token mean."""
-    from speedtronic.accumulation import StepWeights, counted_tokens
+    from speedtronic.train.accumulation import StepWeights, counted_tokens
 
     labels = [torch.tensor([[1, 2, -100, -100]]), torch.tensor([[3, -100, -100, -100]]),
               torch.tensor([[4, 5, 6, 7]])]

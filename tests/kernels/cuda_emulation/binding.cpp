@@ -7,11 +7,11 @@
 
 #include "stemu.h"
 
-#include "../../csrc/elementwise.cu"
-#include "../../csrc/muon.cu"
-#include "../../csrc/symmetric_gemm.cu"
-#include "../../csrc/sym_gemm_sm90.cu"
-#include "../../csrc/ops_impl.h"
+#include "../../../csrc/elementwise.cu"
+#include "../../../csrc/muon.cu"
+#include "../../../csrc/symmetric_gemm.cu"
+#include "../../../csrc/sym_gemm_sm90.cu"
+#include "../../../csrc/ops_impl.h"
 
 namespace st::glue {
 void* current_stream() { return nullptr; }

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parent.parent
+REPO = HERE.parents[2]
 CSRC = REPO / "csrc"
 # -O1: the emulated kernels run fast enough (the mma emulation dominates) and the build is
 # ~25% quicker than -O2 here; -g1 keeps file:line in sanitizer/abort reports.

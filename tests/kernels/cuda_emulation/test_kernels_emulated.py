@@ -1,5 +1,5 @@
-"""The real CUDA kernel sources (csrc/) run on the CPU through tests/cuda_emulation/stemu.h and
-are compared with the pure-PyTorch ops of speedtronic.ops, under the forward, reverse and random
+"""The real CUDA kernel sources (csrc/) run on the CPU through cuda_emulation/stemu.h and
+are compared with the pure-PyTorch ops of kernels.ops, under the forward, reverse and random
 thread schedules. The emulated library is built once per source change (cached, ~1 min)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 from _emu_fixtures import load_emulator
 
-import speedtronic.ops as ops
+import speedtronic.kernels.ops as ops
 
 SCHEDULES = ("forward", "reverse", "random")
 CHUNK = 16384  # st::kChunk: elements per block in the multi-tensor kernels
@@ -291,7 +291,7 @@ def test_emulator_reports_kernel_bugs(emu):
 
 
 def test_emulated_schemas_match_the_op_registry(emu):
-    from speedtronic.ops import CUDA_KERNEL_OPS
+    from speedtronic.kernels.ops import CUDA_KERNEL_OPS
 
     for name in CUDA_KERNEL_OPS:
         ours = getattr(torch.ops.speedtronic, name).default._schema
