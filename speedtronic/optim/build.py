@@ -30,6 +30,7 @@ from .adamw import ADAMW_DEFAULTS, adamw_step, fused_supported
 from .adamw import _check_group as _check_adamw_group
 from .muon import MUON_DEFAULTS, muon_step
 from .muon import _check_group as _check_muon_group
+from .muon_step import MuonCacheMixin, tensorize_hyper
 from .routing import route_parameters, trainable_parameters
 
 __all__ = ["HybridOptimizer", "build_optimizer"]
@@ -39,7 +40,7 @@ logger = logging.getLogger("speedtronic.optim")
 _KIND_DEFAULTS = {"muon": MUON_DEFAULTS, "adamw": ADAMW_DEFAULTS}
 
 
-class HybridOptimizer(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
+class HybridOptimizer(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
     """Muon and AdamW param groups in one optimizer.
 
     Args:
@@ -70,6 +71,8 @@ class HybridOptimizer(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
         super().add_param_group(group)
         checked_or_dropped(self.param_groups,
                            _check_muon_group if kind == "muon" else _check_adamw_group)
+        if kind == "muon" and self.param_groups[-1].get("kind") == "muon":
+            tensorize_hyper(self.param_groups[-1])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # A state dict of an older version may lack keys added since; fill them per kind.
@@ -96,7 +99,7 @@ class HybridOptimizer(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
         loss = run_closure(closure)
         muon_groups = [g for g in self.param_groups if g["kind"] == "muon"]
         if muon_groups:
-            muon_step(self.state, muon_groups)
+            muon_step(self.state, muon_groups, self.muon_cache)
         for group in self.param_groups:
             if group["kind"] == "adamw":
                 beta1 = group.get("momentum")  # set only by a momentum-cycling scheduler

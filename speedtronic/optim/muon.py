@@ -22,8 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -37,6 +36,7 @@ from ._state import (
     fill_group_defaults,
     run_closure,
 )
+from .muon_step import MuonCacheMixin, StepCache, lean_muon_step, tensorize_hyper
 
 logger = logging.getLogger("speedtronic.optim")
 
@@ -60,19 +60,6 @@ MUON_DEFAULTS: dict[str, Any] = {
     "layout": "matrix",
 }
 """Per-group defaults; the first eight are torch.optim.Muon's, with the same values."""
-
-NS_MAX_BATCH_NUMEL = 1 << 22
-"""A shape's matrices go through Newton-Schulz in buckets of at most this many elements (4 Mi:
-8 MiB of fp16 stack), so the step's temporaries stay near torch.optim.Muon's, which holds one
-matrix at a time. Measured on GPT-2 small (benchmarks/results/step_memory_cpu.md): the old
-bound of 32 Mi elements (the 48 x 768^2 bank in one call) peaked 12x above torch's temporaries.
-A matrix larger than the bound is a bucket of its own. Within a step the bound also shrinks to
-the largest matrix of that step (never below :data:`NS_MIN_BATCH_NUMEL`): torch's peak is set by
-its largest matrix, so a bucket no bigger than that keeps ours next to it."""
-
-NS_MIN_BATCH_NUMEL = 1 << 20
-"""Floor of the per-step bucket bound (1 Mi elements, 2 MiB of fp16): models made only of small
-matrices still batch them (launches grow with distinct shapes, not with parameters)."""
 
 _NS_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16,
               "fp32": torch.float32, "fp64": torch.float64}
@@ -170,167 +157,90 @@ def _check_group(group: dict[str, Any]) -> None:
                              f"shape {tuple(p.shape)}")
 
 
-def _group_entries(state: dict, group: dict[str, Any], writebacks: list[tuple[Tensor, Tensor]]
-                   ) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """``(param, grad, momentum buffer)`` per matrix; a ``split:K`` parameter gives K row-block
-    views of all three (contiguous slices: the kernels update the parameter in place). A
-    ``transposed_split:K`` parameter gives K contiguous ``(out, in)`` copies, and a ``flatten``
-    parameter that is not contiguous (a conv kernel in channels_last) one contiguous copy; each
-    copy is listed in ``writebacks`` as ``(source, destination)`` for after the step, as is the
-    contiguous copy of any other non-contiguous parameter (a transposed view, for one)."""
-    kind, k = parse_layout(group.get("layout", "matrix"))
-    entries = []
-    for p in group["params"]:
-        g = p.grad
-        if g is None:
-            continue
-        if torch.is_complex(p) or torch.is_complex(g):
-            raise RuntimeError(f"Muon does not support complex parameters (shape "
-                               f"{tuple(p.shape)}, dtype {p.dtype}); route it to AdamW")
-        if g.is_sparse:
-            raise RuntimeError(f"Muon does not support sparse gradients (parameter shape "
-                               f"{tuple(p.shape)}); use a dense gradient or route it to AdamW")
-        st = state[p]
-        buf = st.get("momentum_buffer")
-        if buf is None:
-            # fp32 whatever the parameter dtype: bf16 momentum loses the small updates.
-            buf = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+def _step_entries(state: dict, groups: Sequence[dict[str, Any]],
+                  writebacks: list[tuple[Tensor, Tensor]]) -> list[tuple]:
+    """One entry per matrix of the step, in a stable order (group by group, parameter by
+    parameter): ``(group index, param, block, work, grad, param state, blocks, momentum)``.
+
+    ``work`` is what the step updates in place: the parameter itself, a row block of it
+    (``split:K``), its ``(out, in * prod(k))`` view (``flatten``) or a contiguous copy listed in
+    ``writebacks`` as ``(source, destination)`` for after the step (``transposed_split:K``
+    column blocks, a channels_last kernel, any other non-contiguous parameter). ``momentum`` is
+    the matching view of ``state["momentum_buffer"]`` (fp32, created as zeros on first use)."""
+    entries: list[tuple] = []
+    for index, group in enumerate(groups):
+        kind, k = parse_layout(group.get("layout", "matrix"))
+        for p in group["params"]:
+            g = p.grad
+            if g is None:
+                continue
+            if torch.is_complex(p) or torch.is_complex(g):
+                raise RuntimeError(f"Muon does not support complex parameters (shape "
+                                   f"{tuple(p.shape)}, dtype {p.dtype}); route it to AdamW")
+            if g.is_sparse:
+                raise RuntimeError(f"Muon does not support sparse gradients (parameter shape "
+                                   f"{tuple(p.shape)}); use a dense gradient or route it to "
+                                   "AdamW")
+            st = state[p]
+            buf = st.get("momentum_buffer")
+            if buf is None:
+                # fp32 whatever the parameter dtype: bf16 momentum loses the small updates.
+                buf = torch.zeros_like(p, dtype=torch.float32,
+                                       memory_format=torch.contiguous_format)
+                if kind == "transposed_split":
+                    buf = buf.mT.contiguous()                     # (K * out, in)
+                st["momentum_buffer"] = buf
             if kind == "transposed_split":
-                buf = buf.mT.contiguous()                         # (K * out, in)
-            st["momentum_buffer"] = buf
-        if kind == "transposed_split":
-            if buf.shape != p.mT.shape:
-                raise RuntimeError(f"Muon layout transposed_split:{k}: momentum buffer of shape "
-                                   f"{tuple(buf.shape)} does not match the (K * out, in) = "
-                                   f"{tuple(p.mT.shape)} layout of this parameter")
-            cols = p.shape[1] // k
-            for i in range(k):
-                block = slice(i * cols, (i + 1) * cols)
-                work = p[:, block].mT.contiguous()                # (out, in) copy
-                writebacks.append((work.mT, p[:, block]))
-                entries.append((work, g[:, block].mT.contiguous(), buf[block]))
-        elif kind == "flatten":
-            work = p
-            if not p.is_contiguous():  # a conv kernel in channels_last: step a contiguous copy
-                work = p.contiguous()                             # (out, in, *k) copy
-                writebacks.append((work, p))
-            entries.append((work.view(p.shape[0], -1), g.reshape(p.shape[0], -1),
-                            buf.view(p.shape[0], -1)))            # (out, in * prod(k))
-        else:  # matrix, transposed, split
-            work = p
-            if not p.is_contiguous():  # e.g. a transposed view: the kernels update in place
-                work = p.contiguous()                             # same shape, contiguous copy
-                writebacks.append((work, p))
-            if kind == "split":
-                rows = p.shape[0] // k
-                entries.extend((work[i * rows:(i + 1) * rows], g[i * rows:(i + 1) * rows],
-                                buf[i * rows:(i + 1) * rows]) for i in range(k))
-            else:
-                entries.append((work, g, buf))
+                if buf.shape != p.mT.shape:
+                    raise RuntimeError(f"Muon layout transposed_split:{k}: momentum buffer of "
+                                       f"shape {tuple(buf.shape)} does not match the (K * out, "
+                                       f"in) = {tuple(p.mT.shape)} layout of this parameter")
+                cols = p.shape[1] // k
+                for i in range(k):
+                    block = slice(i * cols, (i + 1) * cols)
+                    work = p[:, block].mT.contiguous()            # (out, in) copy
+                    writebacks.append((work.mT, p[:, block]))
+                    entries.append((index, p, i, work, g[:, block].mT.contiguous(), st, k,
+                                    buf[block]))
+            elif kind == "flatten":
+                work = p
+                if not p.is_contiguous():  # a conv kernel in channels_last: a contiguous copy
+                    work = p.contiguous()                         # (out, in, *k) copy
+                    writebacks.append((work, p))
+                entries.append((index, p, 0, work.view(p.shape[0], -1),
+                                g.reshape(p.shape[0], -1), st, 1,
+                                buf.view(p.shape[0], -1)))        # (out, in * prod(k))
+            else:  # matrix, transposed, split
+                work = p
+                if not p.is_contiguous():  # e.g. a transposed view: updated in place
+                    work = p.contiguous()                         # same shape, contiguous copy
+                    writebacks.append((work, p))
+                if kind == "split":
+                    rows = p.shape[0] // k
+                    entries.extend((index, p, i, work[i * rows:(i + 1) * rows],
+                                    g[i * rows:(i + 1) * rows], st, k,
+                                    buf[i * rows:(i + 1) * rows]) for i in range(k))
+                else:
+                    entries.append((index, p, 0, work, g, st, 1, buf))
     return entries
 
 
-def muon_step(state: dict, groups: Iterable[dict[str, Any]]) -> None:
+def muon_step(state: dict, groups: Sequence[dict[str, Any]],
+              cache: StepCache | None = None) -> None:
     """Apply one Muon step to ``groups`` (param-group dicts with :data:`MUON_DEFAULTS` keys).
 
-    Matrices are bucketed by (shape, device, NS settings, momentum settings) across groups, so
-    each bucket costs one pre-pass, ONE ``newton_schulz`` call and one post-pass per group."""
-    buckets: dict[tuple, list[tuple[dict, Tensor, Tensor, Tensor]]] = defaultdict(list)
+    Matrices are grouped by wide shape across groups (a tall one joins transposed); each
+    group is one gather, one batched ``newton_schulz`` call and one update pass (see
+    :mod:`.muon_step`). Pass the optimizer's ``cache`` to keep the banks between steps;
+    without one they are rebuilt (correct, but each call copies the momentum once more)."""
     writebacks: list[tuple[Tensor, Tensor]] = []
-    for group in groups:
-        for p, g, buf in _group_entries(state, group, writebacks):
-            coeffs = group["ns_coefficients"]
-            key = (tuple(p.shape), p.device, group["ns_steps"],
-                   coeffs if isinstance(coeffs, str) else tuple(coeffs), group["eps"],
-                   group["ns_dtype"], group["momentum"], group["nesterov"])
-            buckets[key].append((group, p, g, buf))
-    largest = 0  # a plain loop: torch.compile cannot trace max() over a generator
-    for bucket in buckets.values():
-        for item in bucket:
-            largest = max(largest, item[1].numel())
-    bound = min(NS_MAX_BATCH_NUMEL, max(NS_MIN_BATCH_NUMEL, largest))
-    for key, bucket in buckets.items():
-        for items in _split(bucket, bound):
-            _bucket_step(key, items)
+    entries = _step_entries(state, groups, writebacks)
+    lean_muon_step(cache if cache is not None else StepCache(), list(groups), entries)
     for source, destination in writebacks:  # transposed_split / channels_last copies
         destination.copy_(source)
 
 
-def _split(items: list, max_numel: int) -> list[list]:
-    per = max(1, max_numel // max(1, items[0][1].numel()))
-    return [items[i:i + per] for i in range(0, len(items), per)]
-
-
-def _bucket_step(key: tuple, items: list[tuple[dict, Tensor, Tensor, Tensor]]) -> None:
-    shape, device, steps, coeffs, eps, ns_dtype, momentum, nesterov = key
-    compute = ops.resolve_compute_dtype(device, torch.float32, _NS_DTYPES[ns_dtype])
-    params = [p for _, p, _, _ in items]
-    grads = [g for _, _, g, _ in items]
-    dtypes = sorted({compute, *(p.dtype for p in params), *(g.dtype for g in grads)}, key=str)
-    pre = ops.kernel_or_fallback("muon_pre_orthogonalize_", device, dtypes)
-    post = ops.kernel_or_fallback("muon_post_update_", device, dtypes)
-    stacked = pre([b for _, _, _, b in items], grads, float(momentum), bool(nesterov),
-                  float(eps), compute)                                           # (b, m, n)
-    flat = ops.resolve_coefficients(coeffs, steps)
-    # The pre-pass already divided each matrix by max(||.||_F, eps): NS skips its own normalization.
-    newton_schulz = ops.kernel_or_fallback("newton_schulz", device, [])
-    orth = newton_schulz(stacked, int(steps), flat, float(eps), compute, "auto", True)
-    # The fp16 guard reads one flag back (a host sync per fp16 bucket); it is skipped while
-    # torch.compile traces or a CUDA graph captures, where a data-dependent branch cannot run.
-    if compute == torch.float16 and _can_sync() and not bool(torch.isfinite(orth).all()):
-        orth = _recompute_fp32(stacked, int(steps), flat, float(eps), shape)
-    del stacked
-    start = 0
-    while start < len(items):  # one post-pass per param group (items are grouped in order)
-        group = items[start][0]
-        end = start
-        while end < len(items) and items[end][0] is group:
-            end += 1
-        transposed = group.get("layout") == "transposed"
-        logical = shape[::-1] if transposed else shape
-        update, muon_plus = orth[start:end], bool(group["muon_plus"])                # (b, m, n)
-        if muon_plus and transposed:
-            # Muon+ normalizes rows (fan-out) then columns of the logical (out, in) matrix; this
-            # one is stored (in, out) (GPT-2's Conv1D), where the post-pass would normalize
-            # columns first: 29% off the nn.Linear update of the same layer.
-            normalize = ops.kernel_or_fallback("muon_plus_normalize", device, [torch.float32])
-            update = normalize(update.mT.float().contiguous(),                       # (b, n, m)
-                               float(group["norm_eps"])).mT.contiguous()            # (b, m, n)
-            muon_plus = False
-        post(params[start:end], update, grads[start:end], float(group["lr"]),
-             float(group["weight_decay"]), adjusted_lr_scale(group["adjust_lr_fn"], logical),
-             muon_plus, float(group["norm_eps"]), bool(group["cautious"]),
-             bool(group["cautious_rescale"]))
-        start = end
-
-
-_fp16_guard_logged = False
-
-
-def _can_sync() -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
-
-
-def _recompute_fp32(stacked: Tensor, steps: int, flat: list[float], eps: float,
-                    shape: tuple[int, ...]) -> Tensor:
-    """The fp16 guard: fp16 NS cannot overflow on a finite, normalized input (see
-    :mod:`~speedtronic.kernels.newton_schulz`), so a non-finite result means a non-finite
-    gradient or a broken assumption; either way this bucket is redone in fp32, said once."""
-    global _fp16_guard_logged
-    newton_schulz = ops.kernel_or_fallback("newton_schulz", stacked.device, [])
-    orth = newton_schulz(stacked.float(), steps, flat, eps, torch.float32, "auto", True)
-    if not _fp16_guard_logged:
-        _fp16_guard_logged = True
-        finite = bool(torch.isfinite(orth).all())
-        logger.warning("muon: fp16 Newton-Schulz gave non-finite values for shape %s; recomputed "
-                       "in fp32 (%s)", tuple(shape), "now finite" if finite else
-                       "still non-finite: the gradient itself is not finite")
-    return orth
-
-
-class Muon(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
+class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
     """Muon with every ``torch.optim.Muon`` argument (same names, meaning and defaults), plus:
 
     Args:
@@ -344,9 +254,17 @@ class Muon(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
         cautious_rescale: rescale kept entries by ``numel / (kept + 1)`` (Cautious Optimizers).
         ns_dtype: Newton-Schulz matmul dtype: ``"auto"``/None (fp16 on CUDA, fp32 on CPU),
             ``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp64"`` or a torch dtype.
+        workspace_budget: bytes the step's workspaces may take (gather bank, NS input and
+            temporaries); None = :func:`~speedtronic.optim.muon_step.default_budget_bytes`
+            (4% of the device's memory, 256 MiB to 8 GiB). A shape group that does not fit runs
+            in chunks: less memory, more launches.
+
+    ``lr``, ``weight_decay`` and ``momentum`` are held as 0-d fp32 tensors on the parameters'
+    device (floats are converted when the group is added; an LR scheduler then fills them in
+    place), so a compiled or CUDA-graph-captured step reads the current values.
 
     State per parameter: ``momentum_buffer`` (fp32, the EMA buffer, same key and meaning as
-    torch's), independent of whether CUDA kernels are loaded.
+    torch's; a view into its shape group's bank), independent of whether CUDA kernels load.
     """
 
     def __init__(self, params: Any, lr: float | Tensor = 1e-3, weight_decay: float = 0.1,
@@ -354,7 +272,14 @@ class Muon(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
                  ns_coefficients: str | Sequence[float] = ops.QUINTIC, eps: float = 1e-7,
                  ns_steps: int = 5, adjust_lr_fn: str | None = None, *, muon_plus: bool = False,
                  norm_eps: float = 1e-8, cautious: bool = False, cautious_rescale: bool = True,
-                 ns_dtype: str | torch.dtype | None = "auto") -> None:
+                 ns_dtype: str | torch.dtype | None = "auto",
+                 workspace_budget: int | None = None) -> None:
+        if workspace_budget is not None and (isinstance(workspace_budget, bool)
+                                             or not isinstance(workspace_budget, int)
+                                             or workspace_budget <= 0):
+            raise ValueError(f"workspace_budget must be a positive int of bytes or None, got "
+                             f"{workspace_budget!r}")
+        self.workspace_budget = workspace_budget
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, muon_plus=muon_plus, norm_eps=norm_eps,
@@ -365,6 +290,7 @@ class Muon(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         checked_or_dropped(self.param_groups, _check_group)
+        tensorize_hyper(self.param_groups[-1])
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         # load_state_dict ends here: a torch.optim.Muon state dict has no muon_plus, norm_eps,
@@ -376,5 +302,5 @@ class Muon(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         """Perform one optimization step (``closure`` re-evaluates the loss, as in torch)."""
         loss = run_closure(closure)
-        muon_step(self.state, self.param_groups)
+        muon_step(self.state, self.param_groups, self.muon_cache)
         return loss

@@ -80,6 +80,14 @@ class TrainResult:
 loss_from_output = extract_loss
 
 
+def _guard_counters(optimizer: Any) -> list[tuple[tuple[int, int], torch.Tensor]]:
+    """``(shape, device counter)`` of the lean Muon step's fp16 guard, if the optimizer has it."""
+    cache = getattr(optimizer, "__dict__", {}).get("_muon_cache")
+    if cache is None:
+        return []
+    return [(g.shape, g.nonfinite) for g in cache.groups if g.nonfinite is not None]
+
+
 class Trainer:
     """Runs optimizer steps until ``config.run.max_steps`` (an absolute step target).
 
@@ -439,19 +447,29 @@ class Trainer:
                     grad_norm: torch.Tensor | None) -> dict[str, Any]:
         """The ``train_step`` row of the interval ending at this step."""
         dt = max(now - interval.start, 1e-9)
-        # The loop's only host sync: one read of (loss, grad norm) per log step.
-        if grad_norm is None:
-            loss_value, norm_value = float(self._loss_sum.item()), None
-        else:
-            loss_value, norm_value = torch.stack(
-                [self._loss_sum, grad_norm.detach().float()]).tolist()
+        # The loop's only host sync: one read of (loss, grad norm, lr, the Muon step's fp16
+        # guard counters) per log step.
+        reads = [self._loss_sum.detach().float().reshape(())]
+        if grad_norm is not None:
+            reads.append(grad_norm.detach().float().reshape(()))
+        lr_t = self._lr_used if isinstance(self._lr_used, torch.Tensor) else None
+        if lr_t is not None:
+            reads.append(lr_t.detach().float().reshape(()).to(reads[0].device))
+        guards = _guard_counters(self.optimizer)
+        reads.extend(t.float().reshape(()).to(reads[0].device) for _, t in guards)
+        values = torch.stack(reads).tolist()
+        loss_value = values.pop(0)
+        norm_value = values.pop(0) if grad_norm is not None else None
+        lr_value = values.pop(0) if lr_t is not None else float(self._lr_used)
+        self._report_skipped_updates([(shape, int(v)) for (shape, _), v in zip(guards, values,
+                                                                               strict=True)])
         # NaN for an interval of all-padding steps: no token had a loss
         self.last_loss = (loss_value / self._micro_since_log
                           if self._micro_since_log else float("nan"))
         record = {
             "step": self.step,
             "loss": self.last_loss,
-            "lr": float(self._lr_used),
+            "lr": lr_value,
             "grad_norm": norm_value,
             "tokens_per_sec": (self.tokens - interval.tokens) / dt,
             "samples_per_sec": (self.samples - interval.samples) / dt,
@@ -462,6 +480,19 @@ class Trainer:
         if self._mfu is not None:
             self._mfu.add(record)
         return record
+
+    def _report_skipped_updates(self, counts: list[tuple[tuple[int, int], int]]) -> None:
+        """One warning per shape group whose fp16 Newton-Schulz result went non-finite since
+        the last log step (the Muon step skipped those updates on the device)."""
+        seen = self.__dict__.setdefault("_skipped_seen", {})
+        for shape, count in counts:
+            if count > seen.get(shape, 0):
+                logger.warning("muon: %d step(s) up to step %d had a non-finite fp16 "
+                               "Newton-Schulz result for the %dx%d matrices; those updates were "
+                               "skipped (%d so far). Non-finite gradients are the usual cause: "
+                               "lower optimizer.lr or set optimizer.muon_ns_dtype: fp32",
+                               count - seen.get(shape, 0), self.step, shape[0], shape[1], count)
+                seen[shape] = count
 
     def fit(self) -> TrainResult:
         """Train from ``self.step`` to ``config.run.max_steps``; returns the result."""

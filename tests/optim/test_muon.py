@@ -11,7 +11,6 @@ from torch import nn
 
 from speedtronic.kernels import ops
 from speedtronic.optim import Muon
-from speedtronic.optim import muon as muon_mod
 
 SHAPES = [(16, 16), (16, 16), (24, 16), (16, 24), (16, 16)]
 
@@ -108,18 +107,21 @@ def test_one_newton_schulz_call_per_distinct_shape(monkeypatch) -> None:
 
     monkeypatch.setitem(ops._PYTHON_BODIES, "newton_schulz", counting)
     init, grads = _setup(steps=1)
-    # Two groups with different lr: still one NS call per shape (post-pass is per group).
+    # Two groups with different lr: still one NS call per wide shape, the tall (24, 16) matrix
+    # joining the (16, 24) one transposed (the update pass is per param group).
     params = [nn.Parameter(w.clone()) for w in init]
     opt = Muon([{"params": params[:2]}, {"params": params[2:], "lr": 0.01}], lr=0.02)
     for p, g in zip(params, grads[0], strict=True):
         p.grad = g
     opt.step()
-    assert sorted(calls) == sorted([(3, 16, 16), (1, 24, 16), (1, 16, 24)])
+    assert sorted(calls) == sorted([(3, 16, 16), (2, 16, 24)])
 
 
-def test_buckets_are_no_bigger_than_the_largest_matrix(monkeypatch) -> None:
-    """torch's step peaks with its largest matrix; ours batches same-shape matrices only up to
-    that size, so its temporaries stay next to torch's (step_memory_cpu.md)."""
+def test_the_workspace_budget_sets_the_batch_size(monkeypatch) -> None:
+    """One Newton-Schulz batch per shape group by default; a budget of k matrices' workspace
+    gives batches of k (muon_step.workspace_bytes_per_matrix)."""
+    from speedtronic.optim.muon_step import workspace_bytes_per_matrix
+
     calls: list[tuple[int, ...]] = []
     real = ops._PYTHON_BODIES["newton_schulz"]
 
@@ -128,13 +130,18 @@ def test_buckets_are_no_bigger_than_the_largest_matrix(monkeypatch) -> None:
         return real(G, *args, **kwargs)
 
     monkeypatch.setitem(ops._PYTHON_BODIES, "newton_schulz", counting)
-    monkeypatch.setattr(muon_mod, "NS_MIN_BATCH_NUMEL", 1)
     params = [nn.Parameter(torch.randn(16, 16)) for _ in range(8)]
-    params.append(nn.Parameter(torch.randn(16, 64)))              # the largest: 4 x 16^2
+    params.append(nn.Parameter(torch.randn(16, 64)))
     for p in params:
         p.grad = torch.randn_like(p)
     Muon(params, lr=0.02).step()
-    assert sorted(calls) == [(1, 16, 64), (4, 16, 16), (4, 16, 16)]
+    assert sorted(calls) == [(1, 16, 64), (8, 16, 16)]
+    calls.clear()
+    per = workspace_bytes_per_matrix(16, 16, torch.float32)
+    Muon(params, lr=0.02, workspace_budget=3 * per + 1).step()
+    assert sorted(calls) == [(1, 16, 64), (2, 16, 16), (3, 16, 16), (3, 16, 16)]
+    with pytest.raises(ValueError, match="workspace_budget"):
+        Muon(params, workspace_budget=0)
 
 
 def test_groups_keep_their_own_lr() -> None:
@@ -309,9 +316,11 @@ def test_huge_shape_groups_are_split_and_give_the_same_result(monkeypatch) -> No
         return real(G, *args, **kwargs)
 
     monkeypatch.setitem(ops._PYTHON_BODIES, "newton_schulz", counting)
-    monkeypatch.setattr(muon_mod, "NS_MAX_BATCH_NUMEL", 2 * 16 * 16)
-    split, _ = _run(lambda ps: Muon(ps, **KW), init, grads)
-    assert sorted(calls[:4]) == [(1, 16, 16), (1, 16, 24), (1, 24, 16), (2, 16, 16)]
+    from speedtronic.optim.muon_step import workspace_bytes_per_matrix
+
+    budget = 2 * workspace_bytes_per_matrix(16, 24, torch.float32)  # two 16x16, one 16x24
+    split, _ = _run(lambda ps: Muon(ps, **KW, workspace_budget=budget), init, grads)
+    assert sorted(calls[:3]) == [(1, 16, 16), (2, 16, 16), (2, 16, 24)]
     for a, b in zip(whole, split, strict=True):
         assert torch.allclose(a, b, atol=1e-6)
 

@@ -1,0 +1,129 @@
+"""Count what a piece of PyTorch code dispatches: kernel-bearing ops, host syncs, and an
+estimate of the CUDA launches the same ops would cost.
+
+Why: the optimizer step is host-bound when it dispatches too many ops (~15 us each on an H200
+host), and a host sync in ``step()`` stalls the CPU and breaks CUDA-graph capture. Neither is
+visible without a GPU unless it is counted, so the tests and ``benchmarks/bench_step_dispatch.py``
+count them with this :class:`DispatchCounter` (a ``TorchDispatchMode``, so it sees every aten op
+and custom op exactly as the dispatcher does, on CPU or meta tensors).
+
+The CUDA launch estimate per op:
+
+* a ``_foreach_*`` op is ``multi_tensor_apply``: its tensors are cut into 65,536-element chunks
+  and packed into launches of at most 320 chunks and 110 / 64 / 48 / 36 / 30 tensors for 1 to
+  5 tensor lists (torch's ``depth_to_max_tensors``); :func:`foreach_launches` replays that;
+* ``cat`` / ``stack`` batch 128 contiguous inputs per launch, else one copy per input;
+* ``baddbmm`` / ``addmm`` with a non-zero ``beta`` first copy the input into the output
+  (cuBLAS needs ``C == D``): 2 launches;
+* a view or metadata op (``view``, ``transpose``, ``empty``, ...) launches nothing;
+* anything else: 1 launch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["DispatchCounter", "HOST_SYNC_OPS", "NO_KERNEL_OPS", "foreach_launches"]
+
+#: Ops that read a device value on the host (a sync on CUDA).
+HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "item",
+                           "allclose", "_assert_async"})
+
+#: Ops that only make a new view or allocate: no kernel.
+NO_KERNEL_OPS = frozenset({
+    "view", "_unsafe_view", "as_strided", "t", "transpose", "permute", "unsqueeze", "squeeze",
+    "expand", "slice", "select", "alias", "detach", "unbind", "split", "split_with_sizes",
+    "chunk", "diagonal", "_reshape_alias", "reshape", "empty", "empty_like", "empty_strided",
+    "new_empty", "new_empty_strided", "lift_fresh", "lift_fresh_copy", "resize_", "_to_copy_noop",
+    "unflatten", "flatten", "view_as", "expand_as", "movedim", "narrow", "_conj", "_neg_view",
+    "numpy_T", "mT", "set_", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
+})
+
+_CHUNK = 65536
+_MAX_BLOCKS = 320
+_MAX_TENSORS = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}
+
+
+def foreach_launches(numels: list[int], depth: int) -> int:
+    """CUDA launches of one ``multi_tensor_apply`` over tensors of ``numels`` elements with
+    ``depth`` tensor lists (inputs plus outputs)."""
+    max_tensors = _MAX_TENSORS.get(depth, 30)
+    launches, blocks, tensors = 0, 0, 0
+    for n in numels:
+        if n == 0:
+            continue
+        tensors += 1
+        for _ in range(math.ceil(n / _CHUNK)):
+            blocks += 1
+            if blocks == _MAX_BLOCKS:
+                launches, blocks = launches + 1, 0
+        if tensors == max_tensors:
+            launches += 1 if blocks else 0
+            blocks, tensors = 0, 0
+    return launches + (1 if blocks else 0)
+
+
+def _tensor_lists(args: tuple, kwargs: dict) -> list[list[torch.Tensor]]:
+    return [a for a in (*args, *kwargs.values())
+            if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+
+
+def _estimate_launches(name: str, args: tuple, kwargs: dict, out: Any) -> int:
+    if name.startswith("_foreach_"):
+        lists = _tensor_lists(args, kwargs)
+        depth = len(lists) + (0 if name.endswith("_") else 1)
+        numels = [t.numel() for t in lists[0]] if lists else []
+        extra = 1 if name.startswith("_foreach_norm") else 0  # the per-tensor cleanup pass
+        return foreach_launches(numels, depth) + extra
+    if name in ("cat", "stack"):
+        inputs = args[0] if args else kwargs.get("tensors", [])
+        if all(t.is_contiguous() for t in inputs):
+            return max(1, math.ceil(len(inputs) / 128))
+        return len(inputs)
+    if name in ("baddbmm", "addmm", "addbmm"):
+        beta = kwargs.get("beta", 1)
+        return 1 if beta == 0 else 2
+    return 1
+
+
+class DispatchCounter(TorchDispatchMode):
+    """``with DispatchCounter() as c: ...`` then read :attr:`ops` (kernel-bearing ops),
+    :attr:`host_syncs`, :attr:`launches` (the CUDA estimate) and :attr:`by_name`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.host_syncs = 0
+        self.launches = 0
+        self.by_name: Counter[str] = Counter()
+        self.sync_names: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else str(func)
+        namespace = getattr(func, "namespace", "aten")
+        name = packet if namespace == "aten" else f"{namespace}::{packet}"
+        if packet in HOST_SYNC_OPS:
+            self.host_syncs += 1
+            self.sync_names[name] += 1
+            return out
+        if (namespace == "aten" and packet in NO_KERNEL_OPS) or namespace == "profiler":
+            return out
+        if namespace == "aten" and packet == "copy_" and args[0] is args[1]:
+            return out
+        self.ops += 1
+        self.by_name[name] += 1
+        self.launches += _estimate_launches(packet, args, kwargs, out)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """Plain values for a results file."""
+        return {"ops": self.ops, "host_syncs": self.host_syncs, "cuda_launches_est":
+                self.launches, "by_name": dict(self.by_name.most_common())}

@@ -1,0 +1,399 @@
+"""The lean Muon step: a few dozen whole-step ops, no host syncs, CUDA-graph safe.
+
+Why this shape (counted with a dispatch-mode counter, ``benchmarks/bench_step_dispatch.py``):
+the per-bucket step it replaces dispatched ~1,080 kernel-bearing ops on the GPT-2-small set (36
+buckets, one host sync per fp16 bucket); ``torch.optim.Muon`` dispatches ~1,660. On an H200 host
+one dispatched op costs ~15 us, so op count *is* step time for a host-bound step.
+
+Matrices are grouped by their **wide** shape ``(m, n)``, ``m <= n``: a tall ``(n, m)`` matrix
+joins the ``(m, n)`` group transposed (the polar factor of ``X^T`` is the transpose of the polar
+factor of ``X``), so GPT-2 small is two groups, ``48 x 768^2`` and ``24 x 768 x 3072``. Each
+group owns persistent banks, allocated once and reused every step:
+
+* ``momentum``: ``(b, m, n)`` fp32, the momentum buffers; ``state[p]["momentum_buffer"]`` is a
+  view into it (transposed for a tall matrix), so ``state_dict()`` is unchanged;
+* ``grads``: ``(chunk, m, n)`` fp32, the step's gradients gathered in the bank's orientation;
+* ``work``: ``(chunk, m, n)`` in the Newton-Schulz dtype when that is not fp32.
+
+Per group and chunk the step is: gather (1 op, +1 for the transposed part), momentum ``lerp_``
+(1), Nesterov ``lerp_`` (1), Frobenius norm + clamp + divide (3), one batched Newton-Schulz,
+[fp16 guard: 3], [Muon+: 1-2], [cautious: 5], then per part scale (1) and
+``_foreach_mul_`` + ``_foreach_add_`` over the parameters (2). Hyper-parameters ``lr``,
+``weight_decay`` and ``momentum`` are 0-d device tensors (floats are converted once), so an LR
+schedule never recompiles a compiled step and a captured CUDA graph reads the current value.
+
+The chunk size comes from a byte budget for the step's workspaces (:func:`default_budget_bytes`):
+one chunk per group unless the budget says otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..kernels import ops
+
+__all__ = ["HYPER_KEYS", "MuonCacheMixin", "StepCache", "default_budget_bytes", "hyper_tensor",
+           "lean_muon_step", "tensorize_hyper", "workspace_bytes_per_matrix"]
+
+#: Group values the kernels read as 0-d fp32 device tensors.
+HYPER_KEYS = ("lr", "weight_decay", "momentum")
+
+BUDGET_FRACTION = 0.04
+"""Default workspace budget: 4% of the device's memory (5.6 GB on an H200, 0.96 GB on a 24 GB
+host), between :data:`BUDGET_FLOOR` and :data:`BUDGET_CEILING`. The GPT-2-small set needs
+~0.36 GB (fp16 NS) to run each group as one batch, the 1B-class set ~2.6 GB, so on any GPU
+with 16 GB or more both run one chunk per group."""
+BUDGET_FLOOR = 256 << 20
+"""256 MiB: below this even a 4096^2 group (the 1B set's largest square group) splits into
+chunks of a few matrices and the launch count grows with the model."""
+BUDGET_CEILING = 8 << 30
+"""8 GiB: enough for one chunk per group on models to ~7B parameters; more buys no launches."""
+
+_NS_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16,
+              "fp32": torch.float32, "fp64": torch.float64}
+
+
+def _device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 << 30
+
+
+_BUDGETS: dict[str, int] = {}  # per device, filled eagerly when a group is added
+
+
+def default_budget_bytes(device: torch.device) -> int:
+    """The workspace budget used when the optimizer's ``workspace_budget`` is ``None``."""
+    name = str(device)
+    if name not in _BUDGETS:  # the first call is eager (tensorize_hyper), never traced
+        total = _device_memory_bytes(torch.device(device))
+        _BUDGETS[name] = int(min(BUDGET_CEILING, max(BUDGET_FLOOR, BUDGET_FRACTION * total)))
+    return _BUDGETS[name]
+
+
+def workspace_bytes_per_matrix(m: int, n: int, compute: torch.dtype) -> int:
+    """Workspace bytes one ``(m, n)`` matrix (``m <= n``) costs inside a batch: the fp32 gather
+    bank, the NS input in the compute dtype (when not fp32), and the iteration's temporaries
+    (two ``(m, n)`` iterates and three ``(m, m)`` Gram-sized products)."""
+    cb = torch.empty((), dtype=compute).element_size()
+    work = 0 if compute == torch.float32 else m * n * cb
+    return 4 * m * n + work + 2 * m * n * cb + 3 * m * m * cb
+
+
+@dataclass
+class _Part:
+    """Consecutive slots of one group that share an orientation relative to the bank."""
+
+    start: int
+    stop: int
+    pg: int                    # its param group (lr, weight decay)
+    transposed: bool           # stored (n, m): the bank holds the transpose
+    flip: bool                 # the logical (out, in) matrix is the transpose of the bank's
+    lr_scale: float
+    entries: list[int] = field(default_factory=list)   # positions in the step's entry list
+    params: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _Group:
+    key: tuple
+    shape: tuple[int, int]     # the bank's (m, n), m <= n except for a tall split block
+    pgs: list[int]             # param groups with slots here (one, unless lrs differ by group)
+    device: torch.device
+    compute: torch.dtype
+    parts: list[_Part]
+    chunk: int                 # matrices per Newton-Schulz batch (the budget's answer)
+    momentum: Tensor           # (b, m, n) fp32
+    grads: Tensor | None = None  # (chunk, m, n) fp32, allocated on first use
+    work: Tensor | None = None   # (chunk, m, n) compute dtype, when not fp32
+    nonfinite: Tensor | None = None  # () int64: fp16 NS hits so far
+    slot_pg: Tensor | None = None    # (b,) int64: index into pgs per slot, when len(pgs) > 1
+
+
+@dataclass
+class StepCache:
+    """What a Muon optimizer keeps between steps: the groups and their banks, keyed by the
+    step's matrix set. Any change (a new parameter, a group setting, ``load_state_dict``, a
+    momentum buffer replaced) rebuilds it, copying the current momentum into new banks."""
+
+    budget_bytes: int | None = None
+    signature: tuple | None = None
+    groups: list[_Group] = field(default_factory=list)
+    views: list[tuple[dict, Tensor]] = field(default_factory=list)  # (state, planted view)
+    hyper: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+
+    def invalidate(self) -> None:
+        self.signature, self.groups, self.views = None, [], []
+
+    def nonfinite_counts(self) -> list[tuple[tuple[int, int], int]]:
+        """``(shape, steps with a non-finite fp16 result)`` per group with a hit (reads the
+        device counters: one host sync, so call it where the trainer already reads values)."""
+        out = []
+        for g in self.groups:
+            if g.nonfinite is not None:
+                hits = int(g.nonfinite)
+                if hits:
+                    out.append((g.shape, hits))
+        return out
+
+
+def hyper_tensor(group: dict[str, Any], key: str, device: torch.device) -> Tensor:
+    """``group[key]`` as a 0-d fp32 tensor on ``device``, stored back into the group, so a
+    float is converted once and an LR scheduler then fills the tensor in place."""
+    value = group[key]
+    if isinstance(value, Tensor):
+        if value.device == device and value.dtype == torch.float32 and value.dim() == 0:
+            return value
+        value = value.detach().to(device=device, dtype=torch.float32).reshape(())
+    else:
+        value = torch.tensor(float(value), dtype=torch.float32, device=device)
+    group[key] = value
+    return value
+
+
+def tensorize_hyper(group: dict[str, Any]) -> None:
+    """Turn a Muon group's ``lr``, ``weight_decay`` and ``momentum`` into 0-d fp32 tensors on
+    its parameters' device (once, when the group is added)."""
+    params = group.get("params") or []
+    device = params[0].device if params else torch.device("cpu")
+    for key in HYPER_KEYS:
+        if group.get(key) is not None:
+            hyper_tensor(group, key, device)
+    default_budget_bytes(device)
+
+
+class MuonCacheMixin:
+    """Holds the lean step's :class:`StepCache` (not part of ``state_dict``: it is rebuilt
+    from the momentum buffers whenever they, or the matrix set, change)."""
+
+    workspace_budget: int | None = None
+
+    @property
+    def muon_cache(self) -> StepCache:
+        cache = self.__dict__.get("_muon_cache")
+        if cache is None:
+            cache = self.__dict__["_muon_cache"] = StepCache(self.workspace_budget)
+        return cache
+
+    def nonfinite_counts(self) -> list[tuple[tuple[int, int], int]]:
+        """Steps whose fp16 Newton-Schulz result was not finite, per shape group: ``[(shape,
+        count)]``, empty when none. Such a chunk's update is skipped (weight decay still
+        applies). Reads device counters: call it where values are read anyway (log steps)."""
+        return self.muon_cache.nonfinite_counts()
+
+
+def _lr_scale(adjust_lr_fn: str | None, logical: Sequence[int]) -> float:
+    a, b = logical[0], logical[1]
+    if adjust_lr_fn == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(a, b))
+    return math.sqrt(max(1.0, a / b))
+
+
+def _settings(group: dict[str, Any]) -> tuple:
+    coeffs = group["ns_coefficients"]
+    return (group["ns_steps"], coeffs if isinstance(coeffs, str) else tuple(coeffs),
+            group["eps"], group["ns_dtype"], bool(group["nesterov"]), bool(group["muon_plus"]),
+            group["norm_eps"], bool(group["cautious"]), bool(group["cautious_rescale"]),
+            group.get("layout", "matrix"), group["adjust_lr_fn"])
+
+
+def _signature(entries: list[tuple], groups: list[dict[str, Any]]) -> tuple:
+    return (tuple((e[0], id(e[1]), e[2], e[6]) for e in entries),
+            tuple(_settings(g) for g in groups))
+
+
+def _build(cache: StepCache, entries: list[tuple], groups: list[dict[str, Any]]) -> None:
+    """Group the step's matrices and plant their momentum buffers into fresh banks.
+
+    ``entries``: ``(pg_index, param, block, work, grad, state, block_count, buf)`` where
+    ``buf`` is the current momentum (a view into ``state["momentum_buffer"]``)."""
+    buckets: dict[tuple, list[tuple]] = {}
+    for index, e in enumerate(entries):
+        pg, _, _, work, _, _, blocks, _ = e
+        m, n = work.shape
+        # A split block's momentum is a row block of its parameter's buffer: it stays in the
+        # stored orientation so the K blocks are K consecutive bank slots (one buffer view).
+        transposed = m > n and blocks == 1
+        shape = (n, m) if transposed else (m, n)
+        key = (shape, work.device, _settings(groups[pg]))
+        buckets.setdefault(key, []).append((transposed, index, e))
+    cache.groups, cache.views = [], []
+    for key, items in buckets.items():
+        shape, device = key[0], key[1]
+        # stored orientation first, then transposed; within each, param group by param group
+        items.sort(key=lambda item: (item[0], item[2][0], item[1]))
+        pgs = sorted({e[0] for _, _, e in items})
+        group = groups[pgs[0]]  # every setting but lr / weight decay / momentum is shared
+        compute = ops.resolve_compute_dtype(device, torch.float32, _NS_DTYPES[group["ns_dtype"]])
+        b = len(items)
+        bank = torch.empty((b, *shape), dtype=torch.float32, device=device)  # (b, m, n)
+        parts: list[_Part] = []
+        layout_t = group.get("layout", "matrix") == "transposed"
+        for i, (transposed, index, e) in enumerate(items):
+            pg, p, block, work, grad, st, blocks, buf = e
+            slot = bank[i].mT if transposed else bank[i]                 # work's shape
+            slot.copy_(buf)
+            if not parts or parts[-1].transposed != transposed or parts[-1].pg != pg:
+                logical = tuple(work.shape)[::-1] if layout_t else tuple(work.shape)
+                parts.append(_Part(i, i, pg, transposed, transposed != layout_t,
+                                   _lr_scale(group["adjust_lr_fn"], logical)))
+            part = parts[-1]
+            part.stop = i + 1
+            part.entries.append(index)
+            if block == blocks - 1:  # the parameter's last block: plant its buffer view
+                first = i - blocks + 1
+                old = st["momentum_buffer"]
+                view = (bank[first].mT if transposed else
+                        bank[first:i + 1].reshape(-1, *shape[1:]) if blocks > 1 else bank[i])
+                view = view.view(old.shape)
+                st["momentum_buffer"] = view
+                cache.views.append((st, view))
+        budget = cache.budget_bytes or default_budget_bytes(device)
+        per = workspace_bytes_per_matrix(min(shape), max(shape), compute)
+        chunk = max(1, min(b, budget // max(1, per)))
+        grp = _Group(key, shape, pgs, device, compute, parts, chunk, bank)
+        if len(pgs) > 1:
+            grp.slot_pg = torch.tensor([pgs.index(e[0]) for _, _, e in items], device=device)
+        cache.groups.append(grp)
+    cache.signature = _signature(entries, groups)
+
+
+def _planted(cache: StepCache) -> bool:
+    """Every momentum buffer is still the bank view the plan planted (``load_state_dict`` and
+    ``reset_state`` replace them)."""
+    return all(st.get("momentum_buffer") is view for st, view in cache.views)
+
+
+def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]], entries: list[tuple]) -> None:
+    """One Muon step over ``entries``: ``(pg_index, param, block, work, grad, param_state,
+    block_count, momentum)`` per matrix, in a stable order (see ``muon._step_entries``)."""
+    if not entries:
+        return
+    if torch.compiler.is_compiling():
+        # Traced: dynamo guards on the tensors and the groups; rebuilding inside a graph would
+        # allocate banks there, so a plan must exist (the first eager step, or `warmup`).
+        fresh = cache.signature is None
+    else:
+        fresh = cache.signature != _signature(entries, groups) or not _planted(cache)
+    if fresh:
+        _build(cache, entries, groups)
+    for g in cache.groups:  # this step's gradients (and work copies, for written-back layouts)
+        for part in g.parts:
+            part.params = [entries[i][3] for i in part.entries]
+            part.grads = [entries[i][4] for i in part.entries]
+    hyper: dict[int, dict[str, Tensor]] = {}
+    for g in cache.groups:
+        for index in g.pgs:
+            if index not in hyper:
+                pg = groups[index]
+                lr, wd, mu = (hyper_tensor(pg, k, g.device) for k in HYPER_KEYS)
+                hyper[index] = {"lr": lr, "decay": 1.0 - lr * wd, "mu": mu, "w": 1.0 - mu}
+    # Decoupled weight decay first, one multi-tensor op per param group over all its matrices:
+    # p (1 - lr wd) - lr s O  ==  (p (1 - lr wd)) - lr s O, and O does not depend on p.
+    for index in hyper:
+        works = [entries[i][3] for g in cache.groups for part in g.parts if part.pg == index
+                 for i in part.entries]
+        torch._foreach_mul_(works, hyper[index]["decay"])
+    for g in cache.groups:
+        _group_step(g, groups[g.pgs[0]], hyper)
+
+
+def _per_slot(g: _Group, hyper: dict[int, dict[str, Tensor]], key: str) -> Tensor:
+    """A momentum setting for every slot: the group's 0-d tensor, or a (b, 1, 1) gather when
+    param groups with different values share this shape group (2 ops)."""
+    if g.slot_pg is None:
+        return hyper[g.pgs[0]][key]
+    return torch.stack([hyper[i][key] for i in g.pgs])[g.slot_pg].view(-1, 1, 1)
+
+
+def _group_step(g: _Group, group: dict[str, Any], hyper: dict[int, dict[str, Tensor]]) -> None:
+    m, n = g.shape
+    b = g.momentum.shape[0]
+    if g.grads is None or g.grads.shape[0] < min(b, g.chunk):
+        g.grads = torch.empty((min(b, g.chunk), m, n), dtype=torch.float32, device=g.device)
+        if g.compute != torch.float32:
+            g.work = torch.empty((min(b, g.chunk), m, n), dtype=g.compute, device=g.device)
+    guard = g.compute in (torch.float16, torch.bfloat16)
+    if guard and g.nonfinite is None:
+        g.nonfinite = torch.zeros((), dtype=torch.int64, device=g.device)
+    flat = ops.resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+    w_all, mu_all = _per_slot(g, hyper, "w"), _per_slot(g, hyper, "mu")
+    newton_schulz = ops.kernel_or_fallback("newton_schulz", g.device, [])
+    for start in range(0, b, g.chunk):
+        stop = min(b, start + g.chunk)
+        G = g.grads[:stop - start]                                     # (c, m, n) fp32
+        pieces = [(pt, max(pt.start, start), min(pt.stop, stop)) for pt in g.parts
+                  if pt.start < stop and pt.stop > start]
+        for pt, s, e in pieces:  # gather this chunk's gradients in the bank orientation
+            grads = pt.grads[s - pt.start:e - pt.start]
+            if pt.transposed:
+                G[s - start:e - start].copy_(torch.stack(grads).mT)   # (k, n, m) -> (k, m, n)
+            else:
+                torch.stack(grads, out=G[s - start:e - start])
+        M = g.momentum[start:stop]                                     # (c, m, n) fp32
+        w, mu = ((t[start:stop] if t.dim() else t) for t in (w_all, mu_all))
+        M.lerp_(G, w)                                                  # M <- mu M + (1-mu) G
+        cautious = bool(group["cautious"])  # the mask needs G after NS: no writing over it
+        if group["nesterov"]:                                          # U = G + mu (M - G)
+            U = torch.lerp(G, M, mu) if cautious else G.lerp_(M, mu)
+        else:
+            U = M
+        norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True)  # (c, 1, 1)
+        norm = norm.clamp_(min=float(group["eps"]))
+        if g.work is not None:
+            X = torch.div(U, norm, out=g.work[:stop - start])          # (c, m, n) compute
+        elif U is M or (U is G and cautious):
+            X = U / norm                                               # M must survive
+        else:
+            X = U.div_(norm)
+        orth = newton_schulz(X, int(group["ns_steps"]), flat, float(group["eps"]), g.compute,
+                          "auto", True)                                # (c, m, n)
+        if guard:
+            # A 16-bit NS result is finite iff its fp32 sum is (|entries| < 4: no overflow),
+            # and x * 0 is NaN exactly for a non-finite x: 3 small ops instead of isfinite's 5.
+            bad = (orth.sum(dtype=torch.float32) * 0).isnan()
+            g.nonfinite.add_(bad)
+            orth = orth.masked_fill_(bad, 0)  # policy: skip this chunk's update (decay stays)
+        if group["muon_plus"]:
+            orth = _muon_plus(orth, pieces, start, float(group["norm_eps"]))
+        if cautious:
+            orth = orth.float()
+            mask = (orth * G) > 0
+            if group["cautious_rescale"]:
+                kept = mask.sum(dim=(-2, -1), keepdim=True)            # (c, 1, 1) int64
+                orth = orth * mask * ((m * n) / (kept + 1))
+            else:
+                orth = orth * mask
+        for pt, s, e in pieces:
+            params = pt.params[s - pt.start:e - pt.start]
+            slab = orth[s - start:e - start]                           # (k, m, n)
+            if pt.transposed:
+                slab = slab.mT                                         # (k, n, m)
+            upd = torch.empty(slab.shape, dtype=params[0].dtype, device=g.device)
+            torch.mul(slab, hyper[pt.pg]["lr"], out=upd)               # contiguous, param dtype
+            torch._foreach_add_(params, list(upd.unbind(0)), alpha=-pt.lr_scale)
+
+
+def _muon_plus(orth: Tensor, pieces: list, start: int, eps: float) -> Tensor:
+    """Muon+ on each part in its logical (out, in) orientation: rows, then columns."""
+    normalize = ops.kernel_or_fallback("muon_plus_normalize", orth.device, [torch.float32])
+    orth = orth.float()
+    if all(not pt.flip for pt, _, _ in pieces):
+        return normalize(orth.contiguous(), eps)
+    outs = []
+    for pt, s, e in pieces:
+        slab = orth[s - start:e - start]
+        outs.append(normalize(slab.mT.contiguous(), eps).mT if pt.flip
+                    else normalize(slab.contiguous(), eps))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
