@@ -8,6 +8,7 @@ Sets of Muon matrices:
   reference    the Muon branch of the reference model at quickstart size (default ModelConfig)
   transformer  CPU: 4 layers x (4x 256x256, 256x1024, 1024x256); CUDA: GPT-2 small,
                12 layers x (4x 768x768, 768x3072, 3072x768)
+  gpt2_small   GPT-2 small's matrices on any device (``--sets gpt2_small``)
 
 speedtronic 2.0.0 runs in its own venv (``--ref-python``, default /work/venv-ref/bin/python:
 ``python3 -m venv /work/venv-ref && /work/venv-ref/bin/pip install torch==2.13.0
@@ -47,6 +48,10 @@ def transformer_shapes(device: str) -> list[tuple[int, int]]:
         layer = [(768, 768)] * 4 + [(768, 3072), (3072, 768)]
         return layer * 12
     return ([(256, 256)] * 4 + [(256, 1024), (1024, 256)]) * 4
+
+
+#: GPT-2 small's Muon matrices at full size (``--sets gpt2_small``; ~6 s a step on one core).
+GPT2_SMALL = ([(768, 768)] * 4 + [(768, 3072), (3072, 768)]) * 12
 
 
 def reference_shapes() -> list[tuple[int, int]]:
@@ -483,7 +488,8 @@ def main() -> None:
             "repeats": args.repeats, "hyperparameters": HP}
     rows: list[dict] = []
     for set_name in args.sets.split(","):
-        shapes = transformer_shapes(device) if set_name == "transformer" else reference_shapes()
+        shapes = (transformer_shapes(device) if set_name == "transformer" else
+                  GPT2_SMALL if set_name == "gpt2_small" else reference_shapes())
         for threads in args.threads:
             print(f"set {set_name} ({len(shapes)} matrices), {threads} thread(s)", flush=True)
             rows += bench_set(set_name, shapes, args, device, threads)

@@ -1,0 +1,165 @@
+"""What one Muon step dispatches, side by side: kernel-bearing ops, estimated CUDA launches,
+host syncs and host time per step, for ours, ``torch.optim.Muon`` and a minimal banked loop.
+
+Host-bound is what a GPU step becomes when it dispatches too much (~15 us per op on an H200
+host), and none of it needs a GPU to count: every op goes through a ``DispatchCounter``
+(speedtronic/kernels/counting.py). Host time is measured at tiny shapes (each set scaled down
+32x / 64x, so the GEMMs cost nothing and dispatch dominates), 1 thread, the implementations
+interleaved round by round so machine noise hits all alike.
+
+Rows:
+
+* ``ours``: ``speedtronic.optim.Muon`` as shipped (CPU path: fp32 Newton-Schulz);
+* ``ours fp16``: the same step with ``ns_dtype="fp16"``, which takes the 16-bit branches of the
+  CUDA path (fold, fp16 guard): its launch estimate is the CUDA-path prediction;
+* ``ours muon+`` / ``ours cautious``: the options' cost;
+* ``banked reference``: a minimal loop written here in the style of modded-nanogpt (two shape
+  banks, tall matrices stacked transposed, plain foreach momentum, standard quintic NS with
+  ``baddbmm``): the floor a batched step can reach with stock torch ops;
+* ``torch.optim.Muon``: torch 2.13's, one matrix at a time.
+
+    python benchmarks/bench_step_dispatch.py      # writes results/step_dispatch_cpu.{json,md}
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_data import cpu_flags  # noqa: E402
+
+from speedtronic.kernels.counting import DispatchCounter  # noqa: E402
+from speedtronic.optim import Muon  # noqa: E402
+
+GPT2_SMALL = [(768, 768)] * 48 + [(3072, 768)] * 12 + [(768, 3072)] * 12
+LLAMA_1B = [(2048, 2048)] * 32 + [(512, 2048)] * 32 + [(8192, 2048)] * 32 + [(2048, 8192)] * 16
+SETS = {"gpt2_small": (GPT2_SMALL, 32), "llama_1b": (LLAMA_1B, 64)}
+QUINTIC = (3.4445, -4.7750, 2.0315)
+RESULTS = ROOT / "benchmarks" / "results" / "step_dispatch_cpu"
+
+
+class BankedReference:
+    """The minimal batched step: one bank per wide shape, tall matrices transposed in."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float = 0.02, wd: float = 0.01,
+                 mu: float = 0.95) -> None:
+        self.lr, self.wd, self.mu = lr, wd, mu
+        banks: dict[tuple[int, int], list[torch.nn.Parameter]] = {}
+        for p in params:
+            banks.setdefault((min(p.shape), max(p.shape)), []).append(p)
+        self.banks = [(shape, ps, torch.zeros(len(ps), *shape)) for shape, ps in banks.items()]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for (m, n), ps, M in self.banks:
+            G = torch.stack([p.grad.mT if p.shape[0] > p.shape[1] else p.grad for p in ps])
+            M.lerp_(G, 1 - self.mu)
+            X = G.lerp_(M, self.mu)
+            X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)
+            a, b, c = QUINTIC
+            for _ in range(5):
+                A = X @ X.mT
+                B = torch.baddbmm(A, A, A, beta=b, alpha=c)
+                X = torch.baddbmm(X, B, X, beta=a)
+            torch._foreach_mul_(ps, 1 - self.lr * self.wd)
+            scale = [max(1.0, p.shape[0] / p.shape[1]) ** 0.5 for p in ps]
+            upd = [(x.mT if p.shape[0] > p.shape[1] else x) * (-self.lr * s)
+                   for x, p, s in zip(X.unbind(0), ps, scale, strict=True)]
+            torch._foreach_add_(ps, upd)
+
+
+def _params(shapes, scale, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.randn(r // scale, c // scale, generator=g) * 0.02)
+          for r, c in shapes]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g)
+    return ps
+
+
+def _variants(shapes, scale):
+    def ours(**kw):
+        return lambda: Muon(_params(shapes, scale), lr=0.02, weight_decay=0.01, **kw)
+    return {
+        "ours": ours(),
+        "ours fp16 (CUDA-path prediction)": ours(ns_dtype="fp16"),
+        "ours muon+": ours(muon_plus=True),
+        "ours cautious": ours(cautious=True),
+        "banked reference": lambda: BankedReference(_params(shapes, scale)),
+        "torch.optim.Muon": lambda: torch.optim.Muon(_params(shapes, scale), lr=0.02,
+                                                     weight_decay=0.01),
+    }
+
+
+def run(repeats: int = 30, rounds: int = 5) -> dict:
+    torch.set_num_threads(1)
+    out: dict = {"meta": {
+        "command": "python benchmarks/bench_step_dispatch.py", "torch": torch.__version__,
+        "python": platform.python_version(), "machine": platform.machine(),
+        "cpu_flags": cpu_flags(), "threads": 1, "dtype": "fp32 parameters and grads",
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, "sets": {}}
+    for name, (shapes, scale) in SETS.items():
+        opts = {k: make() for k, make in _variants(shapes, scale).items()}
+        rows: dict[str, dict] = {}
+        for k, opt in opts.items():
+            opt.step()  # warm-up: plans, banks, lazy imports
+            with DispatchCounter() as c:
+                opt.step()
+            rows[k] = {"ops": c.ops, "cuda_launches_est": c.launches,
+                       "host_syncs": c.host_syncs, "by_name": dict(c.by_name.most_common())}
+        times: dict[str, list[float]] = {k: [] for k in opts}
+        for _ in range(rounds):  # interleaved
+            for k, opt in opts.items():
+                t0 = time.perf_counter()
+                for _ in range(repeats):
+                    opt.step()
+                times[k].append((time.perf_counter() - t0) / repeats * 1e6)
+        torch_us = statistics.median(times["torch.optim.Muon"])
+        for k in opts:
+            rows[k]["host_us"] = statistics.median(times[k])
+            rows[k]["host_vs_torch"] = rows[k]["host_us"] / torch_us
+        out["sets"][name] = {"matrices": len(shapes), "scale": scale, "rows": rows}
+    return out
+
+
+def write_markdown(res: dict, path: Path) -> None:
+    m = res["meta"]
+    lines = ["# One Muon step: dispatched ops, CUDA launches (estimated), host syncs, host time",
+             "", f"`{m['command']}` — torch {m['torch']}, Python {m['python']}, {m['machine']}, "
+             f"{m['threads']} thread, {m['dtype']}, {m['date']}.", "",
+             f"CPU flags: {m['cpu_flags']}", "",
+             "Shapes: each set scaled down (GPT-2 small /32, Llama-1B class /64) so dispatch "
+             "dominates; counts do not depend on the scale (tests/optim/test_step_budget.py "
+             "checks the grouping against the full-size set). Launch estimate: "
+             "speedtronic/kernels/counting.py.", ""]
+    for name, s in res["sets"].items():
+        lines += [f"## {name} ({s['matrices']} matrices, /{s['scale']})", "",
+                  "| step | ops | CUDA launches (est.) | host syncs | host time / step | vs torch |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        for k, r in s["rows"].items():
+            lines.append(f"| {k} | {r['ops']} | {r['cuda_launches_est']} | {r['host_syncs']} | "
+                         f"{r['host_us']:.0f} us | {r['host_vs_torch']:.2f}x |")
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+def main() -> None:
+    res = run()
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    write_markdown(res, RESULTS.with_suffix(".md"))
+    print(RESULTS.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
