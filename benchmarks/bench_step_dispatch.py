@@ -61,7 +61,7 @@ class BankedReference:
 
     @torch.no_grad()
     def step(self) -> None:
-        for (m, n), ps, M in self.banks:
+        for _, ps, M in self.banks:
             G = torch.stack([p.grad.mT if p.shape[0] > p.shape[1] else p.grad for p in ps])
             M.lerp_(G, 1 - self.mu)
             X = G.lerp_(M, self.mu)
@@ -144,7 +144,8 @@ def write_markdown(res: dict, path: Path) -> None:
              "speedtronic/kernels/counting.py.", ""]
     for name, s in res["sets"].items():
         lines += [f"## {name} ({s['matrices']} matrices, /{s['scale']})", "",
-                  "| step | ops | CUDA launches (est.) | host syncs | host time / step | vs torch |",
+                  "| step | ops | CUDA launches (est.) | host syncs | host time / step "
+                  "| vs torch |",
                   "|---|---:|---:|---:|---:|---:|"]
         for k, r in s["rows"].items():
             lines.append(f"| {k} | {r['ops']} | {r['cuda_launches_est']} | {r['host_syncs']} | "

@@ -166,7 +166,7 @@ def _step_entries(state: dict, groups: Sequence[dict[str, Any]],
     (``split:K``), its ``(out, in * prod(k))`` view (``flatten``) or a contiguous copy listed in
     ``writebacks`` as ``(source, destination)`` for after the step (``transposed_split:K``
     column blocks, a channels_last kernel, any other non-contiguous parameter). ``momentum`` is
-    the matching view of ``state["momentum_buffer"]`` (fp32, created as zeros on first use)."""
+    the matching view of ``state["momentum_buffer"]``, or None before the first step."""
     entries: list[tuple] = []
     for index, group in enumerate(groups):
         kind, k = parse_layout(group.get("layout", "matrix"))
@@ -182,16 +182,11 @@ def _step_entries(state: dict, groups: Sequence[dict[str, Any]],
                                    f"{tuple(p.shape)}); use a dense gradient or route it to "
                                    "AdamW")
             st = state[p]
+            # None on first use: the step's bank starts it at zero (fp32 whatever the parameter
+            # dtype: bf16 momentum loses the small updates), with no per-parameter copy.
             buf = st.get("momentum_buffer")
-            if buf is None:
-                # fp32 whatever the parameter dtype: bf16 momentum loses the small updates.
-                buf = torch.zeros_like(p, dtype=torch.float32,
-                                       memory_format=torch.contiguous_format)
-                if kind == "transposed_split":
-                    buf = buf.mT.contiguous()                     # (K * out, in)
-                st["momentum_buffer"] = buf
             if kind == "transposed_split":
-                if buf.shape != p.mT.shape:
+                if buf is not None and buf.shape != p.mT.shape:
                     raise RuntimeError(f"Muon layout transposed_split:{k}: momentum buffer of "
                                        f"shape {tuple(buf.shape)} does not match the (K * out, "
                                        f"in) = {tuple(p.mT.shape)} layout of this parameter")
@@ -201,7 +196,7 @@ def _step_entries(state: dict, groups: Sequence[dict[str, Any]],
                     work = p[:, block].mT.contiguous()            # (out, in) copy
                     writebacks.append((work.mT, p[:, block]))
                     entries.append((index, p, i, work, g[:, block].mT.contiguous(), st, k,
-                                    buf[block]))
+                                    None if buf is None else buf[block]))
             elif kind == "flatten":
                 work = p
                 if not p.is_contiguous():  # a conv kernel in channels_last: a contiguous copy
@@ -209,7 +204,7 @@ def _step_entries(state: dict, groups: Sequence[dict[str, Any]],
                     writebacks.append((work, p))
                 entries.append((index, p, 0, work.view(p.shape[0], -1),
                                 g.reshape(p.shape[0], -1), st, 1,
-                                buf.view(p.shape[0], -1)))        # (out, in * prod(k))
+                                None if buf is None else buf.view(p.shape[0], -1)))
             else:  # matrix, transposed, split
                 work = p
                 if not p.is_contiguous():  # e.g. a transposed view: updated in place
@@ -219,7 +214,8 @@ def _step_entries(state: dict, groups: Sequence[dict[str, Any]],
                     rows = p.shape[0] // k
                     entries.extend((index, p, i, work[i * rows:(i + 1) * rows],
                                     g[i * rows:(i + 1) * rows], st, k,
-                                    buf[i * rows:(i + 1) * rows]) for i in range(k))
+                                    None if buf is None else buf[i * rows:(i + 1) * rows])
+                                   for i in range(k))
                 else:
                     entries.append((index, p, 0, work, g, st, 1, buf))
     return entries

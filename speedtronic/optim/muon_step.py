@@ -243,7 +243,10 @@ def _build(cache: StepCache, entries: list[tuple], groups: list[dict[str, Any]])
         for i, (transposed, index, e) in enumerate(items):
             pg, p, block, work, grad, st, blocks, buf = e
             slot = bank[i].mT if transposed else bank[i]                 # work's shape
-            slot.copy_(buf)
+            if buf is None:
+                slot.zero_()
+            else:
+                slot.copy_(buf)
             if not parts or parts[-1].transposed != transposed or parts[-1].pg != pg:
                 logical = tuple(work.shape)[::-1] if layout_t else tuple(work.shape)
                 parts.append(_Part(i, i, pg, transposed, transposed != layout_t,
@@ -253,10 +256,9 @@ def _build(cache: StepCache, entries: list[tuple], groups: list[dict[str, Any]])
             part.entries.append(index)
             if block == blocks - 1:  # the parameter's last block: plant its buffer view
                 first = i - blocks + 1
-                old = st["momentum_buffer"]
                 view = (bank[first].mT if transposed else
                         bank[first:i + 1].reshape(-1, *shape[1:]) if blocks > 1 else bank[i])
-                view = view.view(old.shape)
+                view = view.view(_buffer_shape(p, group.get("layout", "matrix")))
                 st["momentum_buffer"] = view
                 cache.views.append((st, view))
         budget = cache.budget_bytes or default_budget_bytes(device)
@@ -267,6 +269,12 @@ def _build(cache: StepCache, entries: list[tuple], groups: list[dict[str, Any]])
             grp.slot_pg = torch.tensor([pgs.index(e[0]) for _, _, e in items], device=device)
         cache.groups.append(grp)
     cache.signature = _signature(entries, groups)
+
+
+def _buffer_shape(p: Tensor, layout: str) -> tuple[int, ...]:
+    """``state["momentum_buffer"]``'s shape: the parameter's, or (K * out, in) for a
+    ``transposed_split:K`` parameter stored (in, K * out)."""
+    return tuple(p.mT.shape) if layout.startswith("transposed_split") else tuple(p.shape)
 
 
 def _planted(cache: StepCache) -> bool:
