@@ -28,7 +28,7 @@ from ._state import (
 )
 from .adamw import ADAMW_DEFAULTS, adamw_step, fused_supported
 from .adamw import _check_group as _check_adamw_group
-from .muon import MUON_DEFAULTS, muon_step
+from .muon import MUON_DEFAULTS
 from .muon import _check_group as _check_muon_group
 from .muon_step import MuonCacheMixin, tensorize_hyper
 from .routing import route_parameters, trainable_parameters
@@ -58,9 +58,12 @@ class HybridOptimizer(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.o
     is what those schedulers do to a plain AdamW.
     """
 
-    def __init__(self, param_groups: list[dict[str, Any]]) -> None:
+    def __init__(self, param_groups: list[dict[str, Any]], *, cuda_graph: bool = False,
+                 workspace_budget: int | None = None) -> None:
         if not param_groups:
             raise ValueError("HybridOptimizer needs at least one param group")
+        self.cuda_graph = bool(cuda_graph)  # the Muon step only; see speedtronic.optim.Muon
+        self.workspace_budget = workspace_budget
         super().__init__(param_groups, defaults={"momentum": None})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -99,7 +102,7 @@ class HybridOptimizer(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.o
         loss = run_closure(closure)
         muon_groups = [g for g in self.param_groups if g["kind"] == "muon"]
         if muon_groups:
-            muon_step(self.state, muon_groups, self.muon_cache)
+            self.run_muon_step(self.state, muon_groups)
         for group in self.param_groups:
             if group["kind"] == "adamw":
                 beta1 = group.get("momentum")  # set only by a momentum-cycling scheduler

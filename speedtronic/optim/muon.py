@@ -250,6 +250,9 @@ class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimi
         cautious_rescale: rescale kept entries by ``numel / (kept + 1)`` (Cautious Optimizers).
         ns_dtype: Newton-Schulz matmul dtype: ``"auto"``/None (fp16 on CUDA, fp32 on CPU),
             ``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp64"`` or a torch dtype.
+        cuda_graph: capture the whole step as one CUDA graph after a few eager steps and replay
+            it (see :mod:`~speedtronic.optim.cuda_graph` for what invalidates it); off on CPU
+            and under ``torch.compile``, with one log line saying why.
         workspace_budget: bytes the step's workspaces may take (gather bank, NS input and
             temporaries); None = :func:`~speedtronic.optim.muon_step.default_budget_bytes`
             (4% of the device's memory, 256 MiB to 8 GiB). A shape group that does not fit runs
@@ -268,7 +271,7 @@ class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimi
                  ns_coefficients: str | Sequence[float] = ops.QUINTIC, eps: float = 1e-7,
                  ns_steps: int = 5, adjust_lr_fn: str | None = None, *, muon_plus: bool = False,
                  norm_eps: float = 1e-8, cautious: bool = False, cautious_rescale: bool = True,
-                 ns_dtype: str | torch.dtype | None = "auto",
+                 ns_dtype: str | torch.dtype | None = "auto", cuda_graph: bool = False,
                  workspace_budget: int | None = None) -> None:
         if workspace_budget is not None and (isinstance(workspace_budget, bool)
                                              or not isinstance(workspace_budget, int)
@@ -276,6 +279,7 @@ class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimi
             raise ValueError(f"workspace_budget must be a positive int of bytes or None, got "
                              f"{workspace_budget!r}")
         self.workspace_budget = workspace_budget
+        self.cuda_graph = bool(cuda_graph)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, muon_plus=muon_plus, norm_eps=norm_eps,
@@ -298,5 +302,5 @@ class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimi
     def step(self, closure: Any = None) -> Any:
         """Perform one optimization step (``closure`` re-evaluates the loss, as in torch)."""
         loss = run_closure(closure)
-        muon_step(self.state, self.param_groups, self.muon_cache)
+        self.run_muon_step(self.state, self.param_groups)
         return loss

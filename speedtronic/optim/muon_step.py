@@ -178,6 +178,23 @@ class MuonCacheMixin:
     from the momentum buffers whenever they, or the matrix set, change)."""
 
     workspace_budget: int | None = None
+    cuda_graph: bool = False
+
+    def run_muon_step(self, state: dict, groups: list[dict[str, Any]]) -> None:
+        """The lean step over ``groups`` (Muon groups only), eager or as a CUDA graph."""
+        from .muon import muon_step  # muon imports this module
+
+        cache = self.muon_cache
+        if not self.cuda_graph:
+            muon_step(state, groups, cache)
+            return
+        from .cuda_graph import GraphState, graphed_step
+
+        graph = self.__dict__.get("_muon_graph")
+        if graph is None:
+            graph = self.__dict__["_muon_graph"] = GraphState()
+        graphed_step(graph, groups, lambda: muon_step(state, groups, cache),
+                     lambda: _planted(cache))
 
     @property
     def muon_cache(self) -> StepCache:

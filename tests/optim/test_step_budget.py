@@ -237,3 +237,32 @@ def test_workspace_bytes_follow_the_budget():
     opt, _ = _opt([(16, 16)] * 10, 1, workspace_budget=4 * per)
     (group,) = opt.muon_cache.groups
     assert group.chunk == 4 and group.grads.shape[0] == 4
+
+
+def test_cuda_graph_off_cpu_says_why_once_and_matches_eager(caplog):
+    import logging
+
+    ref, ref_params = _opt([(16, 16)] * 2 + [(32, 16)], 1)
+    with caplog.at_level(logging.INFO, logger="speedtronic.optim"):
+        opt, params = _opt([(16, 16)] * 2 + [(32, 16)], 1, cuda_graph=True)
+        for _ in range(3):
+            ref.step()
+            opt.step()
+    lines = [r.getMessage() for r in caplog.records if "cuda graph" in r.getMessage()]
+    assert lines == ["muon cuda graph: off (no CUDA device)"]
+    for a, b in zip(ref_params, params, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_cuda_graph_key_changes_with_what_invalidates_a_capture():
+    from speedtronic.optim.cuda_graph import _key
+
+    p, q = nn.Parameter(torch.randn(4, 4)), nn.Parameter(torch.randn(4, 4))
+    group = {"params": [p, q], "lr": torch.tensor(0.1), "weight_decay": torch.tensor(0.0),
+             "momentum": torch.tensor(0.9), "ns_steps": 5}
+    base = _key([group], [p, q])
+    group["lr"].fill_(0.05)                      # a scheduler: same tensor, same graph
+    assert _key([group], [p, q]) == base
+    assert _key([group], [p]) != base            # a parameter without a gradient
+    assert _key([{**group, "ns_steps": 4}], [p, q]) != base
+    assert _key([{**group, "lr": torch.tensor(0.05)}], [p, q]) != base  # a new lr tensor
