@@ -558,3 +558,23 @@ def test_step_weights_make_an_accumulated_step_a_mean_over_its_tokens():
     equal = StepWeights(2)
     assert [equal.weight(5), equal.weight(5)] == [1.0, 1.0] and equal.gradient_factor() == 1.0
     assert counted_tokens(torch.zeros(2, 3)) is None  # float targets are not ids: plain mean
+
+
+def test_a_failing_final_eval_keeps_the_final_checkpoint(tmp_path, monkeypatch):
+    """A step that needs both saves first: the eval that raises cannot cost the checkpoint."""
+    from speedtronic.train.checkpoint import CheckpointManager
+    from speedtronic.train.trainer import Trainer
+
+    real = Trainer.evaluate
+
+    def flaky(self):
+        if self.step == 6:
+            raise RuntimeError("eval blew up")
+        return real(self)
+
+    monkeypatch.setattr(Trainer, "evaluate", flaky)
+    cfg = tiny_config(tmp_path)
+    with pytest.raises(RuntimeError, match="eval blew up"):
+        train_from_config(cfg, model=TinyLM(), data=FixedData(), plot=False)
+    steps = [step for step, _ in CheckpointManager(tmp_path / "t" / "checkpoints").list()]
+    assert steps and steps[0] == 6, steps
