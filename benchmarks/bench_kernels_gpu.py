@@ -233,6 +233,12 @@ def bench_steps(results: dict, device: torch.device, quick: bool, smoke: bool,
         step = ours_step(shapes, device)
         row["ours_ms"] = clock.time(step, warmup=2, repeat=rep)
         row.update(phase_split(shapes, device, clock))
+        if device.type == "cuda":  # the whole step as one CUDA graph (Muon(cuda_graph=True))
+            try:
+                row["ours_cuda_graph_ms"] = clock.time(
+                    ours_step(shapes, device, cuda_graph=True), warmup=5, repeat=rep)
+            except Exception as exc:  # noqa: BLE001 - report, keep going
+                row["ours_cuda_graph_ms"] = f"failed: {type(exc).__name__}: {exc}"[:200]
         row["ours_muon_plus_cautious_ms"] = clock.time(
             ours_step(shapes, device, muon_plus=True, cautious=True), warmup=2, repeat=rep)
         numel = sum(r * c for r, c in shapes)
@@ -319,12 +325,14 @@ def table(results: dict) -> str:
     c = results.get("calibration", {})
     lines = [f"Muon step, {results['device']} (NS dtype {c.get('dtype')}, measured GEMM "
              f"{c.get('gemm_tflops', 0):.1f} TFLOP/s, copy {c.get('copy_GBps', 0):.0f} GB/s)", "",
-             "| set | ours ms | pre | NS | post | NS / FLOP floor | pre+post / BW floor | "
-             "+Muon+/cautious | torch eager | torch compiled | 2.0.0 | peak MiB ours / torch |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| set | ours ms | CUDA graph | pre | NS | post | NS / FLOP floor | "
+             "pre+post / BW floor | +Muon+/cautious | torch eager | torch compiled | 2.0.0 | "
+             "peak MiB ours / torch |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results["muon_step"].items():
         lines.append(
-            f"| {name} | {_fmt(r['ours_ms'])} | {_fmt(r['pre_ms'])} | {_fmt(r['ns_ms'])} | "
+            f"| {name} | {_fmt(r['ours_ms'])} | {_fmt(r.get('ours_cuda_graph_ms'))} | "
+            f"{_fmt(r['pre_ms'])} | {_fmt(r['ns_ms'])} | "
             f"{_fmt(r['post_ms'])} | {_fmt(r['ns_over_flop_floor'])}x | "
             f"{_fmt(r['pre_post_over_bandwidth_floor'])}x | "
             f"{_fmt(r['ours_muon_plus_cautious_ms'])} | {_fmt(r['torch_eager_ms'])} | "
