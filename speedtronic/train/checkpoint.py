@@ -180,7 +180,12 @@ class CheckpointManager:
     def _pointer(self) -> Path | None:
         try:
             name = (self.directory / "latest").read_text(encoding="utf-8").strip()
-        except OSError:
+        except (OSError, UnicodeDecodeError) as exc:
+            # A damaged pointer (one flipped bit made it undecodable) must not block a resume
+            # from intact checkpoints: scan them instead, newest first.
+            if not isinstance(exc, FileNotFoundError):
+                logger.warning("checkpoint: %s/latest is unreadable (%s); using the newest "
+                               "intact checkpoint instead", self.directory, type(exc).__name__)
             return None
         return self.directory / name if _NAME_RE.match(name) else None
 

@@ -172,3 +172,18 @@ def test_rng_state_round_trip():
     restore_rng_state(state)
     got = (random.random(), float(np.random.rand()), torch.rand(3))
     assert got[:2] == expected[:2] and torch.equal(got[2], expected[2])
+
+
+def test_a_garbage_latest_pointer_falls_back_to_scanning(tmp_path, caplog):
+    import logging
+
+    from speedtronic.train.checkpoint import CheckpointManager
+
+    mgr = CheckpointManager(tmp_path, keep_last=None)
+    mgr.save(1, {"step": 1, "model": {}})
+    mgr.save(2, {"step": 2, "model": {}})
+    (tmp_path / "latest").write_bytes(b"\xffstep_00000002.pt\xfe")  # bit rot: not UTF-8
+    with caplog.at_level(logging.WARNING, logger="speedtronic.checkpoint"):
+        state, path = mgr.load_latest()
+    assert state["step"] == 2 and path.name == "step_00000002.pt"
+    assert "unreadable" in caplog.text
