@@ -35,16 +35,16 @@ SETS = {
 CHILD = r"""
 import json, sys, time, torch
 torch.set_num_threads(2)
-which, phase, shapes = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+which, phase, shapes, ns_dtype = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 ps = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
 for p in ps:
     p.grad = torch.randn_like(p)
 if which == "ours":
     from speedtronic.optim import Muon
-    opt = Muon(ps, lr=0.02, ns_dtype="fp16")
+    opt = Muon(ps, lr=0.02, ns_dtype=ns_dtype)
 elif which == "ours_small":  # a 64 MiB workspace budget: chunks instead of one batch a group
     from speedtronic.optim import Muon
-    opt = Muon(ps, lr=0.02, ns_dtype="fp16", workspace_budget=64 << 20)
+    opt = Muon(ps, lr=0.02, ns_dtype=ns_dtype, workspace_budget=64 << 20)
 else:
     opt = torch.optim.Muon(ps, lr=0.02)
 def field(name):
@@ -62,29 +62,40 @@ print(json.dumps({"peak_extra_mib": (field("VmHWM") - base) / 2**20,
 """
 
 
-def run(which: str, phase: str, shapes) -> dict:
+def run(which: str, phase: str, shapes, ns_dtype: str = "fp16") -> dict:
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS="2")
-    out = subprocess.run([sys.executable, "-c", CHILD, which, phase, json.dumps(shapes)],
+    out = subprocess.run([sys.executable, "-c", CHILD, which, phase, json.dumps(shapes),
+                          ns_dtype],
                          capture_output=True, text=True, env=env, timeout=3600, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
+    import argparse
+
     import torch
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ns-dtype", default="fp16", help="our NS dtype (fp16: the CUDA default; "
+                    "fp32 where this CPU has no fast fp16 GEMM, an upper bound for fp16)")
+    ap.add_argument("--sets", default=",".join(SETS))
+    args = ap.parse_args()
     rows = []
-    for name, shapes in SETS.items():
+    for name in args.sets.split(","):
+        shapes = SETS[name]
         params_mib = sum(r * c for r, c in shapes) * 4 / 2**20
         for phase in ("first", "steady"):
-            ours, theirs = run("ours", phase, shapes), run("torch", phase, shapes)
-            small = run("ours_small", phase, shapes)
+            ours, theirs = run("ours", phase, shapes, args.ns_dtype), run("torch", phase, shapes)
+            small = run("ours_small", phase, shapes, args.ns_dtype)
             rows.append((name, phase, params_mib, ours, theirs, small))
             print(name, phase, ours, theirs, small, flush=True)
-    lines = ["# Peak extra memory of one Muon step (CPU measurement, GPU dtypes)", "",
-             "Command: `python benchmarks/bench_step_memory.py`  ",
+    command = " ".join(["python", "benchmarks/bench_step_memory.py", *sys.argv[1:]])
+    lines = ["# Peak extra memory of one Muon step (CPU measurement)", "",
+             f"Command: `{command}`  ",
              f"Machine: {platform.machine()}, 2 threads; torch {torch.__version__}; "
              f"{time.strftime('%Y-%m-%d')}  ",
-             "Ours: speedtronic.optim.Muon(ns_dtype='fp16'); torch: torch.optim.Muon (bf16 NS). "
+             f"Ours: speedtronic.optim.Muon(ns_dtype={args.ns_dtype!r}); torch: torch.optim.Muon "
+             "(bf16 NS). "
              "Peak resident set above the level before the step (see the script's docstring).",
              "The first step includes what the step keeps afterwards (our momentum, gather and "
              "fp16 NS banks; torch's momentum buffers); the steady step is temporaries only. "

@@ -28,9 +28,9 @@ from ._state import (
 )
 from .adamw import ADAMW_DEFAULTS, adamw_step, fused_supported
 from .adamw import _check_group as _check_adamw_group
-from .muon import MUON_DEFAULTS
+from .muon import MUON_DEFAULTS, MuonCacheMixin
 from .muon import _check_group as _check_muon_group
-from .muon_step import MuonCacheMixin, tensorize_hyper
+from .muon_step import tensorize_hyper
 from .routing import route_parameters, trainable_parameters
 
 __all__ = ["HybridOptimizer", "build_optimizer"]

@@ -36,7 +36,7 @@ from ._state import (
     fill_group_defaults,
     run_closure,
 )
-from .muon_step import MuonCacheMixin, StepCache, lean_muon_step, tensorize_hyper
+from .muon_step import StepCache, lean_muon_step, planted, tensorize_hyper
 
 logger = logging.getLogger("speedtronic.optim")
 
@@ -234,6 +234,42 @@ def muon_step(state: dict, groups: Sequence[dict[str, Any]],
     lean_muon_step(cache if cache is not None else StepCache(), list(groups), entries)
     for source, destination in writebacks:  # transposed_split / channels_last copies
         destination.copy_(source)
+
+
+class MuonCacheMixin:
+    """Holds the lean step's :class:`StepCache` (not part of ``state_dict``: it is rebuilt
+    from the momentum buffers whenever they, or the matrix set, change)."""
+
+    workspace_budget: int | None = None
+    cuda_graph: bool = False
+
+    def run_muon_step(self, state: dict, groups: list[dict[str, Any]]) -> None:
+        """The lean step over ``groups`` (Muon groups only), eager or as a CUDA graph."""
+        cache = self.muon_cache
+        if not self.cuda_graph:
+            muon_step(state, groups, cache)
+            return
+        from .cuda_graph import GraphState, graphed_step
+
+        graph = self.__dict__.get("_muon_graph")
+        if graph is None:
+            graph = self.__dict__["_muon_graph"] = GraphState()
+        graphed_step(graph, groups, lambda: muon_step(state, groups, cache),
+                     lambda: planted(cache))
+
+    @property
+    def muon_cache(self) -> StepCache:
+        cache = self.__dict__.get("_muon_cache")
+        if cache is None:
+            cache = self.__dict__["_muon_cache"] = StepCache(self.workspace_budget)
+        return cache
+
+    def nonfinite_counts(self) -> list[tuple[tuple[int, int], int]]:
+        """Steps whose fp16 Newton-Schulz result was not finite, per shape group: ``[(shape,
+        count)]``, empty when none. Such a chunk's update is skipped (weight decay still
+        applies). Reads device counters: call it where values are read anyway (log steps)."""
+        return self.muon_cache.nonfinite_counts()
+
 
 
 class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):

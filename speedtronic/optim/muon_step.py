@@ -39,7 +39,7 @@ from torch import Tensor
 
 from ..kernels import ops
 
-__all__ = ["HYPER_KEYS", "MuonCacheMixin", "StepCache", "default_budget_bytes", "hyper_tensor",
+__all__ = ["HYPER_KEYS", "StepCache", "default_budget_bytes", "hyper_tensor",
            "lean_muon_step", "tensorize_hyper", "workspace_bytes_per_matrix"]
 
 #: Group values the kernels read as 0-d fp32 device tensors.
@@ -173,43 +173,6 @@ def tensorize_hyper(group: dict[str, Any]) -> None:
     default_budget_bytes(device)
 
 
-class MuonCacheMixin:
-    """Holds the lean step's :class:`StepCache` (not part of ``state_dict``: it is rebuilt
-    from the momentum buffers whenever they, or the matrix set, change)."""
-
-    workspace_budget: int | None = None
-    cuda_graph: bool = False
-
-    def run_muon_step(self, state: dict, groups: list[dict[str, Any]]) -> None:
-        """The lean step over ``groups`` (Muon groups only), eager or as a CUDA graph."""
-        from .muon import muon_step  # muon imports this module
-
-        cache = self.muon_cache
-        if not self.cuda_graph:
-            muon_step(state, groups, cache)
-            return
-        from .cuda_graph import GraphState, graphed_step
-
-        graph = self.__dict__.get("_muon_graph")
-        if graph is None:
-            graph = self.__dict__["_muon_graph"] = GraphState()
-        graphed_step(graph, groups, lambda: muon_step(state, groups, cache),
-                     lambda: _planted(cache))
-
-    @property
-    def muon_cache(self) -> StepCache:
-        cache = self.__dict__.get("_muon_cache")
-        if cache is None:
-            cache = self.__dict__["_muon_cache"] = StepCache(self.workspace_budget)
-        return cache
-
-    def nonfinite_counts(self) -> list[tuple[tuple[int, int], int]]:
-        """Steps whose fp16 Newton-Schulz result was not finite, per shape group: ``[(shape,
-        count)]``, empty when none. Such a chunk's update is skipped (weight decay still
-        applies). Reads device counters: call it where values are read anyway (log steps)."""
-        return self.muon_cache.nonfinite_counts()
-
-
 def _lr_scale(adjust_lr_fn: str | None, logical: Sequence[int]) -> float:
     a, b = logical[0], logical[1]
     if adjust_lr_fn == "match_rms_adamw":
@@ -294,7 +257,7 @@ def _buffer_shape(p: Tensor, layout: str) -> tuple[int, ...]:
     return tuple(p.mT.shape) if layout.startswith("transposed_split") else tuple(p.shape)
 
 
-def _planted(cache: StepCache) -> bool:
+def planted(cache: StepCache) -> bool:
     """Every momentum buffer is still the bank view the plan planted (``load_state_dict`` and
     ``reset_state`` replace them)."""
     return all(st.get("momentum_buffer") is view for st, view in cache.views)
@@ -310,7 +273,7 @@ def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]], entries: list
         # allocate banks there, so a plan must exist (the first eager step, or `warmup`).
         fresh = cache.signature is None
     else:
-        fresh = cache.signature != _signature(entries, groups) or not _planted(cache)
+        fresh = cache.signature != _signature(entries, groups) or not planted(cache)
     if fresh:
         _build(cache, entries, groups)
     for g in cache.groups:  # this step's gradients (and work copies, for written-back layouts)

@@ -139,6 +139,8 @@ class Trainer:
         self._shape_report = None
         self._mfu: MfuMeter | None = None
         self._last_saved_step = -1
+        self._eval_pending = False  # set while a checkpoint is written ahead of its step's eval
+        self._resume_eval = False   # a resumed checkpoint had that eval still to run
         self._replaced: str | None = None
         # The open log interval: the summed micro-batch losses (fp32 on device) and their count
         # since the last logged step. Checkpointed, so a run resumed between two log steps logs
@@ -223,6 +225,8 @@ class Trainer:
                            "micro_batches": self._micro_since_log},
             "last_loss": self.last_loss,
             "last_eval_loss": self.last_eval_loss,
+            # Saved before this step's eval (see fit): a resume runs that eval first.
+            "eval_pending": self._eval_pending,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -259,6 +263,7 @@ class Trainer:
         self._last_saved_step = self.step
         self.last_loss = state.get("last_loss")
         self.last_eval_loss = state.get("last_eval_loss")
+        self._resume_eval = bool(state.get("eval_pending", False))
         window = state.get("log_window") or {}
         self._restored_window = (float(window.get("loss_sum", 0.0)),
                                  int(window.get("micro_batches", 0)))
@@ -517,6 +522,9 @@ class Trainer:
         it = iter(self.data.train)
         if self.step == 0 and self.step < target and eval_every:
             self.evaluate()  # baseline: the loss of the untrained model (eval_every: 0 skips it)
+        elif self._resume_eval:  # the checkpoint was written just before its step's eval
+            self.evaluate()
+        self._resume_eval = False
         self._loss_sum = torch.zeros((), device=self.device)  # fp32, summed on device
         self._loss_sum.fill_(self._restored_window[0])  # exact: an fp32 value read back
         self._micro_since_log = self._restored_window[1]
@@ -553,7 +561,9 @@ class Trainer:
                     torch.cuda.synchronize(self.device)
                 t_pause = time.perf_counter()
                 if save_due:  # before the eval: an eval that fails must not cost the checkpoint
+                    self._eval_pending = eval_due
                     self.save_checkpoint()
+                    self._eval_pending = False
                 if eval_due:
                     self.evaluate()
                 # Evaluations and checkpoints are not training steps: keep them out of the
