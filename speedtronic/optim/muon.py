@@ -291,7 +291,7 @@ class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimi
             and under ``torch.compile``, with one log line saying why.
         workspace_budget: bytes the step's workspaces may take (gather bank, NS input and
             temporaries); None = :func:`~speedtronic.optim.muon_step.default_budget_bytes`
-            (4% of the device's memory, 256 MiB to 8 GiB). A shape group that does not fit runs
+            (8% of the device's memory, 256 MiB to 16 GiB). A shape group that does not fit runs
             in chunks: less memory, more launches.
 
     ``lr``, ``weight_decay`` and ``momentum`` are held as 0-d fp32 tensors on the parameters'

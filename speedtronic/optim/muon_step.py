@@ -45,16 +45,18 @@ __all__ = ["HYPER_KEYS", "StepCache", "default_budget_bytes", "hyper_tensor",
 #: Group values the kernels read as 0-d fp32 device tensors.
 HYPER_KEYS = ("lr", "weight_decay", "momentum")
 
-BUDGET_FRACTION = 0.04
-"""Default workspace budget: 4% of the device's memory (5.6 GB on an H200, 0.96 GB on a 24 GB
-host), between :data:`BUDGET_FLOOR` and :data:`BUDGET_CEILING`. The GPT-2-small set needs
-~0.36 GB (fp16 NS) to run each group as one batch, the 1B-class set ~2.6 GB, so on any GPU
-with 16 GB or more both run one chunk per group."""
+BUDGET_FRACTION = 0.08
+"""Default workspace budget: 8% of the device's memory (11 GB on an H200, 1.9 GB on a 24 GB
+host), between :data:`BUDGET_FLOOR` and :data:`BUDGET_CEILING`. Per group, by
+:func:`workspace_bytes_per_matrix` with fp16 NS: GPT-2 small needs 0.42 GB (48 x 768^2) and
+0.61 GB (24 x 768x3072) to run each group as one batch; the 1B-class set 2.0, 0.36 and 8.6 GB
+(48 x 2048x8192). So an H200 runs both sets one batch per group, and a 24 GB GPU GPT-2 small;
+the 1B set's largest group there runs in 5 chunks (+4 x that group's ~40 ops)."""
 BUDGET_FLOOR = 256 << 20
 """256 MiB: below this even a 4096^2 group (the 1B set's largest square group) splits into
 chunks of a few matrices and the launch count grows with the model."""
-BUDGET_CEILING = 8 << 30
-"""8 GiB: enough for one chunk per group on models to ~7B parameters; more buys no launches."""
+BUDGET_CEILING = 16 << 30
+"""16 GiB: the 1B-class set's largest group (8.6 GB) as one batch, with room to ~2x that."""
 
 _NS_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16,
               "fp32": torch.float32, "fp64": torch.float64}
