@@ -17,7 +17,7 @@ group owns persistent banks, allocated once and reused every step:
 
 Per group and chunk the step is: gather (1 op, +1 for the transposed part), momentum ``lerp_``
 (1), Nesterov ``lerp_`` (1), Frobenius norm + clamp + divide (3), one batched Newton-Schulz,
-[fp16 guard: 3], [Muon+: 1-2], [cautious: 5], then per part scale (1) and
+[fp16 guard: 5], [Muon+: 1-2 op calls], [cautious: 5-7], then per part scale (1) and
 ``_foreach_mul_`` + ``_foreach_add_`` over the parameters (2). Hyper-parameters ``lr``,
 ``weight_decay`` and ``momentum`` are 0-d device tensors (floats are converted once), so an LR
 schedule never recompiles a compiled step and a captured CUDA graph reads the current value.
@@ -133,10 +133,6 @@ class StepCache:
     signature: tuple | None = None
     groups: list[_Group] = field(default_factory=list)
     views: list[tuple[dict, Tensor]] = field(default_factory=list)  # (state, planted view)
-    hyper: dict[int, dict[str, Tensor]] = field(default_factory=dict)
-
-    def invalidate(self) -> None:
-        self.signature, self.groups, self.views = None, [], []
 
     def nonfinite_counts(self) -> list[tuple[tuple[int, int], int]]:
         """``(shape, steps with a non-finite fp16 result)`` per group with a hit (reads the
