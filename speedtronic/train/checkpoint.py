@@ -21,6 +21,7 @@ would notice them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -127,6 +128,26 @@ class CheckpointManager:
         for tmp in self.directory.glob(".*.tmp-*"):
             logger.info("checkpoint: removing unfinished temp file %s (an interrupted save)", tmp)
             tmp.unlink(missing_ok=True)
+
+    def probe_writable(self) -> None:
+        """Create the folder and write and remove a probe file now, so an unwritable folder
+        (read-only mount, permissions, a file in the way) stops the run before its first
+        step instead of at its first save, after all the work before it."""
+        probe = self.directory / f".write-probe-{os.getpid()}"
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"probe")
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint folder {self.directory} is not writable "
+                                  f"({exc.strerror or exc}); fix its permissions or set "
+                                  "checkpoint.directory / run.output_dir to a writable "
+                                  "place, or checkpoint.enabled: false") from None
+        finally:
+            with contextlib.suppress(OSError):  # e.g. NotADirectoryError: nothing was made
+                probe.unlink(missing_ok=True)
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"step_{step:08d}.pt"
