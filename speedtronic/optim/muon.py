@@ -9,9 +9,9 @@ update of ``torch.optim.Muon`` (torch 2.13, ``_single_tensor_muon``):
     O   <- post(O)                                (Muon+ normalize; cautious mask vs g)
     W   <- W (1 - lr wd) - lr * s(A, B) * O       (s: ``adjust_lr_fn``)
 
-The speed comes from doing this per *shape* instead of per parameter: all same-shape matrices of
-a step go through one ``muon_pre_orthogonalize_`` (foreach momentum + stack), ONE batched
-``newton_schulz`` call and one ``muon_post_update_`` (see :mod:`~speedtronic.kernels.ops`).
+The speed comes from doing this per *shape group* instead of per parameter: matrices of one
+wide shape (a tall one joins transposed) share persistent banks and go through ONE batched
+``newton_schulz`` call, with a few dozen whole-step ops around it (see :mod:`.muon_step`).
 NS runs in fp32 on CPU (torch forces bf16 there, ~40x slower and ~1e-2 less accurate) and fp16
 on CUDA (3-7x more accurate than bf16, benchmarks/results/gram_restarts.md; overflow-free, see
 :mod:`speedtronic.kernels.newton_schulz`).
@@ -20,7 +20,6 @@ on CUDA (3-7x more accurate than bf16, benchmarks/results/gram_restarts.md; over
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -36,7 +35,15 @@ from ._state import (
     fill_group_defaults,
     run_closure,
 )
-from .muon_step import StepCache, lean_muon_step, planted, tensorize_hyper
+from .muon_step import (
+    NS_DTYPES,
+    StepCache,
+    StepEntry,
+    adjusted_lr_scale,
+    lean_muon_step,
+    planted,
+    tensorize_hyper,
+)
 
 logger = logging.getLogger("speedtronic.optim")
 
@@ -61,9 +68,7 @@ MUON_DEFAULTS: dict[str, Any] = {
 }
 """Per-group defaults; the first eight are torch.optim.Muon's, with the same values."""
 
-_NS_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16,
-              "fp32": torch.float32, "fp64": torch.float64}
-_DTYPE_NAMES = {v: k for k, v in _NS_DTYPES.items() if v is not None}
+_DTYPE_NAMES = {v: k for k, v in NS_DTYPES.items() if v is not None}
 
 
 def resolve_ns_dtype(spec: str | torch.dtype | None) -> str:
@@ -76,24 +81,11 @@ def resolve_ns_dtype(spec: str | torch.dtype | None) -> str:
         if spec not in _DTYPE_NAMES:
             raise ValueError(f"ns_dtype {spec} is not supported; valid: "
                              f"{', '.join(str(d) for d in _DTYPE_NAMES)} or their names "
-                             f"{sorted(_NS_DTYPES)}")
+                             f"{sorted(NS_DTYPES)}")
         return _DTYPE_NAMES[spec]
-    if spec not in _NS_DTYPES:
-        raise ValueError(f"ns_dtype {spec!r} is not valid; use one of {sorted(_NS_DTYPES)}")
+    if spec not in NS_DTYPES:
+        raise ValueError(f"ns_dtype {spec!r} is not valid; use one of {sorted(NS_DTYPES)}")
     return spec
-
-
-def adjusted_lr_scale(adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
-    """torch.optim.Muon's shape factor: ``original``/None = sqrt(max(1, A/B)) (Keller),
-    ``match_rms_adamw`` = 0.2 sqrt(max(A, B)) (Moonlight)."""
-    a, b = shape[0], shape[1]
-    if adjust_lr_fn is None or adjust_lr_fn == "original":
-        return math.sqrt(max(1.0, a / b))
-    if adjust_lr_fn == "match_rms_adamw":
-        return 0.2 * math.sqrt(max(a, b))
-    # torch.optim.Muon's wording, so code matching torch's errors matches ours.
-    raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported "
-                     "(adjust_lr_fn must be None, 'original' or 'match_rms_adamw')")
 
 
 def parse_layout(layout: str) -> tuple[str, int]:
@@ -158,16 +150,16 @@ def _check_group(group: dict[str, Any]) -> None:
 
 
 def _step_entries(state: dict, groups: Sequence[dict[str, Any]],
-                  writebacks: list[tuple[Tensor, Tensor]]) -> list[tuple]:
-    """One entry per matrix of the step, in a stable order (group by group, parameter by
-    parameter): ``(group index, param, block, work, grad, param state, blocks, momentum)``.
+                  writebacks: list[tuple[Tensor, Tensor]]) -> list[StepEntry]:
+    """One :class:`~.muon_step.StepEntry` per matrix of the step, in a stable order (group by
+    group, parameter by parameter).
 
     ``work`` is what the step updates in place: the parameter itself, a row block of it
     (``split:K``), its ``(out, in * prod(k))`` view (``flatten``) or a contiguous copy listed in
     ``writebacks`` as ``(source, destination)`` for after the step (``transposed_split:K``
     column blocks, a channels_last kernel, any other non-contiguous parameter). ``momentum`` is
     the matching view of ``state["momentum_buffer"]``, or None before the first step."""
-    entries: list[tuple] = []
+    entries: list[StepEntry] = []
     for index, group in enumerate(groups):
         kind, k = parse_layout(group.get("layout", "matrix"))
         for p in group["params"]:
@@ -195,16 +187,16 @@ def _step_entries(state: dict, groups: Sequence[dict[str, Any]],
                     block = slice(i * cols, (i + 1) * cols)
                     work = p[:, block].mT.contiguous()            # (out, in) copy
                     writebacks.append((work.mT, p[:, block]))
-                    entries.append((index, p, i, work, g[:, block].mT.contiguous(), st, k,
-                                    None if buf is None else buf[block]))
+                    entries.append(StepEntry(index, p, i, k, work, g[:, block].mT.contiguous(),
+                                             st, None if buf is None else buf[block]))
             elif kind == "flatten":
                 work = p
                 if not p.is_contiguous():  # a conv kernel in channels_last: a contiguous copy
                     work = p.contiguous()                         # (out, in, *k) copy
                     writebacks.append((work, p))
-                entries.append((index, p, 0, work.view(p.shape[0], -1),
-                                g.reshape(p.shape[0], -1), st, 1,
-                                None if buf is None else buf.view(p.shape[0], -1)))
+                entries.append(StepEntry(index, p, 0, 1, work.view(p.shape[0], -1),
+                                         g.reshape(p.shape[0], -1), st,
+                                         None if buf is None else buf.view(p.shape[0], -1)))
             else:  # matrix, transposed, split
                 work = p
                 if not p.is_contiguous():  # e.g. a transposed view: updated in place
@@ -212,12 +204,13 @@ def _step_entries(state: dict, groups: Sequence[dict[str, Any]],
                     writebacks.append((work, p))
                 if kind == "split":
                     rows = p.shape[0] // k
-                    entries.extend((index, p, i, work[i * rows:(i + 1) * rows],
-                                    g[i * rows:(i + 1) * rows], st, k,
-                                    None if buf is None else buf[i * rows:(i + 1) * rows])
+                    entries.extend(StepEntry(index, p, i, k, work[i * rows:(i + 1) * rows],
+                                             g[i * rows:(i + 1) * rows], st,
+                                             None if buf is None
+                                             else buf[i * rows:(i + 1) * rows])
                                    for i in range(k))
                 else:
-                    entries.append((index, p, 0, work, g, st, 1, buf))
+                    entries.append(StepEntry(index, p, 0, 1, work, g, st, buf))
     return entries
 
 

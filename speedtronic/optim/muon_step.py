@@ -32,15 +32,16 @@ import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 
 from ..kernels import ops
 
-__all__ = ["HYPER_KEYS", "StepCache", "default_budget_bytes", "hyper_tensor",
-           "lean_muon_step", "tensorize_hyper", "workspace_bytes_per_matrix"]
+__all__ = ["HYPER_KEYS", "NS_DTYPES", "StepCache", "StepEntry", "adjusted_lr_scale",
+           "default_budget_bytes", "hyper_tensor", "lean_muon_step", "tensorize_hyper",
+           "workspace_bytes_per_matrix"]
 
 #: Group values the kernels read as 0-d fp32 device tensors.
 HYPER_KEYS = ("lr", "weight_decay", "momentum")
@@ -58,7 +59,7 @@ chunks of a few matrices and the launch count grows with the model."""
 BUDGET_CEILING = 16 << 30
 """16 GiB: the 1B-class set's largest group (8.6 GB) as one batch, with room to ~2x that."""
 
-_NS_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16,
+NS_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16,
               "fp32": torch.float32, "fp64": torch.float64}
 
 
@@ -171,11 +172,30 @@ def tensorize_hyper(group: dict[str, Any]) -> None:
     default_budget_bytes(device)
 
 
-def _lr_scale(adjust_lr_fn: str | None, logical: Sequence[int]) -> float:
-    a, b = logical[0], logical[1]
+def adjusted_lr_scale(adjust_lr_fn: str | None, shape: Sequence[int]) -> float:
+    """torch.optim.Muon's shape factor: ``original``/None = sqrt(max(1, A/B)) (Keller),
+    ``match_rms_adamw`` = 0.2 sqrt(max(A, B)) (Moonlight)."""
+    a, b = shape[0], shape[1]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return math.sqrt(max(1.0, a / b))
     if adjust_lr_fn == "match_rms_adamw":
         return 0.2 * math.sqrt(max(a, b))
-    return math.sqrt(max(1.0, a / b))
+    # torch.optim.Muon's wording, so code matching torch's errors matches ours.
+    raise ValueError(f"Adjust learning rate function {adjust_lr_fn} is not supported "
+                     "(adjust_lr_fn must be None, 'original' or 'match_rms_adamw')")
+
+
+class StepEntry(NamedTuple):
+    """One matrix of a step (built by ``muon._step_entries``)."""
+
+    pg: int                  # index of its param group
+    param: Tensor            # the parameter it belongs to
+    block: int               # which of the parameter's ``blocks`` matrices (split layouts)
+    blocks: int
+    work: Tensor             # what the step updates in place (the matrix, a view or a copy)
+    grad: Tensor             # its gradient, in work's shape
+    state: dict              # the parameter's optimizer state
+    momentum: Tensor | None  # its view of state["momentum_buffer"], None before the first step
 
 
 def _settings(group: dict[str, Any]) -> tuple:
@@ -186,40 +206,36 @@ def _settings(group: dict[str, Any]) -> tuple:
             group.get("layout", "matrix"), group["adjust_lr_fn"])
 
 
-def _signature(entries: list[tuple], groups: list[dict[str, Any]]) -> tuple:
-    return (tuple((e[0], id(e[1]), e[2], e[6]) for e in entries),
+def _signature(entries: list[StepEntry], groups: list[dict[str, Any]]) -> tuple:
+    return (tuple((e.pg, id(e.param), e.block, e.blocks) for e in entries),
             tuple(_settings(g) for g in groups))
 
 
-def _build(cache: StepCache, entries: list[tuple], groups: list[dict[str, Any]]) -> None:
-    """Group the step's matrices and plant their momentum buffers into fresh banks.
-
-    ``entries``: ``(pg_index, param, block, work, grad, state, block_count, buf)`` where
-    ``buf`` is the current momentum (a view into ``state["momentum_buffer"]``)."""
+def _build(cache: StepCache, entries: list[StepEntry], groups: list[dict[str, Any]]) -> None:
+    """Group the step's matrices and plant their momentum buffers into fresh banks."""
     buckets: dict[tuple, list[tuple]] = {}
     for index, e in enumerate(entries):
-        pg, _, _, work, _, _, blocks, _ = e
-        m, n = work.shape
+        m, n = e.work.shape
         # A split block's momentum is a row block of its parameter's buffer: it stays in the
         # stored orientation so the K blocks are K consecutive bank slots (one buffer view).
-        transposed = m > n and blocks == 1
+        transposed = m > n and e.blocks == 1
         shape = (n, m) if transposed else (m, n)
-        key = (shape, work.device, _settings(groups[pg]))
+        key = (shape, e.work.device, _settings(groups[e.pg]))
         buckets.setdefault(key, []).append((transposed, index, e))
     cache.groups, cache.views = [], []
     for key, items in buckets.items():
         shape, device = key[0], key[1]
         # stored orientation first, then transposed; within each, param group by param group
-        items.sort(key=lambda item: (item[0], item[2][0], item[1]))
-        pgs = sorted({e[0] for _, _, e in items})
+        items.sort(key=lambda item: (item[0], item[2].pg, item[1]))
+        pgs = sorted({e.pg for _, _, e in items})
         group = groups[pgs[0]]  # every setting but lr / weight decay / momentum is shared
-        compute = ops.resolve_compute_dtype(device, torch.float32, _NS_DTYPES[group["ns_dtype"]])
+        compute = ops.resolve_compute_dtype(device, torch.float32, NS_DTYPES[group["ns_dtype"]])
         b = len(items)
         bank = torch.empty((b, *shape), dtype=torch.float32, device=device)  # (b, m, n)
         parts: list[_Part] = []
         layout_t = group.get("layout", "matrix") == "transposed"
         for i, (transposed, index, e) in enumerate(items):
-            pg, p, block, work, grad, st, blocks, buf = e
+            pg, p, block, blocks, work, _, st, buf = e
             slot = bank[i].mT if transposed else bank[i]                 # work's shape
             if buf is None:
                 slot.zero_()
@@ -228,7 +244,7 @@ def _build(cache: StepCache, entries: list[tuple], groups: list[dict[str, Any]])
             if not parts or parts[-1].transposed != transposed or parts[-1].pg != pg:
                 logical = tuple(work.shape)[::-1] if layout_t else tuple(work.shape)
                 parts.append(_Part(i, i, pg, transposed, transposed != layout_t,
-                                   _lr_scale(group["adjust_lr_fn"], logical)))
+                                   adjusted_lr_scale(group["adjust_lr_fn"], logical)))
             part = parts[-1]
             part.stop = i + 1
             part.entries.append(index)
@@ -244,7 +260,7 @@ def _build(cache: StepCache, entries: list[tuple], groups: list[dict[str, Any]])
         chunk = max(1, min(b, budget // max(1, per)))
         grp = _Group(key, shape, pgs, device, compute, parts, chunk, bank)
         if len(pgs) > 1:
-            grp.slot_pg = torch.tensor([pgs.index(e[0]) for _, _, e in items], device=device)
+            grp.slot_pg = torch.tensor([pgs.index(e.pg) for _, _, e in items], device=device)
         cache.groups.append(grp)
     cache.signature = _signature(entries, groups)
 
@@ -261,9 +277,9 @@ def planted(cache: StepCache) -> bool:
     return all(st.get("momentum_buffer") is view for st, view in cache.views)
 
 
-def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]], entries: list[tuple]) -> None:
-    """One Muon step over ``entries``: ``(pg_index, param, block, work, grad, param_state,
-    block_count, momentum)`` per matrix, in a stable order (see ``muon._step_entries``)."""
+def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]],
+                   entries: list[StepEntry]) -> None:
+    """One Muon step over ``entries``, one per matrix in a stable order."""
     if not entries:
         return
     if torch.compiler.is_compiling():
@@ -276,8 +292,8 @@ def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]], entries: list
         _build(cache, entries, groups)
     for g in cache.groups:  # this step's gradients (and work copies, for written-back layouts)
         for part in g.parts:
-            part.params = [entries[i][3] for i in part.entries]
-            part.grads = [entries[i][4] for i in part.entries]
+            part.params = [entries[i].work for i in part.entries]
+            part.grads = [entries[i].grad for i in part.entries]
     hyper: dict[int, dict[str, Tensor]] = {}
     for g in cache.groups:
         for index in g.pgs:
@@ -288,7 +304,7 @@ def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]], entries: list
     # Decoupled weight decay first, one multi-tensor op per param group over all its matrices:
     # p (1 - lr wd) - lr s O  ==  (p (1 - lr wd)) - lr s O, and O does not depend on p.
     for index in hyper:
-        works = [entries[i][3] for g in cache.groups for part in g.parts if part.pg == index
+        works = [entries[i].work for g in cache.groups for part in g.parts if part.pg == index
                  for i in part.entries]
         torch._foreach_mul_(works, hyper[index]["decay"])
     for g in cache.groups:

@@ -141,6 +141,7 @@ class Trainer:
         self._last_saved_step = -1
         self._eval_pending = False  # set while a checkpoint is written ahead of its step's eval
         self._resume_eval = False   # a resumed checkpoint had that eval still to run
+        self._skipped_seen: dict[tuple[int, int], int] = {}  # fp16 guard hits already reported
         self._replaced: str | None = None
         # The open log interval: the summed micro-batch losses (fp32 on device) and their count
         # since the last logged step. Checkpointed, so a run resumed between two log steps logs
@@ -489,7 +490,7 @@ class Trainer:
     def _report_skipped_updates(self, counts: list[tuple[tuple[int, int], int]]) -> None:
         """One warning per shape group whose fp16 Newton-Schulz result went non-finite since
         the last log step (the Muon step skipped those updates on the device)."""
-        seen = self.__dict__.setdefault("_skipped_seen", {})
+        seen = self._skipped_seen
         for shape, count in counts:
             if count > seen.get(shape, 0):
                 logger.warning("muon: %d step(s) up to step %d had a non-finite fp16 "
