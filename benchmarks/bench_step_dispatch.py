@@ -33,13 +33,39 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # after PYTHONPATH: an older checkout there is what is measured
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from bench_data import cpu_flags  # noqa: E402
 
-from speedtronic.kernels.counting import DispatchCounter  # noqa: E402
+import speedtronic  # noqa: E402
 from speedtronic.optim import Muon  # noqa: E402
+
+
+def _load_counter():
+    """The counter from this checkout, by path: with ``PYTHONPATH`` at an older checkout (whose
+    ``speedtronic`` predates kernels/counting.py) the same counter measures that code."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_step_counter", ROOT / "speedtronic" / "kernels" / "counting.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DispatchCounter
+
+
+DispatchCounter = _load_counter()
+
+
+def _measured_commit() -> str:
+    import subprocess
+
+    where = Path(speedtronic.__file__).resolve().parent
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, text=True,
+                              capture_output=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
 
 GPT2_SMALL = [(768, 768)] * 48 + [(3072, 768)] * 12 + [(768, 3072)] * 12
 LLAMA_1B = [(2048, 2048)] * 32 + [(512, 2048)] * 32 + [(8192, 2048)] * 32 + [(2048, 8192)] * 16
@@ -101,10 +127,34 @@ def _variants(shapes, scale):
     }
 
 
+def compiled_graphs(make, steps: int = 4) -> int | str:
+    """Graphs dynamo builds for ``torch.compile(step)`` over ``steps`` steps of a LambdaLR
+    schedule, after one eager step (1 = no recompile as the lr changes)."""
+    import torch._dynamo
+    from torch._dynamo import utils as dynamo_utils
+
+    opt = make()
+    opt.step()
+    if not isinstance(opt, torch.optim.Optimizer):
+        return "-"
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (1 + i))
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    step = torch.compile(lambda: type(opt).step(opt), backend="aot_eager")
+    try:
+        for _ in range(steps):
+            step()
+            sched.step()
+    except Exception as exc:  # noqa: BLE001 - report what broke
+        return f"failed: {type(exc).__name__}"
+    return int(dynamo_utils.counters["stats"]["unique_graphs"])
+
+
 def run(repeats: int = 30, rounds: int = 5) -> dict:
     torch.set_num_threads(1)
     out: dict = {"meta": {
-        "command": "python benchmarks/bench_step_dispatch.py", "torch": torch.__version__,
+        "command": " ".join(["python", "benchmarks/bench_step_dispatch.py", *sys.argv[1:]]),
+        "speedtronic_commit": _measured_commit(), "torch": torch.__version__,
         "python": platform.python_version(), "machine": platform.machine(),
         "cpu_flags": cpu_flags(), "threads": 1, "dtype": "fp32 parameters and grads",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}, "sets": {}}
@@ -124,6 +174,8 @@ def run(repeats: int = 30, rounds: int = 5) -> dict:
                 for _ in range(repeats):
                     opt.step()
                 times[k].append((time.perf_counter() - t0) / repeats * 1e6)
+        for k in ("ours", "torch.optim.Muon"):
+            rows[k]["compiled_graphs_4_steps"] = compiled_graphs(_variants(shapes, scale)[k])
         torch_us = statistics.median(times["torch.optim.Muon"])
         for k in opts:
             rows[k]["host_us"] = statistics.median(times[k])
@@ -132,34 +184,69 @@ def run(repeats: int = 30, rounds: int = 5) -> dict:
     return out
 
 
+def count_full_size(name: str = "gpt2_small") -> dict:
+    """One steady step counted at the set's real size (ours fp32, torch), no timing: the step
+    before the lean one bucketed by matrix size, so only full size shows what it dispatched."""
+    shapes, _ = SETS[name]
+    out = {}
+    for k in ("ours", "torch.optim.Muon"):
+        opt = _variants(shapes, 1)[k]()
+        opt.step()
+        with DispatchCounter() as c:
+            opt.step()
+        out[k] = {"ops": c.ops, "cuda_launches_est": c.launches, "host_syncs": c.host_syncs}
+    return {"set": name, "rows": out}
+
+
 def write_markdown(res: dict, path: Path) -> None:
     m = res["meta"]
     lines = ["# One Muon step: dispatched ops, CUDA launches (estimated), host syncs, host time",
-             "", f"`{m['command']}` — torch {m['torch']}, Python {m['python']}, {m['machine']}, "
+             "", f"`{m['command']}` on speedtronic {m['speedtronic_commit']} — torch "
+             f"{m['torch']}, Python {m['python']}, {m['machine']}, "
              f"{m['threads']} thread, {m['dtype']}, {m['date']}.", "",
              f"CPU flags: {m['cpu_flags']}", "",
              "Shapes: each set scaled down (GPT-2 small /32, Llama-1B class /64) so dispatch "
-             "dominates; counts do not depend on the scale (tests/optim/test_step_budget.py "
-             "checks the grouping against the full-size set). Launch estimate: "
+             "dominates. The lean step's counts do not depend on the scale "
+             "(tests/optim/test_step_budget.py checks its grouping against the full-size set); "
+             "the step before it bucketed by matrix size, so its full-size count (last "
+             "section, with --full-size) is the one to compare. Launch estimate: "
              "speedtronic/kernels/counting.py.", ""]
     for name, s in res["sets"].items():
         lines += [f"## {name} ({s['matrices']} matrices, /{s['scale']})", "",
                   "| step | ops | CUDA launches (est.) | host syncs | host time / step "
-                  "| vs torch |",
-                  "|---|---:|---:|---:|---:|---:|"]
+                  "| vs torch | compiled graphs, 4 LambdaLR steps |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
         for k, r in s["rows"].items():
             lines.append(f"| {k} | {r['ops']} | {r['cuda_launches_est']} | {r['host_syncs']} | "
-                         f"{r['host_us']:.0f} us | {r['host_vs_torch']:.2f}x |")
+                         f"{r['host_us']:.0f} us | {r['host_vs_torch']:.2f}x | "
+                         f"{r.get('compiled_graphs_4_steps', '-')} |")
+        lines.append("")
+    full = res.get("full_size")
+    if full:
+        lines += [f"## {full['set']} at full size (one steady step, counted, not timed)", "",
+                  "| step | ops | CUDA launches (est.) | host syncs |", "|---|---:|---:|---:|"]
+        for k, r in full["rows"].items():
+            lines.append(f"| {k} | {r['ops']} | {r['cuda_launches_est']} | {r['host_syncs']} |")
         lines.append("")
     path.write_text("\n".join(lines))
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=str(RESULTS), help="result stem (.json and .md)")
+    ap.add_argument("--full-size", action="store_true",
+                    help="also count one GPT-2-small step at full size (~1 min on one core)")
+    args = ap.parse_args()
+    stem = Path(args.out)
     res = run()
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.with_suffix(".json").write_text(json.dumps(res, indent=1))
-    write_markdown(res, RESULTS.with_suffix(".md"))
-    print(RESULTS.with_suffix(".md").read_text())
+    if args.full_size:
+        res["full_size"] = count_full_size()
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    write_markdown(res, stem.with_suffix(".md"))
+    print(stem.with_suffix(".md").read_text())
 
 
 if __name__ == "__main__":
