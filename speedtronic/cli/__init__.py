@@ -6,7 +6,8 @@ functions. Heavy imports (torch) happen inside the ``_cmd_*`` functions, so ``va
 ``--help`` never load torch.
 
 Any error a user can cause prints one line ``speedtronic: error: ...`` on stderr and exits 2;
-``--debug`` shows the traceback instead.
+``--debug`` shows the traceback instead. A run stopped by a preemption signal (after saving)
+exits 128 + the signal number (143 SIGTERM, 130 SIGINT), or 0 once its SLURM job is requeued.
 
 The top layer: it may import every package (heavy ones lazily, inside ``_cmd_*``); nothing in
 the package imports it. :mod:`.env` is the ``speedtronic env`` report.
@@ -24,7 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import SpeedtronicError
+from ..errors import RunPreempted, SpeedtronicError
 
 EXIT_USER_ERROR = 2
 _USER_ERRORS = (SpeedtronicError, ValueError, FileNotFoundError, OSError)
@@ -319,6 +320,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"speedtronic: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except RunPreempted as exc:  # a signal asked for it; the checkpoint is saved
+        print(f"speedtronic: {_one_line(exc)}", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
         print("speedtronic: interrupted", file=sys.stderr)
         return 130

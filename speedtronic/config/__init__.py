@@ -24,6 +24,7 @@ from .schema import (
     SchedulerConfig,
     ShapeValidationConfig,
     SpeedtronicConfig,
+    TrainConfig,
 )
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "SchedulerConfig",
     "ShapeValidationConfig",
     "SpeedtronicConfig",
+    "TrainConfig",
     "load_config",
     "redact",
     "to_plain",

@@ -40,6 +40,7 @@ __all__ = [
     "SchedulerConfig",
     "PrecisionConfig",
     "CheckpointConfig",
+    "TrainConfig",
     "LoggingConfig",
     "ShapeValidationConfig",
     "DistributedConfig",
@@ -135,6 +136,9 @@ class RunConfig:
         _check(bool(self.name.strip()) and "/" not in self.name and self.name not in (".", ".."),
                f"{p}.name", f"must be a non-empty name without '/', got {self.name!r}")
         _check(self.max_steps > 0, f"{p}.max_steps", f"must be > 0, got {self.max_steps}")
+        # torch.manual_seed takes a signed or unsigned 64-bit value and overflows past it
+        _check(-2**63 <= self.seed < 2**64, f"{p}.seed",
+               f"must fit in 64 bits (-2**63 <= seed < 2**64), got {str(self.seed)[:40]}")
         if self.num_threads is not None:
             _check(self.num_threads > 0, f"{p}.num_threads",
                    f"must be > 0 or null, got {self.num_threads}")
@@ -437,12 +441,58 @@ class CheckpointConfig:
     """Keep the newest N checkpoints; None keeps all."""
     resume: bool = False
     """Resume from the newest valid checkpoint (same as ``train --resume``)."""
+    every_seconds: float | None = None
+    """Also save when this many seconds passed since the last save, at the next step boundary
+    (a wall-clock bound on lost work, e.g. under a scheduler's time limit); None = steps only."""
 
     def validate(self, p: str = "checkpoint") -> None:
         _check(self.every_steps > 0, f"{p}.every_steps", f"must be > 0, got {self.every_steps}")
+        if self.every_seconds is not None:
+            _check(self.every_seconds > 0, f"{p}.every_seconds",
+                   f"must be > 0 or null, got {self.every_seconds}")
         if self.keep_last is not None:
             _check(self.keep_last > 0, f"{p}.keep_last",
                    f"must be > 0 or null, got {self.keep_last}")
+
+
+#: Signals a run turns into "save at the next step boundary, then exit" by default: SLURM's
+#: preemption and ``--signal=USR1@90``, Kubernetes' and systemd's stop, Ctrl-C, a closed
+#: terminal (SIGHUP), a CPU-time limit (SIGXCPU) and the user signal left for schedulers.
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU")
+
+
+@dataclass
+class TrainConfig:
+    """What the training loop does when something goes wrong: a non-finite loss, a signal."""
+
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A NaN/inf loss or gradient norm. ``stop``: end the run with one line naming the step;
+    nothing non-finite is saved (checked on the device, read at log steps and before every
+    save: no extra host sync). ``skip``: drop that step's update and go on; this reads one flag
+    per step (a host sync per step, as GradScaler's own skip does). fp16 steps that GradScaler
+    skips are normal and count as neither."""
+    max_skipped_steps: int = 10
+    """With ``on_nonfinite: skip``: this many non-finite steps in a row stop the run anyway (a
+    diverged run, not a bad batch)."""
+    preemption_signals: list[str] = field(default_factory=lambda: list(PREEMPTION_SIGNALS))
+    """Signals that save a checkpoint at the next step boundary and exit with 128 + the signal
+    number (143 for SIGTERM, 130 for SIGINT); a second one exits at once. [] keeps Python's
+    default handling."""
+    requeue: bool = False
+    """Inside a SLURM job (``SLURM_JOB_ID`` set): after a preemption save, run ``scontrol
+    requeue $SLURM_JOB_ID`` and exit 0, so the job comes back and resumes (with
+    ``checkpoint.resume: true``)."""
+
+    def validate(self, p: str = "train") -> None:
+        _check(self.max_skipped_steps > 0, f"{p}.max_skipped_steps",
+               f"must be > 0, got {self.max_skipped_steps}")
+        import signal as _signal
+
+        for name in self.preemption_signals:
+            ok = isinstance(name, str) and name.startswith("SIG") and hasattr(_signal, name) \
+                and name not in ("SIGKILL", "SIGSTOP") and not name.startswith("SIG_")
+            _check(ok, f"{p}.preemption_signals", f"{str(name)[:40]!r} is not a signal this "
+                   "machine can catch; valid: " + ", ".join(PREEMPTION_SIGNALS) + ", ...")
 
 
 @dataclass
@@ -620,6 +670,7 @@ _SECTIONS: dict[str, type] = {
     "scheduler": SchedulerConfig,
     "precision": PrecisionConfig,
     "checkpoint": CheckpointConfig,
+    "train": TrainConfig,
     "logging": LoggingConfig,
     "distributed": DistributedConfig,
     "shape_validation": ShapeValidationConfig,
@@ -637,6 +688,7 @@ class SpeedtronicConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     shape_validation: ShapeValidationConfig = field(default_factory=ShapeValidationConfig)
@@ -670,6 +722,7 @@ class SpeedtronicConfig:
             self.model.vocab_size = 256  # byte-level and synthetic data; the rest follows the data
         if self.scheduler.max_steps is None:
             self.scheduler.max_steps = self.run.max_steps
+        self._name_diloco_run()
         if self.gradient_checkpointing or self.model.gradient_checkpointing:
             self.gradient_checkpointing = self.model.gradient_checkpointing = True
         _check_finite(self)  # first: range rules below read inf as a valid large value
@@ -684,6 +737,24 @@ class SpeedtronicConfig:
         _check(self.data.block_size <= self.model.max_seq_len, "data.block_size",
                f"must be <= model.max_seq_len={self.model.max_seq_len}, got {self.data.block_size}")
         return self
+
+    def _name_diloco_run(self) -> None:
+        """``{node_id}`` in ``run.name`` becomes ``distributed.node_id`` (the host name when
+        unset), and a DiLoCo run left at the default name is ``diloco-<role>-<node id>``: two
+        workers started from one folder with the documented command must not share a run
+        directory (the second is refused by the run lock; before it, it moved the first's
+        folder aside)."""
+        if "{node_id}" not in self.run.name and not (
+                self.distributed.enabled and self.run.name == RunConfig.name):
+            return
+        import socket
+
+        node = self.distributed.node_id or re.sub(r"[^A-Za-z0-9_.-]", "-",
+                                                  socket.gethostname())[:40] or "node"
+        if "{node_id}" in self.run.name:
+            self.run.name = self.run.name.replace("{node_id}", node)
+        else:
+            self.run.name = f"diloco-{self.distributed.role}-{node}"
 
     @property
     def accumulation_steps(self) -> int:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from ..config import ConfigError, DistributedConfig
+from ..errors import NonFiniteError
 from . import codec
 from .codec import POINTER_KEY, FormatError, Pointer
 from .faults import crash_point
@@ -202,7 +203,7 @@ class Worker:
     def on_train_end(self, trainer: Any) -> None:
         if not self._threads:
             return
-        if self._steps_in_round:
+        if self._steps_in_round and not isinstance(run_stopped_by(trainer), NonFiniteError):
             self._snapshot()  # the partial last round is sent too: no work is dropped
         deadline = time.monotonic() + self.cfg.shutdown_timeout
         flushed = self.flush(self.cfg.shutdown_timeout)

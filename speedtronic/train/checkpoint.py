@@ -66,6 +66,32 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def make_dirs_durable(directory: Path) -> None:
+    """``mkdir -p`` whose new folders survive a power cut: each one created is fsynced into its
+    parent (a rename into a folder whose own entry was never made durable can vanish with it)."""
+    missing = []
+    probe = directory
+    while not probe.is_dir():
+        missing.append(probe)
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    directory.mkdir(parents=True, exist_ok=True)
+    for new in reversed(missing):
+        _fsync_dir(new.parent)
+
+
+def _writer_alive(tmp: Path) -> bool:
+    """Whether the process that owns temp file ``.<name>.tmp-<pid>`` still runs on this host
+    (our own pid counts as dead: a temp file of ours is from an earlier, failed save)."""
+    pid = tmp.name.rsplit("-", 1)[-1]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    from .run_lock import pid_alive
+
+    return pid_alive(int(pid))
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via temp file + fsync + rename + directory fsync."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -126,6 +152,10 @@ class CheckpointManager:
         if not self.directory.is_dir():
             return
         for tmp in self.directory.glob(".*.tmp-*"):
+            if _writer_alive(tmp):  # another live process is writing it: not ours to delete
+                logger.info("checkpoint: leaving %s alone (its writer, pid %s, is alive)", tmp,
+                            tmp.name.rsplit("-", 1)[-1])
+                continue
             logger.info("checkpoint: removing unfinished temp file %s (an interrupted save)", tmp)
             tmp.unlink(missing_ok=True)
 
@@ -135,7 +165,7 @@ class CheckpointManager:
         step instead of at its first save, after all the work before it."""
         probe = self.directory / f".write-probe-{os.getpid()}"
         try:
-            self.directory.mkdir(parents=True, exist_ok=True)
+            make_dirs_durable(self.directory)
             with open(probe, "wb") as f:
                 f.write(b"probe")
                 f.flush()
@@ -164,13 +194,17 @@ class CheckpointManager:
         return sorted(found, reverse=True)
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
-        """Durably write ``state`` as the checkpoint of ``step`` and point ``latest`` at it."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Durably write ``state`` as the checkpoint of ``step`` and point ``latest`` at it.
+
+        A failed write (disk full, quota, I/O error) raises one :class:`CheckpointError` naming
+        the cause; the temp file is removed and every committed checkpoint, and ``latest``, are
+        as they were."""
         final = self.path_for(step)
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         spec = os.environ.get(CRASH_ENV)
         crash_after = 4096 if spec == f"{step}:mid_write" else None
         try:
+            make_dirs_durable(self.directory)
             with open(tmp, "wb") as f:
                 writer = _HashingWriter(f, crash_after)
                 torch.save(state, writer)  # type: ignore[arg-type]
@@ -180,12 +214,38 @@ class CheckpointManager:
             _crash_point(step, "before_rename")
             os.replace(tmp, final)
             _fsync_dir(self.directory)
+        except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a
+            # RuntimeError ("PytorchStreamWriter failed writing file"); the OSError is its cause
+            raise self._save_failed(step, exc) from None
         finally:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
         _crash_point(step, "before_pointer")
-        atomic_write_text(self.directory / "latest", final.name + "\n")
+        try:
+            atomic_write_text(self.directory / "latest", final.name + "\n")
+        except OSError as exc:  # the checkpoint is committed; a scan finds it without latest
+            raise self._save_failed(step, exc) from None
         self.prune()
         return final
+
+    def _save_failed(self, step: int, exc: BaseException) -> CheckpointError:
+        cause: BaseException = exc
+        while not isinstance(cause, OSError) and cause.__cause__ is not None:
+            cause = cause.__cause__
+        if isinstance(cause, OSError) and cause.errno is not None:
+            import errno as _errno
+
+            why = f"{cause.strerror} ({_errno.errorcode.get(cause.errno, cause.errno)})"
+        else:
+            why = " ".join(str(exc).split())[:200] or type(exc).__name__
+        kept = self.list()
+        with contextlib.suppress(OSError):  # a half-written digest of this step must not stay
+            if not self.path_for(step).exists():
+                self.path_for(step).with_suffix(".sha256").unlink(missing_ok=True)
+        newest = f"the newest, {kept[0][1].name}, is intact" if kept else "none was saved yet"
+        return CheckpointError(f"saving the checkpoint of step {step} in {self.directory} "
+                               f"failed: {why}; committed checkpoints are untouched ({newest}). "
+                               "Free space (or raise the quota) and train again with --resume")
 
     def prune(self) -> None:
         """Delete all but the newest ``keep_last`` checkpoints (never the one ``latest`` names)."""

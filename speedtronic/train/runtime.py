@@ -32,6 +32,7 @@ from . import host_memory
 from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, restore_rng_state
 from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook, require_hook_packages
 from .precision import resolve_device, resolve_precision
+from .run_lock import RunLock
 from .trainer import Trainer, TrainerCallback, TrainResult
 
 logger = logging.getLogger("speedtronic.runtime")
@@ -159,11 +160,19 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
                           "run.name")
     level = getattr(logging, cfg.logging.level)
     logging.getLogger("speedtronic").setLevel(level)
-    log_buffer = _check_log_file(cfg, run_dir)  # written to the file once the run dir is ready
+    # First: a second run (or --resume) into a live run's directory is refused before it reads
+    # or moves anything there.
+    lock = RunLock(run_dir, "resume" if resume else "train")
+    try:
+        log_buffer = _check_log_file(cfg, run_dir)  # written to the file once the run dir is ready
+    except BaseException:
+        lock.release()
+        raise
     own: list[logging.Handler] = [log_buffer] if log_buffer is not None else []
     try:
         trainer = _build_parts(cfg, resume=resume, device=device, callbacks=callbacks,
                                model=model, data=data)
+        trainer.run_lock = lock
         require_hook_packages(tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb)
         _prepare_run_dir(run_dir, resume)
         if log_buffer is not None:
@@ -184,6 +193,7 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
         restore_rng_state(rng)
     except BaseException:
         _remove_log_handlers(own)  # a failed build leaves none of its handlers behind
+        lock.release()
         raise
     trainer.log_handlers = own[1:]  # the run's file handler: train_from_config removes it
     return trainer
@@ -327,22 +337,75 @@ def _resume(trainer: Trainer, directory: Path) -> bool:
         raise CheckpointError(f"cannot resume from {path}: {what}. A resumed run keeps the "
                               "model's architecture: set those keys back, or train a fresh run "
                               "(without --resume, or under another run.name)")
-    changed = [f"{sec}.{k}" for sec in ("model", "scheduler", "data", "optimizer")
-               for k, v in (saved.get(sec) or {}).items()
-               if (current.get(sec) or {}).get(k) != v]
-    if changed:
-        logger.warning("resume: config differs from the checkpoint's in %s; the run will not "
-                       "match an uninterrupted one", ", ".join(changed[:8]))
     step, target = int(state["step"]), trainer.config.run.max_steps
     if step > target:
         raise CheckpointError(f"cannot resume from {path}: it is at step {step}, beyond "
                               f"run.max_steps {target}; set --max-steps (run.max_steps) above "
                               f"{step} to train further")
+    changed = [f"{sec}.{k}: {_short(v)} -> {_short((current.get(sec) or {}).get(k))}"
+               for sec in ("optimizer", "scheduler", "model", "data", "train")
+               for k, v in (saved.get(sec) or {}).items()
+               if (current.get(sec) or {}).get(k) != v]
+    fresh = _hyper_parameters(trainer)
     trainer.load_state_dict(state)
+    if changed:
+        # The config's values are the ones that run (and config.yaml records them): the loaded
+        # optimizer groups and schedule get them back; the state (moments, step) is kept.
+        _reapply_hyper_parameters(trainer, fresh)
+        logger.warning("resume: the config differs from the checkpoint's; running with the "
+                       "config's values (the run will not match an uninterrupted one): %s",
+                       "; ".join(changed[:12]) + ("; ..." if len(changed) > 12 else ""))
     logger.info("resume: loaded %s (step %d of %d)%s", path, trainer.step, target,
                 "; nothing left to train (raise run.max_steps to continue)"
                 if step == target else "")
     return True
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+#: Param-group entries that are bookkeeping, not hyper-parameters of the config.
+_GROUP_BOOKKEEPING = frozenset({"params", "initial_lr", "lr"})
+
+
+def _hyper_parameters(trainer: Trainer) -> tuple[list[dict[str, Any]], list[float] | None]:
+    """The freshly built optimizer's per-group hyper-parameters (from this config) and the
+    schedule's base lrs, taken before a checkpoint's values replace them."""
+    groups = [{k: (float(v) if isinstance(v, torch.Tensor) and v.dim() == 0 else v)
+               for k, v in g.items() if k not in _GROUP_BOOKKEEPING}
+              for g in trainer.optimizer.param_groups]
+    base = list(trainer.scheduler.base_lrs) if trainer.scheduler is not None else \
+        [float(g["lr"]) for g in trainer.optimizer.param_groups]
+    return groups, [float(b) for b in base]
+
+
+def _reapply_hyper_parameters(trainer: Trainer,
+                              fresh: tuple[list[dict[str, Any]], list[float] | None]) -> None:
+    """Put this config's hyper-parameters back over a loaded checkpoint's: every group value
+    (weight decay, betas, eps, momentum, ...), the schedule's base lrs and the lr of the
+    current step from this config's schedule. 0-d tensor values are filled in place, as the
+    schedulers do (the Muon step keeps its hyper-parameters as device tensors)."""
+    groups, base = fresh
+    opt, sched = trainer.optimizer, trainer.scheduler
+    for group, values, base_lr in zip(opt.param_groups, groups, base or [], strict=False):
+        for key, value in values.items():
+            if key in group and isinstance(group[key], torch.Tensor) and group[key].dim() == 0 \
+                    and isinstance(value, (int, float)):
+                group[key].fill_(value)
+            else:
+                group[key] = value
+        if "initial_lr" in group:
+            group["initial_lr"] = base_lr
+        lr = base_lr * (sched.lr_lambdas[0](sched.last_epoch) if sched is not None else 1.0)
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    if sched is not None:
+        sched.base_lrs = list(base or sched.base_lrs)
+        sched._last_lr = [g["lr"] for g in opt.param_groups]  # what get_last_lr() reports
 
 
 def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: bool = False,
@@ -365,6 +428,7 @@ def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: 
     finally:
         trainer.metrics.close()
         _remove_log_handlers(trainer.log_handlers)
+        trainer.release_run_lock()
     if plot:
         _write_plot(result.run_dir)
     return result

@@ -9,6 +9,7 @@ directly around any model whose forward is ``model(input_ids, labels) -> loss``.
 from __future__ import annotations
 
 import logging
+import math
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -20,7 +21,7 @@ import torch
 from torch import nn
 
 from ..config import SpeedtronicConfig
-from ..errors import SpeedtronicError
+from ..errors import NonFiniteError, RunPreempted, SpeedtronicError
 from ..models.loss import extract_loss
 from ..ooo import scheduler as ooo
 from ..ooo.trial import OOOTrial
@@ -30,6 +31,7 @@ from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from .metrics import MetricsLogger, format_step_line
 from .mfu import MfuMeter
 from .precision import PrecisionPlan, compile_error_types, decide_compile, max_memory_bytes
+from .preemption import PreemptionGuard, requeue_slurm_job
 
 logger = logging.getLogger("speedtronic.trainer")
 
@@ -139,6 +141,18 @@ class Trainer:
         self._shape_report = None
         self._mfu: MfuMeter | None = None
         self._last_saved_step = -1
+        self._last_save_time = time.perf_counter()  # checkpoint.every_seconds counts from here
+        # Non-finite guard (train.on_nonfinite): steps of the open log interval whose loss and
+        # gradient norm were finite, counted on the device (2-4 tiny ops a step, no host read);
+        # read with the loss at log steps and before every save.
+        self._finite_steps = torch.zeros((), dtype=torch.int64)  # a device tensor in fit
+        self._skip_nonfinite = config.train.on_nonfinite == "skip"
+        self._skipped_in_row = 0
+        self._loss_before_step = self._finite_steps  # set each step in skip mode (see fit)
+        self._micro_before_step = 0
+        self._interval_first_step = 0  # the step the open log interval started after
+        self.skipped_steps = 0
+        """Steps whose update ``train.on_nonfinite: skip`` dropped (cumulative in this fit)."""
         self._eval_pending = False  # set while a checkpoint is written ahead of its step's eval
         self._resume_eval = False   # a resumed checkpoint had that eval still to run
         self._skipped_seen: dict[tuple[int, int], int] = {}  # fp16 guard hits already reported
@@ -152,6 +166,9 @@ class Trainer:
         self._lr_used: Any = 0.0  # the lr of the last log step (read before the schedule moves)
         self._grad_factor = 1.0  # token weighting of the current accumulated step (see fit)
         self.log_handlers: list[logging.Handler] = []  # the run's logging.file (runtime sets it)
+        self.run_lock: Any = None
+        """The run directory's lock (:class:`~speedtronic.train.run_lock.RunLock`) when built by
+        ``build_trainer``; :meth:`release_run_lock` frees it (``train_from_config`` does)."""
         self.stopped_by: BaseException | None = None
         """The exception (KeyboardInterrupt included) that ended ``fit`` early; None after a
         run that reached its target. Set before ``on_train_end`` is called."""
@@ -274,6 +291,12 @@ class Trainer:
     def _cb_name(cb: Any) -> str:
         return str(getattr(cb, "name", type(cb).__name__))
 
+    def release_run_lock(self) -> None:
+        """Let another run use this run directory (idempotent)."""
+        lock, self.run_lock = self.run_lock, None
+        if lock is not None:
+            lock.release()
+
     def weights_replaced(self, reason: str) -> None:
         """Tell the trainer a callback replaced the model's weights (DiLoCo installs a global).
 
@@ -287,10 +310,82 @@ class Trainer:
         step is already saved unless ``force``)."""
         if self.checkpoints is None or (self._last_saved_step == self.step and not force):
             return None
+        self._refuse_nonfinite_state()
         path = self.checkpoints.save(self.step, self.state_dict())
         self._last_saved_step = self.step
+        self._last_save_time = time.perf_counter()
         self.metrics.emit("checkpoint", {"step": self.step, "path": str(path)})
         return path
+
+    # ----------------------------------------------------------------------------- non-finite
+    def _count_finite_step(self, grad_norm: torch.Tensor | None) -> None:
+        """Add this step to the device-side count of finite steps (no host read).
+
+        A NaN in ``_loss_sum`` sticks until the log step zeroes it, so the count stops at the
+        first bad step and names it. A non-finite gradient norm counts too, except under
+        GradScaler, whose skipped fp16 steps are normal (their inf norm is why it skips)."""
+        ok = torch.isfinite(self._loss_sum)
+        if grad_norm is not None and self.scaler is None:
+            ok = ok & torch.isfinite(grad_norm).to(ok.device)
+        self._finite_steps += ok
+
+    def _nonfinite_error(self, step: int, what: str) -> NonFiniteError:
+        lr = self.config.optimizer.lr
+        saved = (f"the newest checkpoint (step {self._last_saved_step}) is finite and nothing "
+                 "after it was saved" if self.checkpoints is not None and
+                 self._last_saved_step >= 0 else "nothing non-finite was saved")
+        policy = (f"train.on_nonfinite: skip stops after train.max_skipped_steps="
+                  f"{self.config.train.max_skipped_steps} in a row" if self._skip_nonfinite
+                  else "train.on_nonfinite: stop")
+        return NonFiniteError(
+            f"step {step}: {what} is not finite (NaN or inf), so the run stopped ({policy}); "
+            f"{saved}. Try a lower optimizer.lr (now {lr:g}), "
+            + ("optimizer.grad_clip: 1.0, " if self.config.optimizer.grad_clip is None else "")
+            + "precision.mode: bf16 or fp32"
+            + ("" if self._skip_nonfinite else ", or train.on_nonfinite: skip to drop such steps")
+            + "; then train again (--resume continues from the checkpoint with the new values)")
+
+    def _refuse_nonfinite_state(self) -> None:
+        """Before a save: the interval's loss, its finite-step count and every weight must be
+        finite (one host read; the save reads every tensor anyway). A non-finite state is never
+        written, so ``keep_last`` can never prune the last finite checkpoint away."""
+        if not self.params:
+            return
+        # max |w| per tensor (ord=inf cannot overflow the way a 2-norm of large weights can)
+        peaks = torch._foreach_norm([p.detach() for p in self.params], ord=float("inf"))
+        weights_ok = torch.isfinite(torch.stack([t.float() for t in peaks])).all()
+        loss_ok = torch.isfinite(self._loss_sum.to(weights_ok.device))
+        finite_steps = self._finite_steps.to(weights_ok.device)
+        loss_fine, weights_fine, counted = torch.stack([loss_ok, weights_ok,
+                                                        finite_steps]).tolist()
+        first_bad = self._interval_first_step + int(counted) + 1
+        if not loss_fine or first_bad <= self.step:
+            raise self._nonfinite_error(min(first_bad, self.step),
+                                        "the training loss or gradient norm")
+        if not weights_fine:
+            raise self._nonfinite_error(self.step, "a model weight")
+
+    def _skip_if_nonfinite(self, norm: torch.Tensor | None) -> bool:
+        """``train.on_nonfinite: skip``: True (and the step's update dropped by the caller) when
+        this step's loss or gradient norm is not finite. One host read per step."""
+        ok = torch.isfinite(self._loss_sum)
+        if norm is not None and self.scaler is None:
+            ok = ok & torch.isfinite(norm).to(ok.device)
+        if bool(ok):
+            self._skipped_in_row = 0
+            return False
+        self._skipped_in_row += 1
+        self.skipped_steps += 1
+        step = self.step + 1
+        if self._skipped_in_row >= self.config.train.max_skipped_steps:
+            raise self._nonfinite_error(step, f"the loss or gradient norm of "
+                                              f"{self._skipped_in_row} steps in a row")
+        logger.warning("step %d: non-finite loss or gradient norm: update skipped "
+                       "(train.on_nonfinite: skip; %d in a row, %d in this run)", step,
+                       self._skipped_in_row, self.skipped_steps)
+        self.metrics.emit("nonfinite_skip", {"step": step, "in_a_row": self._skipped_in_row,
+                                             "total": self.skipped_steps})
+        return True
 
     def _end_ooo_trial(self, trial: OOOTrial, step: int) -> None:
         """Record the out-of-order trial's outcome; a scheduler it closed is dropped."""
@@ -394,7 +489,7 @@ class Trainer:
         norm = None
         if clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
-        elif need_norm:
+        elif need_norm or self._skip_nonfinite:
             grads = [p.grad for p in self.params if p.grad is not None]
             if grads:
                 norm = torch.linalg.vector_norm(
@@ -402,7 +497,12 @@ class Trainer:
         if need_norm:  # the lr this step uses, for its log row (the schedule moves it below)
             lr = self.optimizer.param_groups[0]["lr"]
             self._lr_used = lr.clone() if isinstance(lr, torch.Tensor) else lr
-        if self.scaler is not None:
+        if self._skip_nonfinite and self._skip_if_nonfinite(norm):
+            if self.scaler is not None:
+                self.scaler.update()  # unscale_ ran: the scaler needs its update to go on
+            self._loss_sum.copy_(self._loss_before_step)  # the dropped step is not logged
+            self._micro_since_log = self._micro_before_step
+        elif self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
         else:
@@ -463,10 +563,17 @@ class Trainer:
             reads.append(lr_t.detach().float().reshape(()).to(reads[0].device))
         guards = _guard_counters(self.optimizer)
         reads.extend(t.float().reshape(()).to(reads[0].device) for _, t in guards)
+        reads.append(self._finite_steps.float().reshape(()).to(reads[0].device))
         values = torch.stack(reads).tolist()
+        finite_steps = int(values.pop())
         loss_value = values.pop(0)
         norm_value = values.pop(0) if grad_norm is not None else None
         lr_value = values.pop(0) if lr_t is not None else float(self._lr_used)
+        if finite_steps < self.step - interval.steps or not math.isfinite(loss_value):
+            # the count stops at the first step whose loss or grad norm was not finite
+            raise self._nonfinite_error(interval.steps + finite_steps + 1,
+                                        "the training loss or gradient norm")
+        self._finite_steps.zero_()
         self._report_skipped_updates([(shape, int(v)) for (shape, _), v in zip(guards, values,
                                                                                strict=True)])
         # NaN for an interval of all-padding steps: no token had a loss
@@ -530,16 +637,29 @@ class Trainer:
         self._loss_sum.fill_(self._restored_window[0])  # exact: an fp32 value read back
         self._micro_since_log = self._restored_window[1]
         self._restored_window = (0.0, 0)  # used once: a second fit() starts a fresh interval
+        self._finite_steps = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._last_save_time = time.perf_counter()
+        every_seconds = cfg.checkpoint.every_seconds
         interval = _LogInterval(time.perf_counter(), self.step, self.tokens, self.samples)
+        self._interval_first_step = self.step
+        # Installed here, after on_train_start (a DiLoCo node may wait minutes for its first
+        # global): a signal before the first step has no work to save and stops at once.
+        preemption = PreemptionGuard(cfg.train.preemption_signals)
         try:
+            preemption.__enter__()
             while self.step < target:
                 trial = self._ooo_trial
                 if trial is not None:
                     trial.begin_step()
+                if self._skip_nonfinite:  # restored if this step's update is dropped
+                    self._loss_before_step = self._loss_sum.clone()
+                    self._micro_before_step = self._micro_since_log
                 has_gradient = self._accumulate_step(it)
                 last = self.step + 1 == target
                 log_now = (self.step + 1) % log_every == 0 or last
                 grad_norm = self._clip_and_step(need_norm=log_now, update=has_gradient)
+                # skip mode drops bad steps itself (their loss leaves _loss_sum)
+                self._count_finite_step(None if self._skip_nonfinite else grad_norm)
                 if trial is not None and trial.end_step() is not None:
                     self._end_ooo_trial(trial, self.step + 1)
                 self.step += 1
@@ -552,10 +672,14 @@ class Trainer:
                                          {"loss": f"{self.last_loss:.3f}"})
                     self._loss_sum.zero_()
                     self._micro_since_log = 0
+                    self._interval_first_step = self.step
                     interval = _LogInterval(time.perf_counter(), self.step, self.tokens,
                                             self.samples)
                 eval_due = bool(eval_every and self.step % eval_every == 0) or last
-                save_due = self.checkpoints is not None and (self.step % ckpt_every == 0 or last)
+                save_due = self.checkpoints is not None and (
+                    self.step % ckpt_every == 0 or last or preemption.requested is not None
+                    or (every_seconds is not None
+                        and time.perf_counter() - self._last_save_time >= every_seconds))
                 if (eval_due or save_due) and self.device.type == "cuda":
                     # Training work still queued belongs to the interval; the eval's or save's
                     # own read would wait for it inside the excluded time below.
@@ -570,10 +694,13 @@ class Trainer:
                 # Evaluations and checkpoints are not training steps: keep them out of the
                 # interval's ms/step, tokens/s and MFU (an eval once put 93 against 77 ms/step).
                 interval.start += time.perf_counter() - t_pause
+                if preemption.requested is not None and not last:
+                    self._stop_for_preemption(preemption.requested)
         except BaseException as exc:
             self.stopped_by = exc  # callbacks' on_train_end tell an interrupted run from a done one
             raise
         finally:
+            preemption.__exit__(None, None, None)
             if self._ooo_trial is not None:  # the run ended before the trial did
                 self._ooo_trial.abandon()
                 self._end_ooo_trial(self._ooo_trial, self.step)
@@ -587,6 +714,24 @@ class Trainer:
             self.evaluate()
             self.save_checkpoint(force=True)
         return self._finish()
+
+    def _stop_for_preemption(self, signum: int) -> None:
+        """The step boundary after a preemption signal: the checkpoint is written (the loop's
+        save ran this step), the job is requeued if asked, and :class:`RunPreempted` ends
+        ``fit``."""
+        import signal as _signal
+
+        name = _signal.Signals(signum).name
+        if self.checkpoints is None:
+            where = "checkpointing is off: nothing saved"
+        else:
+            where = f"checkpoint of step {self.step} saved; --resume continues from it"
+        requeued = self.config.train.requeue and requeue_slurm_job()
+        self.metrics.emit("preempted", {"step": self.step, "signal": name,
+                                        "requeued": requeued})
+        raise RunPreempted(signum, f"stopped by {name} at step {self.step} ({where})"
+                           + ("; the SLURM job is requeued" if requeued else ""),
+                           requeued=requeued)
 
     def _finish(self) -> TrainResult:
         """The ``train_end`` row, the MFU summary line and the result."""

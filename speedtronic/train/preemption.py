@@ -1,0 +1,110 @@
+"""Preemption: a signal asks the run to save at the next step boundary and exit.
+
+Schedulers warn before they kill: SLURM sends SIGTERM (or, with ``--signal=USR1@90``, SIGUSR1
+90 s ahead of the time limit) and SIGKILL after its grace period; Kubernetes sends SIGTERM and
+waits ``terminationGracePeriodSeconds`` (30 s by default). Dying at once on the first signal
+loses up to ``checkpoint.every_steps - 1`` steps; the handler here only sets a flag, and the
+trainer, at the end of the step in flight, writes a checkpoint and raises
+:class:`~speedtronic.errors.RunPreempted`.
+
+A second signal (the user pressing Ctrl-C twice, or a scheduler out of patience) exits at once
+with the same code: the checkpoint protocol renames a finished file into place, so an exit in
+the middle of a save leaves every committed checkpoint intact.
+
+Handlers are only installed from the main thread (Python's rule), and only for the process that
+installed them: a forked DataLoader worker that inherits them restores the default and re-sends
+the signal to itself, so ``DataLoader`` shutdown (SIGTERM to its workers) still works.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+from collections.abc import Sequence
+from types import FrameType
+from typing import Any
+
+logger = logging.getLogger("speedtronic.trainer")
+
+__all__ = ["PreemptionGuard", "requeue_slurm_job"]
+
+
+class PreemptionGuard:
+    """Context manager turning ``signals`` into a flag (:attr:`requested`) while it is active.
+
+    Args:
+        signals: signal names (``"SIGTERM"``); names this platform lacks are skipped.
+    """
+
+    def __init__(self, signals: Sequence[str]) -> None:
+        self.signals = [getattr(signal, name) for name in signals if hasattr(signal, name)]
+        self.requested: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._owner = os.getpid()
+
+    def __enter__(self) -> PreemptionGuard:
+        if threading.current_thread() is not threading.main_thread():
+            if self.signals:
+                logger.info("preemption: signals not handled (the run is not on the main "
+                            "thread); a signal stops it without a save")
+            return self
+        for signum in self.signals:
+            try:
+                self._previous[signum] = signal.signal(signum, self._handle)
+            except (OSError, ValueError):  # e.g. a signal this OS refuses to let us catch
+                continue
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, previous in self._previous.items():
+            try:
+                signal.signal(signum, previous)
+            except (OSError, ValueError, TypeError):
+                pass
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != self._owner:  # a forked child (DataLoader worker): default action
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self.requested is not None:
+            # Second signal: leave now. os.write, not logging: a handler may interrupt a
+            # logging call that holds the handler's lock.
+            os.write(2, f"speedtronic: second {signal.Signals(signum).name}: exiting now "
+                        "(committed checkpoints are intact)\n".encode())
+            os._exit(128 + signum)
+        self.requested = signum
+        os.write(2, f"speedtronic: {signal.Signals(signum).name} received: saving a checkpoint "
+                    "at the end of this step, then exiting (send it again to exit at once)\n"
+                    .encode())
+
+
+def requeue_slurm_job() -> bool:
+    """``scontrol requeue $SLURM_JOB_ID``; True if it succeeded (one log line either way)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        logger.warning("preemption: train.requeue is on but SLURM_JOB_ID is not set (not a "
+                       "SLURM job): not requeued")
+        return False
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        logger.warning("preemption: train.requeue: scontrol is not on PATH: job %s not "
+                       "requeued", job)
+        return False
+    try:
+        done = subprocess.run([scontrol, "requeue", job], capture_output=True, text=True,
+                              timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        logger.warning("preemption: scontrol requeue %s failed (%s)", job, exc)
+        return False
+    if done.returncode != 0:
+        logger.warning("preemption: scontrol requeue %s failed (exit %d: %s)", job,
+                       done.returncode, (done.stderr or done.stdout).strip()[:200])
+        return False
+    logger.info("preemption: SLURM job %s requeued", job)
+    return True

@@ -1,0 +1,147 @@
+"""One run per directory: an exclusive ``flock`` held for the life of a run.
+
+The lock file sits beside the run directory, ``<output_dir>/.<run name>.lock``, not inside it: a
+fresh run moves a finished run's folder aside, and a lock inside would move with it. It holds
+the holder's pid, host and start time (JSON), so a refused run can name who has it, and it
+exists only while a run holds it (the holder deletes it as it lets go).
+
+``flock`` is released by the kernel when its holder dies, however it dies (SIGKILL, OOM), so
+there is no stale lock to break by hand: a lock file left by a holder that is gone is simply
+taken, with a log line naming the previous holder. Deleting a lock file races with a process
+that opened it just before: after locking, the holder checks that its descriptor is still the
+file at the path (same inode) and starts over if not.
+
+Where ``fcntl`` does not exist (Windows) runs are not locked, and the start says so once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from ..errors import RunLockedError
+
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None  # type: ignore[assignment]
+
+logger = logging.getLogger("speedtronic.runtime")
+
+__all__ = ["RunLock", "RunLockedError", "lock_path_for", "pid_alive"]
+
+
+def lock_path_for(run_dir: Path) -> Path:
+    """``<output_dir>/.<name>.lock`` for the run directory ``<output_dir>/<name>``."""
+    return run_dir.with_name(f".{run_dir.name}.lock")
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (signal 0 probes without sending)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+class RunLock:
+    """An acquired run lock; :meth:`release` (or process exit) frees it.
+
+    Args:
+        run_dir: the run directory to lock (its parent is created if needed).
+        purpose: what the holder does, written into the lock file (``train``, ``resume``).
+    """
+
+    def __init__(self, run_dir: Path, purpose: str = "train") -> None:
+        self.run_dir = Path(run_dir)
+        self.path = lock_path_for(self.run_dir)
+        self._file: Any = None
+        self._made_parent = False
+        if fcntl is None:
+            logger.info("run lock: off (no fcntl on this platform): do not start two runs "
+                        "into %s", self.run_dir)
+            return
+        parent = self.path.parent
+        self._made_parent = not parent.exists()  # removed again on release if still empty
+        parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            f = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run's life
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = _read_holder(f)
+                f.close()
+                raise RunLockedError(
+                    f"run directory {self.run_dir} is in use by {_describe(holder)} (lock "
+                    f"{self.path}); wait for that run to end or stop it, or train under another "
+                    "run.name / run.output_dir") from None
+            try:
+                same = os.fstat(f.fileno()).st_ino == os.stat(self.path).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            f.close()  # the holder deleted it between our open and our lock: open it again
+        previous = _read_holder(f)
+        if previous:  # a clean release empties the file: this holder died without releasing
+            logger.warning("run lock: taking over %s from %s, which is gone (its run ended "
+                           "without releasing it)", self.path, _describe(previous))
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                            "since": time.strftime("%Y-%m-%d %H:%M:%S"), "purpose": purpose}))
+        f.flush()
+        self._file = f
+
+    @property
+    def held(self) -> bool:
+        return self._file is not None
+
+    def release(self) -> None:
+        """Delete the lock file and unlock it (idempotent)."""
+        f, self._file = self._file, None
+        if f is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # while still locked: see the module docstring
+        except OSError:
+            pass
+        finally:
+            f.close()  # closing the descriptor releases the flock
+        if self._made_parent:
+            with contextlib.suppress(OSError):  # only if empty: a failed first start
+                self.path.parent.rmdir()
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _read_holder(f: Any) -> dict[str, Any]:
+    try:
+        f.seek(0)
+        text = f.read(4096)
+        holder = json.loads(text) if text.strip() else {}
+    except (OSError, ValueError):
+        return {"unreadable": True}
+    return holder if isinstance(holder, dict) else {"unreadable": True}
+
+
+def _describe(holder: dict[str, Any]) -> str:
+    if not holder or holder.get("unreadable"):
+        return "another process (its lock file has no readable holder)"
+    return (f"pid {holder.get('pid')} on host {str(holder.get('host'))[:64]} "
+            f"({holder.get('purpose', 'train')} since {holder.get('since')})")
