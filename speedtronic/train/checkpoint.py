@@ -111,6 +111,7 @@ class _HashingWriter:
         self.sha = hashlib.sha256()
         self.written = 0
         self._crash_after = crash_after
+        self.error: OSError | None = None
 
     def write(self, data: bytes) -> int:
         if self._crash_after is not None and self.written + len(data) >= self._crash_after:
@@ -121,7 +122,11 @@ class _HashingWriter:
             os.kill(os.getpid(), signal.SIGKILL)
         self.sha.update(data)
         self.written += len(data)
-        return self._f.write(data)
+        try:
+            return self._f.write(data)
+        except OSError as exc:  # torch.save reports only "unexpected pos"; keep the cause
+            self.error = exc
+            raise
 
     def flush(self) -> None:
         self._f.flush()
@@ -203,6 +208,7 @@ class CheckpointManager:
         tmp = final.with_name(f".{final.name}.tmp-{os.getpid()}")
         spec = os.environ.get(CRASH_ENV)
         crash_after = 4096 if spec == f"{step}:mid_write" else None
+        writer: _HashingWriter | None = None
         try:
             make_dirs_durable(self.directory)
             with open(tmp, "wb") as f:
@@ -215,8 +221,9 @@ class CheckpointManager:
             os.replace(tmp, final)
             _fsync_dir(self.directory)
         except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as a
-            # RuntimeError ("PytorchStreamWriter failed writing file"); the OSError is its cause
-            raise self._save_failed(step, exc) from None
+            # RuntimeError ("unexpected pos"); the writer kept the OSError behind it
+            raise self._save_failed(step, writer.error if writer is not None
+                                    and writer.error is not None else exc) from None
         finally:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)

@@ -391,21 +391,22 @@ def _reapply_hyper_parameters(trainer: Trainer,
     opt, sched = trainer.optimizer, trainer.scheduler
     for group, values, base_lr in zip(opt.param_groups, groups, base or [], strict=False):
         for key, value in values.items():
-            if key in group and isinstance(group[key], torch.Tensor) and group[key].dim() == 0 \
-                    and isinstance(value, (int, float)):
-                group[key].fill_(value)
-            else:
-                group[key] = value
+            _set_group_value(group, key, value)
         if "initial_lr" in group:
-            group["initial_lr"] = base_lr
-        lr = base_lr * (sched.lr_lambdas[0](sched.last_epoch) if sched is not None else 1.0)
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
-        else:
-            group["lr"] = lr
+            _set_group_value(group, "initial_lr", base_lr)
+        factor = sched.lr_lambdas[0](sched.last_epoch) if sched is not None else 1.0
+        _set_group_value(group, "lr", base_lr * factor)
     if sched is not None:
         sched.base_lrs = list(base or sched.base_lrs)
         sched._last_lr = [g["lr"] for g in opt.param_groups]  # what get_last_lr() reports
+
+
+def _set_group_value(group: dict[str, Any], key: str, value: Any) -> None:
+    if isinstance(group.get(key), torch.Tensor) and group[key].dim() == 0 \
+            and isinstance(value, (int, float)):
+        group[key].fill_(value)  # in place: the step may hold this tensor
+    else:
+        group[key] = value
 
 
 def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: bool = False,

@@ -187,3 +187,48 @@ def test_a_garbage_latest_pointer_falls_back_to_scanning(tmp_path, caplog):
         state, path = mgr.load_latest()
     assert state["step"] == 2 and path.name == "step_00000002.pt"
     assert "unreadable" in caplog.text
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_every_checkpoint(tmp_path):
+    """A file-size limit (what a full disk or a quota looks like to the writer: EFBIG/ENOSPC)
+    once ended in two raw tracebacks. Real process, real limit."""
+    import hashlib
+    import resource
+
+    raw = tiny_raw(tmp_path, "full", run={"max_steps": 3, "eval_every": 0},
+                   checkpoint={"every_steps": 3})
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text(yaml.safe_dump(raw))
+    train_from_config(load_config(cfg_path), plot=False)
+    ckpt = tmp_path / "full" / "checkpoints"
+    before = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in ckpt.iterdir()}
+    limit = (ckpt / "step_00000003.pt").stat().st_size // 2
+
+    def cap_file_size() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    proc = subprocess.run([sys.executable, "-m", "speedtronic", "train", "--config",
+                           str(cfg_path), "--resume", "--max-steps", "6"],
+                          capture_output=True, text=True, timeout=300, preexec_fn=cap_file_size,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("speedtronic: error")]
+    assert len(lines) == 1 and "saving the checkpoint of step 6" in lines[0]
+    assert "File too large" in lines[0] and "step_00000003.pt, is intact" in lines[0]
+    after = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in ckpt.iterdir()}
+    assert after == before  # no temp file, no stray digest, latest unchanged
+
+
+def test_the_first_save_makes_its_new_folders_durable(tmp_path, monkeypatch):
+    """Each folder the first save creates is fsynced into its parent (else a power cut can
+    lose the folder entry and with it a checkpoint that was itself fsynced)."""
+    from speedtronic.train import checkpoint as ckpt_module
+
+    synced: list[Path] = []
+    real = ckpt_module._fsync_dir
+    monkeypatch.setattr(ckpt_module, "_fsync_dir", lambda p: (synced.append(Path(p)), real(p)))
+    mgr = CheckpointManager(tmp_path / "run" / "checkpoints")
+    mgr.save(1, {"step": 1, "model": {"w": torch.zeros(2)}})
+    assert tmp_path in synced and tmp_path / "run" in synced  # parents of the two new folders

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 from _engine_fixtures import one_thread, tiny_config, tiny_raw  # noqa: F401
 
 from speedtronic.cli import main
@@ -150,3 +152,61 @@ def test_a_log_file_inside_the_run_dir_follows_the_new_run(tmp_path):
         assert "step 2/2" in text and "device: " in text, attempt  # build lines kept too
     moved = [p for p in (tmp_path / "runs").iterdir() if p.name.startswith("logged.old-")]
     assert len(moved) == 1 and (moved[0] / "train.log").read_text().count("step 2/2") == 1
+
+
+def test_a_resume_runs_the_configs_hyper_parameters_and_says_so(tmp_path, caplog):
+    """A changed lr / weight_decay / betas / muon_lr once silently kept the checkpoint's values
+    while config.yaml recorded the new ones."""
+    import math
+
+    from speedtronic.train.runtime import build_trainer, lr_factor
+
+    opt = {"name": "muon", "lr": 1e-3, "muon_weight_decay": 0.1, "betas": [0.9, 0.95],
+           "muon_lr": 0.02, "muon_momentum": 0.95}
+    train_from_config(tiny_config(tmp_path, run={"max_steps": 4, "eval_every": 0},
+                                  optimizer=opt), plot=False)
+    new = {**opt, "lr": 5e-4, "muon_weight_decay": 0.01, "betas": [0.8, 0.9], "muon_lr": 0.01,
+           "muon_momentum": 0.9}
+    cfg = tiny_config(tmp_path, run={"max_steps": 8, "eval_every": 0}, optimizer=new,
+                      scheduler={"warmup_steps": 2, "max_steps": 8})
+    trainer = build_trainer(cfg, resume=True)
+    try:
+        assert trainer.step == 4
+        factor = lr_factor(4, 2, 8, "cosine", cfg.scheduler.min_lr_ratio)
+        by_kind = {g["kind"]: g for g in trainer.optimizer.param_groups}
+        assert math.isclose(float(by_kind["adamw"]["lr"]), 5e-4 * factor, rel_tol=1e-6)
+        assert math.isclose(float(by_kind["muon"]["lr"]), 0.01 * factor, rel_tol=1e-6)
+        assert math.isclose(float(by_kind["muon"]["momentum"]), 0.9, rel_tol=1e-6)
+        assert math.isclose(float(by_kind["muon"]["weight_decay"]), 0.01, rel_tol=1e-6)
+        assert all(tuple(g["betas"]) == (0.8, 0.9) for g in trainer.optimizer.param_groups
+                   if g["kind"] == "adamw")
+        assert [math.isclose(b, v, rel_tol=1e-6) for b, v in
+                zip(trainer.scheduler.base_lrs, [float(g["initial_lr"]) for g in
+                                                 trainer.optimizer.param_groups],
+                    strict=True)] == [True] * len(trainer.optimizer.param_groups)
+        assert trainer.optimizer.state  # the moments came from the checkpoint
+        assert "optimizer.lr: 0.001 -> 0.0005" in caplog.text
+        assert "optimizer.muon_momentum: 0.95 -> 0.9" in caplog.text
+        trainer.fit()
+    finally:
+        trainer.metrics.close()
+        trainer.release_run_lock()
+    saved = yaml.safe_load((tmp_path / "t" / "config.yaml").read_text())
+    assert saved["optimizer"]["lr"] == 5e-4  # the config written is the one that ran
+
+
+def test_a_resume_with_nothing_changed_stays_bitwise(tmp_path):
+    """Re-applying is skipped when the config matches: the bitwise-resume guarantee holds."""
+    from speedtronic.train.checkpoint import CheckpointManager
+
+    full = tiny_config(tmp_path / "a", run={"max_steps": 6, "eval_every": 0},
+                       optimizer={"name": "muon"}, scheduler={"max_steps": 6})
+    train_from_config(full, plot=False)
+    split = tiny_config(tmp_path / "b", run={"max_steps": 3, "eval_every": 0},
+                        optimizer={"name": "muon"}, scheduler={"max_steps": 6})
+    train_from_config(split, plot=False)
+    split.run.max_steps = 6
+    train_from_config(split, resume=True, plot=False)
+    a = CheckpointManager(tmp_path / "a" / "t" / "checkpoints").load_latest()[0]["model"]
+    b = CheckpointManager(tmp_path / "b" / "t" / "checkpoints").load_latest()[0]["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,30 @@
+"""Schema rules added for reliability: DiLoCo run names, seed range, catchable signals."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from speedtronic.config import ConfigError, load_config
+def test_diloco_runs_are_named_by_node_id_so_workers_never_share_a_directory():
+    worker = {"distributed": {"enabled": True, "store": "file:///tmp/s", "node_id": "w7"}}
+    assert load_config(worker).run.name == "diloco-worker-w7"
+    named = {**worker, "run": {"name": "exp-{node_id}"}}
+    assert load_config(named).run.name == "exp-w7"
+    anonymous = {"distributed": {"enabled": True, "store": "file:///tmp/s"}}
+    assert socket.gethostname()[:10].replace("_", "-")[:3] in load_config(anonymous).run.name
+    assert load_config({"run": {"name": "plain"}}).run.name == "plain"
+
+
+@pytest.mark.parametrize("seed", [2**64, -2**63 - 1])
+def test_a_seed_torch_cannot_take_is_refused(seed):
+    with pytest.raises(ConfigError, match="run.seed"):
+        load_config({"run": {"seed": seed}})
+
+
+def test_preemption_signals_must_be_catchable():
+    assert load_config({"train": {"preemption_signals": []}}).train.preemption_signals == []
+    for bad in ("SIGKILL", "SIGNOPE", "TERM"):
+        with pytest.raises(ConfigError, match="train.preemption_signals"):
+            load_config({"train": {"preemption_signals": [bad]}})

@@ -1,0 +1,210 @@
+"""Preemption and the run lock, with real processes and real signals: a signal saves at the
+step boundary and exits 128 + signum, a resume afterwards is bitwise equal to an uninterrupted
+run, a second signal exits at once without damaging a checkpoint, and a live run's directory
+is refused to a second run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from _engine_fixtures import one_thread, tiny_raw  # noqa: F401
+
+from speedtronic.config import load_config
+from speedtronic.train.checkpoint import CheckpointManager
+from speedtronic.train.metrics import read_metrics
+from speedtronic.train.run_lock import RunLock, RunLockedError, lock_path_for
+from speedtronic.train.runtime import train_from_config
+
+N = 8
+
+# Runs the real CLI; at the end of optimizer step AT it sends itself SIG (twice with TWICE, the
+# second one in the middle of the checkpoint write that the first one asked for). With PAUSE
+# it prints "paused" and waits for a line on stdin instead (the lock tests hold a live run).
+DRIVER = textwrap.dedent("""
+    import os, signal, sys
+    from speedtronic.cli import main
+    from speedtronic.train import checkpoint, trainer
+    at, sig = int(os.environ["AT"]), getattr(signal, os.environ.get("SIG", "SIGTERM"))
+    original = trainer.Trainer._call
+    sent = []
+    def _call(self, name, *args):
+        original(self, name, *args)
+        if name == "after_optimizer_step" and args[0] == at:
+            if os.environ.get("PAUSE"):
+                print("paused", flush=True)
+                sys.stdin.readline()
+            else:
+                sent.append(sig)
+                os.kill(os.getpid(), sig)
+    trainer.Trainer._call = _call
+    if os.environ.get("TWICE"):
+        write = checkpoint._HashingWriter.write
+        def write_then_signal(self, data):
+            if sent and self.written > 2048:  # inside the save the first signal asked for
+                os.kill(os.getpid(), sig)
+            return write(self, data)
+        checkpoint._HashingWriter.write = write_then_signal
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def _raw(out: Path, name: str) -> dict:
+    # dropout (RNG) and accumulation (data position inside a step) make bitwise resume strict
+    return tiny_raw(out, name, run={"max_steps": N, "eval_every": 4}, model={"dropout": 0.1},
+                    data={"micro_batch_size": 2, "target_batch_size": 4},
+                    scheduler={"warmup_steps": 2, "max_steps": N},
+                    checkpoint={"every_steps": 4, "keep_last": None})
+
+
+def _final(run_dir: Path) -> dict[str, torch.Tensor]:
+    state, _ = CheckpointManager(run_dir / "checkpoints").load_latest()
+    assert state["step"] == N
+    return state["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("ref")
+    train_from_config(load_config(_raw(out, "full")), plot=False)
+    return _final(out / "full")
+
+
+def _launch(tmp_path: Path, name: str, at: int, *extra: str, stdin=None, **env: str):
+    cfg = tmp_path / f"{name}.yaml"
+    if not cfg.exists():
+        cfg.write_text(yaml.safe_dump(_raw(tmp_path, name)))
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    return subprocess.Popen([sys.executable, str(driver), "train", "--config", str(cfg), *extra],
+                            env={**os.environ, "AT": str(at), "OMP_NUM_THREADS": "1", **env},
+                            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+@pytest.mark.parametrize(("sig", "code"), [("SIGTERM", 143), ("SIGINT", 130),
+                                           ("SIGUSR1", 128 + signal.SIGUSR1)])
+def test_a_signal_saves_at_the_step_boundary_and_resume_is_bitwise(tmp_path, reference, sig,
+                                                                   code):
+    proc = _launch(tmp_path, "pre", 5, SIG=sig)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == code, err[-2000:]
+    assert "Traceback" not in err and f"stopped by {sig} at step 5" in err
+    steps = [s for s, _ in CheckpointManager(tmp_path / "pre" / "checkpoints").list()]
+    assert steps == [5, 4]  # step 5 was saved although every_steps is 4
+    events = read_metrics(tmp_path / "pre" / "metrics.jsonl")
+    assert [e["signal"] for e in events if e["event"] == "preempted"] == [sig]
+    train_from_config(load_config(tmp_path / "pre.yaml"), resume=True, plot=False)
+    final = _final(tmp_path / "pre")
+    for k in reference:
+        assert torch.equal(reference[k], final[k]), k
+
+
+def test_a_second_signal_exits_at_once_and_committed_checkpoints_survive(tmp_path, reference):
+    proc = _launch(tmp_path, "twice", 5, TWICE="1")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-2000:]
+    assert "second SIGTERM: exiting now" in err
+    ckpt = tmp_path / "twice" / "checkpoints"
+    assert (ckpt / "latest").read_text().strip() == "step_00000004.pt"  # 5 never committed
+    train_from_config(load_config(tmp_path / "twice.yaml"), resume=True, plot=False)
+    final = _final(tmp_path / "twice")
+    for k in reference:
+        assert torch.equal(reference[k], final[k]), k
+
+
+def test_requeue_calls_scontrol_and_exits_zero(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = tmp_path / "scontrol.log"
+    fake = bin_dir / "scontrol"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n")
+    fake.chmod(0o755)
+    proc = _launch(tmp_path, "rq", 3, "--set", "train.requeue=true", SIG="SIGUSR1",
+                   SLURM_JOB_ID="4242", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-2000:]
+    assert log.read_text().split() == ["requeue", "4242"]
+    assert "requeued" in err
+
+
+def test_checkpoint_every_seconds_saves_by_the_clock(tmp_path):
+    raw = _raw(tmp_path, "clock")
+    raw["checkpoint"].update(every_steps=1000, every_seconds=1e-6)
+    train_from_config(load_config(raw), plot=False)
+    steps = [s for s, _ in CheckpointManager(tmp_path / "clock" / "checkpoints").list()]
+    assert steps == list(range(N, 0, -1))
+
+
+# ----------------------------------------------------------------------------- the run lock
+def _wait_for_pause(proc: subprocess.Popen) -> None:
+    """Read the run's console (its log lines come first) up to the driver's "paused"."""
+    for line in proc.stdout:
+        if line.strip() == "paused":
+            return
+    raise AssertionError(f"the run ended before it paused: {proc.stderr.read()[-2000:]}")
+
+
+def test_a_live_runs_directory_is_refused_to_a_second_run_and_resume(tmp_path):
+    holder = _launch(tmp_path, "live", 2, PAUSE="1", stdin=subprocess.PIPE)
+    try:
+        _wait_for_pause(holder)  # it holds the lock, mid-run
+        run_dir = tmp_path / "live"
+        before = sorted(p.name for p in tmp_path.iterdir())
+        for extra in ((), ("--resume",)):
+            second = subprocess.run([sys.executable, "-m", "speedtronic", "train", "--config",
+                                     str(tmp_path / "live.yaml"), *extra], capture_output=True,
+                                    text=True, timeout=300,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
+            assert second.returncode == 2, second.stderr[-2000:]
+            assert "Traceback" not in second.stderr
+            assert f"in use by pid {holder.pid}" in second.stderr
+        assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing moved aside
+        assert run_dir.is_dir()
+    finally:
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        _, err = holder.communicate(timeout=300)
+    assert holder.returncode == 0, err[-2000:]
+    assert [s for s, _ in CheckpointManager(run_dir / "checkpoints").list()] == [8, 4]
+    assert not lock_path_for(run_dir).exists()  # released, and removed with it
+
+
+def test_a_killed_holders_lock_is_taken_over_with_a_log_line(tmp_path, caplog):
+    holder = _launch(tmp_path, "dead", 2, PAUSE="1", stdin=subprocess.PIPE)
+    _wait_for_pause(holder)
+    holder.kill()  # SIGKILL: no release, the lock file stays with its pid in it
+    holder.communicate(timeout=60)
+    assert lock_path_for(tmp_path / "dead").exists()
+    result = train_from_config(load_config(tmp_path / "dead.yaml"), resume=True, plot=False)
+    assert result.steps == N
+    assert f"from pid {holder.pid}" in caplog.text and "which is gone" in caplog.text
+
+
+def test_one_process_cannot_take_a_lock_twice(tmp_path):
+    with RunLock(tmp_path / "r"):
+        with pytest.raises(RunLockedError, match=f"pid {os.getpid()}"):
+            RunLock(tmp_path / "r")
+    with RunLock(tmp_path / "r") as again:  # released: free again
+        assert again.held
+
+
+def test_temp_files_of_a_live_writer_are_left_alone(tmp_path):
+    sleeper = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                               stdin=subprocess.PIPE)
+    try:
+        live = tmp_path / f".step_00000007.pt.tmp-{sleeper.pid}"
+        live.write_bytes(b"in progress")
+        dead = tmp_path / f".step_00000006.pt.tmp-{os.getpid()}"  # ours: a failed save
+        dead.write_bytes(b"half")
+        CheckpointManager(tmp_path)
+        assert live.exists() and not dead.exists()
+    finally:
+        sleeper.communicate(b"")
