@@ -7,6 +7,8 @@ import socket
 import pytest
 
 from speedtronic.config import ConfigError, load_config
+
+
 def test_diloco_runs_are_named_by_node_id_so_workers_never_share_a_directory():
     worker = {"distributed": {"enabled": True, "store": "file:///tmp/s", "node_id": "w7"}}
     assert load_config(worker).run.name == "diloco-worker-w7"
