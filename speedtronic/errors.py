@@ -6,6 +6,9 @@ code 2, so raising one of these is how a module reports a problem the *user* can
 
 from __future__ import annotations
 
+import re
+import reprlib
+
 
 class SpeedtronicError(Exception):
     """Base class for user-facing errors (bad input, unusable files, unmet requirements)."""
@@ -42,3 +45,43 @@ class RunPreempted(Exception):  # noqa: N818 - a stop that was asked for, not a 
     @property
     def exit_code(self) -> int:
         return 0 if self.requeued else 128 + self.signum
+
+
+# ----------------------------------------------------------------------------- messages
+# A message echoes what the user gave; both bounds below keep a hostile value from turning one
+# error line into megabytes or a leak. Measured: a 573-byte YAML of nested aliases once made a
+# type error's repr walk 10^9 values (a minute, 2.3 GB, then MemoryError).
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring = _BRIEF.maxother = 80
+_BRIEF.maxlist = _BRIEF.maxtuple = _BRIEF.maxdict = _BRIEF.maxset = 6
+_BRIEF.maxlevel = 2
+_BRIEF_MAX = 160  # characters of one echoed value
+
+_SECRET_PATTERNS = [
+    # userinfo of a URL: s3://KEY:SECRET@host -> s3://<redacted>@host
+    (re.compile(r"(://)[^\s/@'\"]*:[^\s@'\"]*@"), r"\1<redacted>@"),
+    # well-known token shapes (Hugging Face, AWS access keys, GitHub, OpenAI-style keys)
+    (re.compile(r"\bhf_[A-Za-z0-9]{20,}"), "<redacted>"),
+    (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), "<redacted>"),
+    (re.compile(r"\b(?:ghp|gho|ghs|github_pat)_[A-Za-z0-9_]{20,}"), "<redacted>"),
+    (re.compile(r"\bsk-[A-Za-z0-9_-]{20,}"), "<redacted>"),
+    # key: value / key=value pairs whose key names a credential
+    (re.compile(r"(?i)(['\"]?\b(?:[a-z_]*_)?(?:token|secret|password|api_key|access_key|"
+                r"secret_key)['\"]?\s*[:=]\s*)(['\"]?)[^\s,'\"}]+\2"), r"\1\2<redacted>\2"),
+]
+
+
+def mask_secrets(text: str) -> str:
+    """``text`` with credentials masked: URL userinfo, token-shaped strings and values of
+    credential-named keys (the CLI applies it to every error line it prints)."""
+    for pattern, replacement in _SECRET_PATTERNS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+def brief(value: object) -> str:
+    """A bounded, credential-masked ``repr`` for error messages (strings to 80 characters,
+    6 items per container, 2 levels, 160 characters in all), so a huge or self-aliased value
+    cannot blow up a message."""
+    text = mask_secrets(_BRIEF.repr(value))
+    return text if len(text) <= _BRIEF_MAX else text[:_BRIEF_MAX - 3] + "..."

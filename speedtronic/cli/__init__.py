@@ -25,7 +25,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import RunPreempted, SpeedtronicError
+from ..errors import RunPreempted, SpeedtronicError, mask_secrets
 
 EXIT_USER_ERROR = 2
 _USER_ERRORS = (SpeedtronicError, ValueError, FileNotFoundError, OSError)
@@ -277,11 +277,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Characters of one error line: enough for any message of ours, not for an echoed blob.
+_MAX_ERROR_LINE = 2000
+
+
 def _one_line(exc: BaseException) -> str:
+    """The error as one line, credentials masked (a message may quote a URL or a value the user
+    gave) and bounded in length."""
     text = " ".join(str(exc).split()) or type(exc).__name__
     if isinstance(exc, OSError) and not isinstance(exc, SpeedtronicError) and exc.filename:
         text = f"{exc.strerror or text}: {exc.filename!r}"
-    return text
+    text = mask_secrets(text)
+    return text if len(text) <= _MAX_ERROR_LINE else text[:_MAX_ERROR_LINE - 3] + "..."
 
 
 def _stdout_closed() -> bool:

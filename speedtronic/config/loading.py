@@ -19,7 +19,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, brief
 from . import schema as _c
 
 # PyYAML follows YAML 1.1, where "3e-4" (no dot) is a *string*. Learning rates are written that
@@ -43,7 +43,7 @@ class _Loader(yaml.SafeLoader):
                     continue
                 if first is not None:
                     raise yaml.constructor.ConstructorError(
-                        problem=f"duplicate key {key!r} (first on line {first}); each key may "
+                        problem=f"duplicate key {brief(key)} (first on line {first}); each key may "
                                 "appear once per mapping", problem_mark=key_node.start_mark)
                 seen[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
@@ -59,9 +59,56 @@ _ROOT_TO_OPTIMIZER = ("muon_plus", "cautious")
 _SECTION_SHORTHANDS = {"optimizer": "name", "precision": "mode"}  # `optimizer: muon` sets .name
 
 
+#: Bounds on a config's YAML, checked on the event stream before anything is built: a config
+#: is a few hundred values at most. A 573-byte "billion laughs" file (anchors of anchors) once
+#: expanded to 10^9 values and took a minute and 2.3 GB to fail; 10,000 nested brackets once
+#: ended in a RecursionError traceback.
+MAX_YAML_DEPTH = 32
+MAX_YAML_VALUES = 100_000
+
+
+def _check_yaml_shape(text: str, origin: str) -> None:
+    """Refuse nesting deeper than :data:`MAX_YAML_DEPTH` and documents that expand, through
+    aliases (``*name`` of an ``&name`` anchor), to more than :data:`MAX_YAML_VALUES` values.
+    The event stream is flat (no recursion) and an alias is counted by the size of what it
+    names, so this costs one pass over the text whatever the aliases would expand to."""
+    sizes: dict[str, int] = {}
+    stack: list[list[Any]] = []  # [expanded size so far, anchor] of each open collection
+    total = 0
+    for event in yaml.parse(text, Loader=_Loader):
+        size = 0
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            if len(stack) >= MAX_YAML_DEPTH:
+                raise ConfigError(f"{origin}: line {event.start_mark.line + 1}: nesting deeper "
+                                  f"than {MAX_YAML_DEPTH} levels; a config needs a few")
+            stack.append([1, event.anchor])
+            total += 1
+        elif isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            size, anchor = stack.pop()
+            if anchor:
+                sizes[anchor] = size
+        elif isinstance(event, yaml.ScalarEvent):
+            size = 1
+            total += 1
+            if event.anchor:
+                sizes[event.anchor] = 1
+        elif isinstance(event, yaml.AliasEvent):
+            size = sizes.get(event.anchor, 1)
+            total += size
+        if size and stack:
+            stack[-1][0] += size
+        if total > MAX_YAML_VALUES:
+            raise ConfigError(f"{origin}: expands to more than {MAX_YAML_VALUES:,} values "
+                              "through YAML aliases (*name of an &name anchor); a config "
+                              "needs a few hundred: write the values out, or alias less")
+
+
 def _parse_yaml(text: str, origin: str) -> Any:
     try:
+        _check_yaml_shape(text, origin)
         return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader subclass
+    except RecursionError:  # a bound above should make this unreachable; never a traceback
+        raise ConfigError(f"{origin}: nested too deeply to read") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -89,11 +136,14 @@ def _read_source(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     return data
 
 
-def _deep_copy(value: Any) -> Any:
+def _deep_copy(value: Any, depth: int = 0) -> Any:
+    if depth > MAX_YAML_DEPTH and isinstance(value, (dict, list)):
+        raise ConfigError(f"config nested deeper than {MAX_YAML_DEPTH} levels (or a dict that "
+                          "contains itself); a config needs a few")
     if isinstance(value, dict):
-        return {k: _deep_copy(v) for k, v in value.items()}
+        return {k: _deep_copy(v, depth + 1) for k, v in value.items()}
     if isinstance(value, list):
-        return [_deep_copy(v) for v in value]
+        return [_deep_copy(v, depth + 1) for v in value]
     return value
 
 
@@ -108,8 +158,9 @@ def _move(raw: dict[str, Any], key: str, section: str) -> None:
     if not isinstance(target, dict):
         raise ConfigError(f"{section}: must be a mapping to combine with root '{key}'")
     if key in target and target[key] != value:
-        raise ConfigError(f"conflicting values for {section}.{key}: root '{key}: {value}' and "
-                          f"'{section}.{key}: {target[key]}'; set it in one place")
+        raise ConfigError(f"conflicting values for {section}.{key}: root "
+                          f"'{key}: {brief(value)}' and '{section}.{key}: "
+                          f"{brief(target[key])}'; set it in one place")
     target[key] = value
 
 
@@ -160,15 +211,16 @@ def _long_form(keys: list[str], value: Any) -> list[str]:
 def _apply_overrides(raw: dict[str, Any], overrides: Iterable[str]) -> None:
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected section.key=value")
+            raise ConfigError(f"--set {brief(item)}: expected section.key=value")
         dotted, text = item.split("=", 1)
         keys = dotted.strip().split(".")
         if not all(keys):
-            raise ConfigError(f"--set {item!r}: bad key {dotted!r}")
+            raise ConfigError(f"--set {brief(item)}: bad key {brief(dotted)}")
         value = _parse_yaml(text, f"--set {dotted}") if text.strip() else None
         if len(keys) == 1 and value is None:
             # An empty value (often an unset shell variable) would reset the whole section.
-            raise ConfigError(f"--set {item!r}: empty value for the whole {keys[0]!r} section; "
+            raise ConfigError(f"--set {brief(item)}: empty value for the whole {keys[0]!r} "
+                              "section; "
                               f"give {keys[0]}.key=value, or {keys[0]}={{}} to reset it to "
                               "its defaults")
         keys = _long_form(keys, value)
@@ -199,7 +251,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     ok, out = _match(value, tp)
     if not ok:
         raise ConfigError(f"{key}: expected {_type_name(tp)}, got {type(value).__name__} "
-                          f"{value!r}")
+                          f"{brief(value)}")
     return out
 
 
@@ -253,7 +305,8 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     if isinstance(raw, cls):
         return raw
     if not isinstance(raw, dict):
-        raise ConfigError(f"{prefix}: must be a mapping of keys, got {type(raw).__name__} {raw!r}")
+        raise ConfigError(f"{prefix}: must be a mapping of keys, got {type(raw).__name__} "
+                          f"{brief(raw)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     kwargs: dict[str, Any] = {}

@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, brief
 from . import redaction
 
 __all__ = [
@@ -78,7 +78,7 @@ def _check_finite(section: Any, prefix: str = "") -> None:
                     and not (no_limit and item == math.inf):
                 rule = "a finite number or .inf (no limit)" if no_limit else "a finite number"
                 _check(False, key, f"{'every item ' if is_list else ''}must be {rule}, "
-                       f"got {list(value) if is_list else value!r}")
+                       f"got {brief(list(value) if is_list else value)}")
 
 
 def _check_choices(section: Any, prefix: str) -> None:
@@ -101,7 +101,7 @@ def _check_choices(section: Any, prefix: str) -> None:
         if isinstance(value, str) and value not in choices:
             key = f"{prefix}.{f.name}" if prefix else f.name
             _check(False, key, f"must be one of {', '.join(repr(c) for c in choices)}, "
-                   f"got {value!r}")
+                   f"got {brief(value)}")
 
 
 @dataclass
@@ -134,7 +134,7 @@ class RunConfig:
 
     def validate(self, p: str = "run") -> None:
         _check(bool(self.name.strip()) and "/" not in self.name and self.name not in (".", ".."),
-               f"{p}.name", f"must be a non-empty name without '/', got {self.name!r}")
+               f"{p}.name", f"must be a non-empty name without '/', got {brief(self.name)}")
         _check(self.max_steps > 0, f"{p}.max_steps", f"must be > 0, got {self.max_steps}")
         # torch.manual_seed takes a signed or unsigned 64-bit value and overflows past it
         _check(-2**63 <= self.seed < 2**64, f"{p}.seed",
@@ -148,7 +148,7 @@ class RunConfig:
         _check(self.eval_every >= 0, f"{p}.eval_every", f"must be >= 0, got {self.eval_every}")
         _check(self.eval_batches > 0, f"{p}.eval_batches", f"must be > 0, got {self.eval_batches}")
         _check(re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device) is not None, f"{p}.device",
-               f"must be auto, cpu, mps, cuda or cuda:N, got {self.device!r}")
+               f"must be auto, cpu, mps, cuda or cuda:N, got {brief(self.device)}")
 
 
 @dataclass
@@ -267,7 +267,7 @@ class DataConfig:
                    "hf_dataset": self.hf_dataset}
         given = {k: v for k, v in sources.items() if v is not None}
         _check(len(given) <= 1, p, f"set at most one of {', '.join(sources)} (got "
-               + ", ".join(f"{k}={v!r}" for k, v in given.items()) + ")")
+               + ", ".join(f"{k}={brief(v)}" for k, v in given.items()) + ")")
         if self.text_path is not None and self.tokenizer is None:
             path = Path(self.text_path)
             _check(path.is_file(), f"{p}.text_path", f"file not found: {str(path)!r}")
@@ -380,7 +380,7 @@ class OptimizerConfig:
         coeffs = self.muon_coefficients
         if isinstance(coeffs, str):
             _check(coeffs in ("quintic", "polar_express"), f"{p}.muon_coefficients",
-                   f"must be 'quintic', 'polar_express' or a list of floats, got {coeffs!r}")
+                   f"must be 'quintic', 'polar_express' or a list of floats, got {brief(coeffs)}")
         else:
             _check(len(coeffs) in (3, 3 * self.muon_ns_steps), f"{p}.muon_coefficients",
                    f"a list must hold 3 or 3 x muon_ns_steps={3 * self.muon_ns_steps} floats, "
@@ -627,7 +627,7 @@ class DistributedConfig:
         if self.node_id is not None:
             _check(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.node_id) is not None,
                    f"{p}.node_id", f"must be 1-64 of [A-Za-z0-9_.-] not starting with '.', "
-                   f"got {self.node_id!r}")
+                   f"got {brief(self.node_id)}")
         _check(self.inner_steps > 0, f"{p}.inner_steps", f"must be > 0, got {self.inner_steps}")
         _check(self.poll_interval > 0, f"{p}.poll_interval", "must be > 0")
         _check(self.outer_lr > 0, f"{p}.outer_lr", f"must be > 0, got {self.outer_lr}")
@@ -659,7 +659,7 @@ class DistributedConfig:
         if self.store is not None:
             _check(self.store.split("://", 1)[0] in ("file", "s3", "hf"), f"{p}.store",
                    f"must be file:///path, s3://bucket/prefix or hf://user/repo, "
-                   f"got scheme {self.store.split('://', 1)[0]!r}")
+                   f"got scheme {brief(self.store.split('://', 1)[0])}")
 
 
 _SECTIONS: dict[str, type] = {

@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import pickle
 import random
 import re
 import signal
@@ -323,9 +324,19 @@ class CheckpointManager:
                 raise CheckpointError(f"{path.name} is corrupt (sha256 mismatch)")
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:  # torn zip, pickle refusing an unsafe type, I/O error
+        except pickle.UnpicklingError as exc:
+            # torch's own message suggests weights_only=False, i.e. running the file's code:
+            # never the advice for a file that is not what a Speedtronic save writes.
+            found = re.search(r"GLOBAL (\S+)|Unsupported global: (\S+)", str(exc))
+            what = f" ({(found.group(1) or found.group(2)).rstrip(',')})" if found else ""
+            raise CheckpointError(f"{path.name} holds Python objects beyond tensors and plain "
+                                  f"values{what}, so it was refused unopened (loading it could "
+                                  "run code). Speedtronic checkpoints never hold such objects: "
+                                  "this file was written by something else") from None
+        except Exception as exc:  # torn zip, I/O error
             raise CheckpointError(f"{path.name} cannot be loaded ({type(exc).__name__}: "
-                                  f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+                                  f"{str(exc).splitlines()[0][:300] if str(exc) else ''})"
+                                  ) from None
         if not isinstance(state, dict) or "model" not in state or "step" not in state:
             raise CheckpointError(f"{path.name} is not a Speedtronic checkpoint")
         return state
