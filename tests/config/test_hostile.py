@@ -10,7 +10,7 @@ import time
 import pytest
 
 from speedtronic.cli import main
-from speedtronic.config import ConfigError, load_config
+from speedtronic.config import load_config
 from speedtronic.errors import brief, mask_secrets
 
 LAUGHS = "\n".join(
