@@ -45,6 +45,7 @@ from .token_files import (
     header_hint,
     max_token_id,
     open_token_file,
+    raw_dtype_hint,
     resolve_token_paths,
 )
 from .user import (
@@ -281,18 +282,20 @@ def _token_stores(cfg: SpeedtronicConfig) -> tuple[TokenFileStore, TokenFileStor
         f"data.{'hf_dataset' if d.hf_dataset is not None else 'text_path'} (prepared shards)")
     paths = resolve_token_paths(spec, "data.tokens_path")
     files = [open_token_file(p, d.tokens_dtype, "data.tokens_path") for p in paths]
-    stream = TokenFileStore(files)
+    vocab = cfg.model.vocab_size  # settled by check_data; each chunk read is checked against it
+    stream = TokenFileStore(files, vocab_size=vocab)
     train_name = _files_named(key, spec, paths)
     if eval_spec is not None:
         eval_paths = resolve_token_paths(eval_spec, "data.eval_tokens_path")
         held = TokenFileStore([open_token_file(p, d.tokens_dtype, "data.eval_tokens_path")
-                               for p in eval_paths])
+                               for p in eval_paths], vocab_size=vocab)
         # eval_fraction plays no part here: the fix is a longer eval file.
         names = _Names(train_name, _files_named("data.eval_tokens_path", eval_spec, eval_paths),
                        "use a longer data.eval_tokens_path or a smaller data.block_size")
         return stream, held, f"{what} ({stream.n:,} train / {held.n:,} eval tokens)", names
     split = int(stream.n * (1.0 - d.eval_fraction))
-    train, held = TokenFileStore(files, 0, split), TokenFileStore(files, split, stream.n)
+    train = TokenFileStore(files, 0, split, vocab_size=vocab)
+    held = TokenFileStore(files, split, stream.n, vocab_size=vocab)
     names = _Names(f"{train_name} (the first {1 - d.eval_fraction:.0%} of {stream.n} tokens)",
                    f"{train_name} (held-out split: the last {d.eval_fraction:.0%})",
                    "raise data.eval_fraction, set data.eval_tokens_path or use more data"
@@ -321,6 +324,9 @@ def check_data(cfg: SpeedtronicConfig) -> None:
     for key, path in paths:
         f = open_token_file(path, d.tokens_dtype, key)
         top_here, hint_here = max_token_id(f), header_hint(f)
+        dtype_hint = raw_dtype_hint(f)
+        if dtype_hint:
+            logger.warning("data: %s %s", key, dtype_hint)
         if hint_here:  # the ids may fit the vocabulary and still be a header read as tokens
             logger.warning("data: %s %r is read as raw %s ids%s", key, str(path),
                            f.tokens.dtype.name, hint_here)

@@ -22,6 +22,7 @@ path, size, modification time and how the file was read (layout, id dtype, token
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -32,11 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SpeedtronicError
 from .sources import TokenStore
 
 __all__ = ["HEADER_MAGIC", "LLAMA3_MAGIC", "TOKEN_CHUNK", "TokenFile", "TokenFileStore",
-           "expand_paths", "header_hint", "open_token_file", "resolve_token_paths", "write_shard"]
+           "DataChangedError", "expand_paths", "header_hint", "open_token_file",
+           "raw_dtype_hint", "resolve_token_paths", "write_shard"]
 
 logger = logging.getLogger("speedtronic.data")
 
@@ -53,6 +55,10 @@ TOKEN_CHUNK = 1 << 20
 """Tokens copied out of the memory map per training chunk (2-4 MiB)."""
 
 
+class DataChangedError(SpeedtronicError):
+    """A token file changed, shrank or failed to read while a run was reading it."""
+
+
 @dataclass(frozen=True)
 class TokenFile:
     """One shard: its ids as a read-only memory map, and where they came from."""
@@ -60,10 +66,16 @@ class TokenFile:
     path: Path
     tokens: np.ndarray  # (n,) uint16 or uint32, np.memmap
     layout: str  # "header", "raw" or "npy"
+    stamp: tuple[int, int] = (-1, -1)  # (size, mtime_ns) when opened: a change is an error
 
     @property
     def n(self) -> int:
         return int(self.tokens.shape[0])
+
+    @property
+    def byte_offset(self) -> int:
+        """Where the ids start in the file (after a shard or .npy header)."""
+        return int(getattr(self.tokens, "offset", 0))
 
 
 def expand_paths(spec: str, key: str, suffixes: tuple[str, ...] | None = None,
@@ -97,6 +109,12 @@ def resolve_token_paths(spec: str, key: str) -> list[Path]:
 
 def open_token_file(path: Path, dtype: str, key: str) -> TokenFile:
     """Memory-map one shard, checking its layout; every problem is a ConfigError naming ``key``."""
+    f = _open_token_file(path, dtype, key)
+    st = path.stat()
+    return TokenFile(f.path, f.tokens, f.layout, (st.st_size, st.st_mtime_ns))
+
+
+def _open_token_file(path: Path, dtype: str, key: str) -> TokenFile:
     size = path.stat().st_size
     if size == 0:
         raise ConfigError(f"{key}: {str(path)!r} is empty")
@@ -158,6 +176,22 @@ def header_hint(f: TokenFile) -> str:
             "as token ids")
 
 
+def raw_dtype_hint(f: TokenFile) -> str:
+    """For a raw file read as uint16 whose odd-numbered ids are almost all 0 while the others
+    are not: a sentence saying it looks like uint32 ids (little-endian: the high halves of ids
+    below 65536 are 0), so the run would train on interleaved zeros; else ``""``. Reads the
+    first 64K ids only."""
+    if f.layout != "raw" or f.tokens.dtype != np.uint16 or f.n < 64:
+        return ""
+    head = np.asarray(f.tokens[: min(f.n, 1 << 16) // 2 * 2]).reshape(-1, 2)  # (k, 2)
+    low_zero = float((head[:, 0] == 0).mean())
+    high_zero = float((head[:, 1] == 0).mean())
+    if high_zero > 0.99 and low_zero < 0.5:
+        return (f"{str(f.path)!r} looks like uint32 token ids read as uint16 ({high_zero:.0%} "
+                "of every second id is 0): set data.tokens_dtype: uint32")
+    return ""
+
+
 def _stats_path() -> Path:
     root = Path(os.environ.get("SPEEDTRONIC_CACHE_DIR") or Path.home() / ".cache" / "speedtronic")
     return root / "token-stats.json"
@@ -201,15 +235,65 @@ def max_token_id(f: TokenFile) -> int:
 
 
 class TokenFileStore(TokenStore):
-    """Shards ``files`` read as one stream of ``n`` ids, or the range ``[start, stop)`` of it."""
+    """Shards ``files`` read as one stream of ``n`` ids, or the range ``[start, stop)`` of it.
 
-    def __init__(self, files: list[TokenFile], start: int = 0, stop: int | None = None) -> None:
+    Reads go through ``os.pread``, not the memory map: a file truncated under a running job (a
+    flaky network mount) made a memory-mapped read die of SIGBUS (exit 135, no message, nothing
+    saved); a short read is an error naming the file and offset. Each read also checks the
+    file's size and mtime against those it was opened with (one ``fstat``), and, with
+    ``vocab_size``, every id of the chunk (one ``max``, ~0.3 ms per 1M uint16 ids): a file
+    rewritten with ids beyond the vocabulary once raised an IndexError traceback (a device-side
+    assert on CUDA). A file *replaced* by rename is not an error: the open descriptor keeps
+    reading the old, consistent one.
+    """
+
+    def __init__(self, files: list[TokenFile], start: int = 0, stop: int | None = None,
+                 vocab_size: int | None = None) -> None:
         self.files = files
         self.offsets = np.cumsum([0] + [f.n for f in files])  # (len(files) + 1,)
         total = int(self.offsets[-1])
         self.start = start
         self.stop = total if stop is None else stop
         self.n = self.stop - self.start
+        self.vocab_size = vocab_size
+        self._fds: dict[int, int] = {}
+
+    def _fd(self, i: int) -> int:
+        fd = self._fds.get(i)
+        if fd is None:
+            fd = self._fds[i] = os.open(self.files[i].path, os.O_RDONLY)
+        return fd
+
+    def _read_file(self, i: int, lo: int, hi: int) -> np.ndarray:
+        """Ids ``[lo, hi)`` of shard ``i``, read and checked (see the class docstring)."""
+        f = self.files[i]
+        itemsize = f.tokens.dtype.itemsize
+        where = f.byte_offset + lo * itemsize
+        try:
+            fd = self._fd(i)
+            st = os.fstat(fd)
+            if f.stamp[0] >= 0 and (st.st_size, st.st_mtime_ns) != f.stamp:
+                raise DataChangedError(
+                    f"token file {str(f.path)!r} changed while the run read it (size "
+                    f"{f.stamp[0]} -> {st.st_size} bytes, modified again) at byte {where}; "
+                    "the run stopped before training on it. Replace token files by writing a "
+                    "new file and renaming it over the old one, never in place")
+            data = os.pread(fd, (hi - lo) * itemsize, where)
+        except OSError as exc:
+            raise DataChangedError(f"token file {str(f.path)!r}: read at byte {where} failed "
+                                   f"({exc.strerror or exc})") from None
+        if len(data) != (hi - lo) * itemsize:
+            raise DataChangedError(f"token file {str(f.path)!r} is shorter than when the run "
+                                   f"opened it: wanted {(hi - lo) * itemsize} bytes at byte "
+                                   f"{where}, got {len(data)} (truncated under the run?)")
+        ids = np.frombuffer(data, dtype=f.tokens.dtype)
+        if self.vocab_size is not None and ids.size and int(ids.max()) >= self.vocab_size:
+            bad = int(np.argmax(ids >= self.vocab_size))
+            raise DataChangedError(f"token file {str(f.path)!r} holds id {int(ids[bad])} at "
+                                   f"token {lo + bad} (byte {where + bad * itemsize}), beyond "
+                                   f"model.vocab_size {self.vocab_size}; the file checked at "
+                                   "start did not: was it rewritten under the run?")
+        return ids
 
     def read(self, a: int, b: int) -> np.ndarray:
         a, b = a + self.start, b + self.start
@@ -219,10 +303,24 @@ class TokenFileStore(TokenStore):
         while a < b:
             lo = a - int(self.offsets[i])
             hi = min(b, int(self.offsets[i + 1])) - int(self.offsets[i])
-            parts.append(np.asarray(self.files[i].tokens[lo:hi]))
+            parts.append(self._read_file(i, lo, hi))
             a += hi - lo
             i += 1
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def close(self) -> None:
+        fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __getstate__(self) -> dict:  # DataLoader workers (spawned) open their own
+        state = self.__dict__.copy()
+        state["_fds"] = {}
+        return state
 
     def gather(self, starts: np.ndarray, length: int) -> np.ndarray:
         return np.stack([self.read(int(s), int(s) + length) for s in starts])  # (k, length)

@@ -281,3 +281,36 @@ def test_a_local_hf_dataset_folder_is_keyed_by_its_files(tmp_path, tokenizer_jso
     hub = cfg(tmp_path, {"tokenizer": str(tokenizer_json), "hf_dataset": "someone/corpus"})
     assert _source_fingerprint(hub) == {"hf_dataset": "someone/corpus", "config": None,
                                         "split": "train", "text_field": "text"}
+
+
+def test_non_utf8_bytes_are_counted_and_warned_about(tmp_path, tokenizer_json, caplog):
+    """They were replaced by U+FFFD without a word."""
+    d = tmp_path / "latin1"
+    d.mkdir()
+    (d / "a.txt").write_bytes("café crème brûlée\n".encode("latin-1") * 10)
+    with caplog.at_level(logging.WARNING, "speedtronic"):
+        prepare(cfg(tmp_path, {"tokenizer": str(tokenizer_json), "text_path": str(d)}))
+    assert "is not valid UTF-8: 40 byte(s) were replaced by U+FFFD" in caplog.text
+    assert "a.txt" in caplog.text
+
+
+def test_a_line_without_cut_points_is_cut_to_bound_memory(tmp_path, tokenizer_json, caplog,
+                                                          monkeypatch):
+    """A 40 MB line of minified JSON was one tokenizer call (7.6 GB peak); now no call sees
+    more than 8 blocks of text, with one warning per file."""
+    from speedtronic.data import prepare as prepare_module
+
+    monkeypatch.setattr(prepare_module, "_TEXT_BLOCK", 4096)
+    d = tmp_path / "minified"
+    d.mkdir()
+    (d / "blob.json").write_text('{"k":"' + "abcdefghij" * 30_000 + '"}')  # 300 KB, 1 line
+    (d / "normal.txt").write_text("plain words here\n" * 2000)
+    calls: list[int] = []
+    encode = prepare_module._encode
+    monkeypatch.setattr(prepare_module, "_encode",
+                        lambda task: (calls.append(len(task[1])), encode(task))[1])
+    with caplog.at_level(logging.WARNING, "speedtronic"):
+        meta = prepare(cfg(tmp_path, {"tokenizer": str(tokenizer_json), "text_path": str(d)}))
+    assert max(calls) <= 9 * 4096 and meta["tokens"] > 0
+    lines = [r.getMessage() for r in caplog.records if "without a newline" in r.getMessage()]
+    assert len(lines) == 1 and "blob.json" in lines[0]

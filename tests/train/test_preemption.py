@@ -9,13 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 from _engine_fixtures import one_thread, tiny_raw  # noqa: F401
+from _process_fixtures import launch_cli, resume_run, wait_for_pause
 
 from speedtronic.config import load_config
 from speedtronic.train.checkpoint import CheckpointManager
@@ -24,37 +24,6 @@ from speedtronic.train.run_lock import RunLock, RunLockedError, lock_path_for
 from speedtronic.train.runtime import train_from_config
 
 N = 8
-
-# Runs the real CLI; at the end of optimizer step AT it sends itself SIG (twice with TWICE, the
-# second one in the middle of the checkpoint write that the first one asked for). With PAUSE
-# it prints "paused" and waits for a line on stdin instead (the lock tests hold a live run).
-DRIVER = textwrap.dedent("""
-    import os, signal, sys
-    from speedtronic.cli import main
-    from speedtronic.train import checkpoint, trainer
-    at, sig = int(os.environ["AT"]), getattr(signal, os.environ.get("SIG", "SIGTERM"))
-    original = trainer.Trainer._call
-    sent = []
-    def _call(self, name, *args):
-        original(self, name, *args)
-        if name == "after_optimizer_step" and args[0] == at:
-            if os.environ.get("PAUSE"):
-                print("paused", flush=True)
-                sys.stdin.readline()
-            else:
-                sent.append(sig)
-                os.kill(os.getpid(), sig)
-    trainer.Trainer._call = _call
-    if os.environ.get("TWICE"):
-        write = checkpoint._HashingWriter.write
-        def write_then_signal(self, data):
-            if sent and self.written > 2048:  # inside the save the first signal asked for
-                os.kill(os.getpid(), sig)
-            return write(self, data)
-        checkpoint._HashingWriter.write = write_then_signal
-    sys.exit(main(sys.argv[1:]))
-""")
-
 
 def _raw(out: Path, name: str) -> dict:
     # dropout (RNG) and accumulation (data position inside a step) make bitwise resume strict
@@ -81,12 +50,7 @@ def _launch(tmp_path: Path, name: str, at: int, *extra: str, stdin=None, **env: 
     cfg = tmp_path / f"{name}.yaml"
     if not cfg.exists():
         cfg.write_text(yaml.safe_dump(_raw(tmp_path, name)))
-    driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER)
-    return subprocess.Popen([sys.executable, str(driver), "train", "--config", str(cfg), *extra],
-                            env={**os.environ, "AT": str(at), "OMP_NUM_THREADS": "1", **env},
-                            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return launch_cli(tmp_path, cfg, at, *extra, stdin=stdin, **env)
 
 
 @pytest.mark.parametrize(("sig", "code"), [("SIGTERM", 143), ("SIGINT", 130),
@@ -144,18 +108,10 @@ def test_checkpoint_every_seconds_saves_by_the_clock(tmp_path):
 
 
 # ----------------------------------------------------------------------------- the run lock
-def _wait_for_pause(proc: subprocess.Popen) -> None:
-    """Read the run's console (its log lines come first) up to the driver's "paused"."""
-    for line in proc.stdout:
-        if line.strip() == "paused":
-            return
-    raise AssertionError(f"the run ended before it paused: {proc.stderr.read()[-2000:]}")
-
-
 def test_a_live_runs_directory_is_refused_to_a_second_run_and_resume(tmp_path):
     holder = _launch(tmp_path, "live", 2, PAUSE="1", stdin=subprocess.PIPE)
     try:
-        _wait_for_pause(holder)  # it holds the lock, mid-run
+        wait_for_pause(holder)  # it holds the lock, mid-run
         run_dir = tmp_path / "live"
         before = sorted(p.name for p in tmp_path.iterdir())
         for extra in ((), ("--resume",)):
@@ -169,9 +125,7 @@ def test_a_live_runs_directory_is_refused_to_a_second_run_and_resume(tmp_path):
         assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing moved aside
         assert run_dir.is_dir()
     finally:
-        holder.stdin.write("\n")
-        holder.stdin.flush()
-        _, err = holder.communicate(timeout=300)
+        _, err = resume_run(holder)
     assert holder.returncode == 0, err[-2000:]
     assert [s for s, _ in CheckpointManager(run_dir / "checkpoints").list()] == [8, 4]
     assert not lock_path_for(run_dir).exists()  # released, and removed with it
@@ -179,7 +133,7 @@ def test_a_live_runs_directory_is_refused_to_a_second_run_and_resume(tmp_path):
 
 def test_a_killed_holders_lock_is_taken_over_with_a_log_line(tmp_path, caplog):
     holder = _launch(tmp_path, "dead", 2, PAUSE="1", stdin=subprocess.PIPE)
-    _wait_for_pause(holder)
+    wait_for_pause(holder)
     holder.kill()  # SIGKILL: no release, the lock file stays with its pid in it
     holder.communicate(timeout=60)
     assert lock_path_for(tmp_path / "dead").exists()

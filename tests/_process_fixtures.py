@@ -1,0 +1,69 @@
+"""Real ``speedtronic`` processes for reliability tests: a driver that runs the CLI and, at the
+end of optimizer step ``AT``, signals itself or pauses until the test lets it go on."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+# At the end of optimizer step AT: send SIG to itself (twice with TWICE, the second inside the
+# checkpoint write the first asked for), or with PAUSE print "paused" and wait for a line on
+# stdin. TOKEN_CHUNK shrinks the data loader's chunk, so token files are read during the run.
+DRIVER = textwrap.dedent("""
+    import os, signal, sys
+    from speedtronic.cli import main
+    from speedtronic.train import checkpoint, trainer
+    if os.environ.get("TOKEN_CHUNK"):
+        import speedtronic.data.build as build
+        build.TOKEN_CHUNK = int(os.environ["TOKEN_CHUNK"])
+    at, sig = int(os.environ["AT"]), getattr(signal, os.environ.get("SIG", "SIGTERM"))
+    original = trainer.Trainer._call
+    sent = []
+    def _call(self, name, *args):
+        original(self, name, *args)
+        if name == "after_optimizer_step" and args[0] == at:
+            if os.environ.get("PAUSE"):
+                print("paused", flush=True)
+                sys.stdin.readline()
+            else:
+                sent.append(sig)
+                os.kill(os.getpid(), sig)
+    trainer.Trainer._call = _call
+    if os.environ.get("TWICE"):
+        write = checkpoint._HashingWriter.write
+        def write_then_signal(self, data):
+            if sent and self.written > 2048:  # inside the save the first signal asked for
+                os.kill(os.getpid(), sig)
+            return write(self, data)
+        checkpoint._HashingWriter.write = write_then_signal
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def launch_cli(tmp_path: Path, cfg: Path, at: int, *extra: str, stdin=None,
+               **env: str) -> subprocess.Popen:
+    """``speedtronic train --config cfg *extra`` under the driver (text pipes)."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    return subprocess.Popen([sys.executable, str(driver), "train", "--config", str(cfg), *extra],
+                            env={**os.environ, "AT": str(at), "OMP_NUM_THREADS": "1", **env},
+                            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def wait_for_pause(proc: subprocess.Popen) -> None:
+    """Read the run's console (its log lines come first) up to the driver's "paused"."""
+    for line in proc.stdout:
+        if line.strip() == "paused":
+            return
+    raise AssertionError(f"the run ended before it paused: {proc.stderr.read()[-2000:]}")
+
+
+def resume_run(proc: subprocess.Popen) -> tuple[str, str]:
+    """Let a paused run go on; its (stdout, stderr) once it ends."""
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    return proc.communicate(timeout=300)
