@@ -2,8 +2,8 @@
 
 Every subcommand is two functions, ``_add_<name>(subparsers)`` and ``_cmd_<name>(args)``,
 listed in :data:`SUBCOMMANDS`; adding one (e.g. ``compare``) is one entry plus those two
-functions. Heavy imports (torch) happen inside the ``_cmd_*`` functions, so ``validate`` and
-``--help`` never load torch.
+functions. Heavy imports (torch) happen inside the ``_cmd_*`` functions, so ``--help`` and
+``validate --config-only`` never load torch (``validate`` runs train's checks, which do).
 
 Any error a user can cause prints one line ``speedtronic: error: ...`` on stderr and exits 2;
 ``--debug`` shows the traceback instead. A run stopped by a preemption signal (after saving)
@@ -162,9 +162,13 @@ def _cmd_prepare(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------------------------- validate
 def _add_validate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("validate", help="check a config and print it resolved (secrets redacted)")
+    p = sub.add_parser("validate", help="check a config as train would before it starts "
+                                        "(model, sizes, data files, run directory) and print "
+                                        "it resolved (secrets redacted)")
     p.add_argument("--config", required=True, help="YAML or JSON config file")
     p.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    p.add_argument("--config-only", action="store_true",
+                   help="check the config's keys and values only (no torch import, no files)")
     _add_set(p)
 
 
@@ -191,7 +195,21 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     from ..config import load_config
 
-    data = load_config(args.config, args.overrides).to_dict(redact=True)
+    cfg = load_config(args.config, args.overrides)
+    if not args.config_only:
+        from ..train.preflight import preflight
+
+        # The checks' own log lines would land in stdout, which holds the config alone.
+        quiet = logging.getLogger("speedtronic")
+        level = quiet.level
+        quiet.setLevel(logging.WARNING)
+        try:
+            lines = preflight(cfg)
+        finally:
+            quiet.setLevel(level)
+        for line in lines:
+            print(f"ok: {line}", file=sys.stderr)
+    data = cfg.to_dict(redact=True)
     if args.format == "json":
         print(_strict_json(data))
     else:

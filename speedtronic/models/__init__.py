@@ -8,16 +8,21 @@ tensor, ``{"loss": ...}`` or ``(loss, ...)``.
 
 from __future__ import annotations
 
-from .loss import extract_loss
-from .registry import BUILTIN_MODELS, ModelFactory, build_model, register_model, registered_models
+from .builtin import BUILTIN_MODELS
+
+# The rest import torch: loaded on first use (PEP 562), so `from speedtronic.models import
+# BUILTIN_MODELS` or `speedtronic.models.builtin` (validate) stay torch-free.
+_LAZY = {"extract_loss": "loss", "ModelFactory": "registry", "build_model": "registry",
+         "register_model": "registry", "registered_models": "registry",
+         "ReferenceTransformer": "reference"}
 
 __all__ = ["BUILTIN_MODELS", "ModelFactory", "ReferenceTransformer", "build_model", "extract_loss",
            "register_model", "registered_models"]
 
 
 def __getattr__(name: str):
-    if name == "ReferenceTransformer":
-        from .reference import ReferenceTransformer
+    if name in _LAZY:
+        import importlib
 
-        return ReferenceTransformer
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'speedtronic.models' has no attribute {name!r}")

@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..config import ConfigError, ModelConfig
 from ..kernels import cpu as cpu_kernels
+from .builtin import swiglu_hidden
 
 __all__ = ["ReferenceTransformer", "RMSNorm", "apply_rope", "rope_tables", "swiglu_hidden"]
 
@@ -54,17 +55,6 @@ def _use_sdpa_gqa(q: torch.Tensor) -> bool:
         return False
     return (q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256
             and torch.cuda.get_device_properties(q.device).major >= 8)
-
-
-def swiglu_hidden(d_model: int, d_ff: int | None) -> int:
-    """SwiGLU hidden width: ``d_ff`` if given, else 8/3 * d_model rounded up to a multiple of 64.
-
-    8/3 keeps the parameter count of a 4x GELU MLP (three matrices instead of two); the
-    multiple of 64 keeps the GEMM dims aligned for tensor cores.
-    """
-    if d_ff is not None:
-        return d_ff
-    return 64 * math.ceil(8 * d_model / 3 / 64)
 
 
 class RMSNorm(nn.Module):

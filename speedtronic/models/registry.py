@@ -19,6 +19,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig, SpeedtronicConfig
 from ..errors import SpeedtronicError
+from .builtin import BUILTIN_MODELS
 from .loss import extract_loss
 
 __all__ = ["register_model", "build_model", "registered_models", "extract_loss", "ModelFactory",
@@ -30,13 +31,6 @@ ModelFactory = Callable[[ModelConfig], nn.Module]
 F = TypeVar("F", bound=ModelFactory)
 
 _REGISTRY: dict[str, ModelFactory] = {}
-
-#: The models that ship with the package: ``model.name`` -> ``"module:factory"``.
-BUILTIN_MODELS: dict[str, str] = {
-    "reference_transformer": "speedtronic.models.reference:build_reference_transformer",
-    "gpt": "speedtronic.models.reference:build_reference_transformer",
-}
-
 
 def register_model(name: str, factory: F | None = None) -> Any:
     """Register ``factory`` under ``name``; usable as ``@register_model("name")`` or directly.

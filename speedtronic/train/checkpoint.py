@@ -329,10 +329,10 @@ class CheckpointManager:
             # never the advice for a file that is not what a Speedtronic save writes.
             found = re.search(r"GLOBAL (\S+)|Unsupported global: (\S+)", str(exc))
             what = f" ({(found.group(1) or found.group(2)).rstrip(',')})" if found else ""
-            raise CheckpointError(f"{path.name} holds Python objects beyond tensors and plain "
-                                  f"values{what}, so it was refused unopened (loading it could "
-                                  "run code). Speedtronic checkpoints never hold such objects: "
-                                  "this file was written by something else") from None
+            raise CheckpointError(f"{path.name} cannot be loaded: it holds Python objects "
+                                  f"beyond tensors and plain values{what}, refused unopened "
+                                  "(loading it could run code). Speedtronic checkpoints never "
+                                  "hold such objects: something else wrote this file") from None
         except Exception as exc:  # torn zip, I/O error
             raise CheckpointError(f"{path.name} cannot be loaded ({type(exc).__name__}: "
                                   f"{str(exc).splitlines()[0][:300] if str(exc) else ''})"

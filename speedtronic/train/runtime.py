@@ -32,6 +32,7 @@ from . import host_memory
 from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, restore_rng_state
 from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook, require_hook_packages
 from .precision import resolve_device, resolve_precision
+from .preflight import check_model_size
 from .run_lock import RunLock
 from .trainer import Trainer, TrainerCallback, TrainResult
 
@@ -231,6 +232,7 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
         # tokenized now, on first use); model.vocab_size follows the tokenizer when unset.
         check_data(cfg)
     if model is None:
+        check_model_size(cfg, dev.type)  # closed form: a 10^12-parameter typo fails here
         model = build_model(cfg.model)
     model = model.to(dev)
     if data is None:

@@ -1,0 +1,40 @@
+"""The models that ship with the package, by name, and their sizes in closed form.
+
+Imports no torch: ``speedtronic validate`` resolves ``model.name`` and checks that a model's
+size can be trained here without loading torch (0.2 s instead of ~2.5 s).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+__all__ = ["BUILTIN_MODELS", "builtin_parameters", "swiglu_hidden"]
+
+#: The models that ship with the package: ``model.name`` -> ``"module:factory"``.
+BUILTIN_MODELS: dict[str, str] = {
+    "reference_transformer": "speedtronic.models.reference:build_reference_transformer",
+    "gpt": "speedtronic.models.reference:build_reference_transformer",
+}
+
+
+def swiglu_hidden(d_model: int, d_ff: int | None) -> int:
+    """SwiGLU hidden width: ``d_ff`` if given, else 8/3 * d_model rounded up to a multiple of 64.
+
+    8/3 keeps the parameter count of a 4x GELU MLP (three matrices instead of two); the
+    multiple of 64 keeps the GEMM dims aligned for tensor cores.
+    """
+    if d_ff is not None:
+        return d_ff
+    return 64 * math.ceil(8 * d_model / 3 / 64)
+
+
+def builtin_parameters(model: Any) -> int | None:
+    """Parameters of a built-in decoder from its ``ModelConfig`` (norm gains left out: within
+    0.1% at any size that matters); None for a model that is not built in."""
+    if model.name not in BUILTIN_MODELS:
+        return None
+    d, vocab = model.d_model, model.vocab_size or 256
+    kv = (model.n_kv_head or model.n_head) * (d // max(1, model.n_head))
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * swiglu_hidden(d, model.d_ff)  # attn + SwiGLU
+    return model.n_layer * per_layer + vocab * d * (1 if model.tie_weights else 2)

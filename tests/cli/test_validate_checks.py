@@ -1,0 +1,76 @@
+"""``validate`` runs every check ``train`` makes before touching a device (it once returned 0
+for configs ``train`` refused at once), and still imports no torch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from speedtronic.cli import main
+
+BASE = {"run": {"name": "v", "max_steps": 2}, "model": {"d_model": 32, "n_layer": 1,
+                                                        "n_head": 2, "max_seq_len": 32}}
+
+
+def _cfg(tmp_path: Path, **sections) -> Path:
+    raw = {k: dict(v) for k, v in BASE.items()}
+    raw["run"]["output_dir"] = str(tmp_path / "runs")
+    for sec, values in sections.items():
+        raw.setdefault(sec, {}).update(values)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+@pytest.mark.parametrize(("sections", "message"), [
+    ({"data": {"tokens_path": "/no/such/tokens.bin"}}, "data.tokens_path: no such file"),
+    ({"model": {"name": "no_such_model"}}, "model.name: unknown model 'no_such_model'"),
+    ({"model": {"name": "no_such_pkg_xyz.mod:make"}}, "cannot import module 'no_such_pkg_xyz.mod'"),
+    ({"model": {"n_layer": 10_000, "d_model": 1024, "n_head": 16}}, "parameters need at least"),
+    ({"model": {"d_model": 4_000_000, "n_head": 1, "n_kv_head": 1}}, "beyond any single-machine"),
+    ({"run": {"seed": 2**64}}, "run.seed: must fit in 64 bits"),
+])
+def test_validate_refuses_what_train_refuses(tmp_path, capsys, sections, message):
+    cfg = _cfg(tmp_path, **sections)
+    assert main(["validate", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    # train refuses the same config with the same line, before it writes anything
+    assert main(["train", "--config", str(cfg)]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "v").exists()
+
+
+def test_validate_checks_token_ids_against_the_vocabulary(tmp_path, capsys):
+    tokens = tmp_path / "t.bin"
+    np.full(1000, 300, np.uint16).tofile(tokens)
+    cfg = _cfg(tmp_path, data={"tokens_path": str(tokens)}, model={"vocab_size": 256})
+    assert main(["validate", "--config", str(cfg)]) == 2
+    assert "model.vocab_size: 256 is too small" in capsys.readouterr().err
+
+
+def test_validate_reports_its_checks_on_stderr_and_the_config_alone_on_stdout(tmp_path,
+                                                                           capsys):
+    assert main(["validate", "--config", str(_cfg(tmp_path))]) == 0
+    captured = capsys.readouterr()
+    assert yaml.safe_load(captured.out)["run"]["name"] == "v"
+    assert "ok: model reference_transformer: about" in captured.err
+    assert "ok: run directory:" in captured.err
+
+
+def test_validate_with_its_checks_imports_no_torch(tmp_path):
+    tokens = tmp_path / "t.bin"
+    np.arange(1000, dtype=np.uint16).tofile(tokens)
+    cfg = _cfg(tmp_path, data={"tokens_path": str(tokens)}, model={"vocab_size": 1000})
+    code = ("import sys; from speedtronic.cli import main; rc = main(['validate', '--config', "
+            f"{str(cfg)!r}]); sys.stdout.flush(); print('TORCH', 'torch' in sys.modules); "
+            "sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().endswith("TORCH False")
