@@ -136,3 +136,22 @@ def test_host_syncs_per_step_of_each_policy(tmp_path, policy, per_step):
     host sync; skip reads one flag per step, as documented."""
     extra = _fit_syncs(tmp_path, 7, policy) - _fit_syncs(tmp_path, 3, policy)
     assert extra == 4 * per_step
+
+
+def test_gradscaler_skips_are_not_counted_as_non_finite(tmp_path):
+    """Under fp16 GradScaler an inf gradient norm is the scaler's normal skip, not an error;
+    only the loss counts then."""
+    cfg = tiny_config(tmp_path, run={"max_steps": 1, "eval_every": 0},
+                      checkpoint={"enabled": False})
+    trainer = build_trainer(cfg, model=TinyLM(), data=FixedData())
+    trainer.release_run_lock()
+    trainer._finite_steps = torch.zeros((), dtype=torch.int64)
+    trainer._loss_sum = torch.tensor(2.0)
+    trainer._count_finite_step(torch.tensor(float("inf")))
+    assert int(trainer._finite_steps) == 0  # without a scaler: counted as bad
+    trainer.scaler = object()  # any scaler: its skips are its business
+    trainer._count_finite_step(torch.tensor(float("inf")))
+    assert int(trainer._finite_steps) == 1
+    trainer._loss_sum = torch.tensor(float("nan"))
+    trainer._count_finite_step(torch.tensor(1.0))
+    assert int(trainer._finite_steps) == 1  # a NaN loss is bad with a scaler too
