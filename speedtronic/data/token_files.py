@@ -278,15 +278,15 @@ class TokenFileStore(TokenStore):
                     f"{f.stamp[0]} -> {st.st_size} bytes, modified again) at byte {where}; "
                     "the run stopped before training on it. Replace token files by writing a "
                     "new file and renaming it over the old one, never in place")
-            data = os.pread(fd, (hi - lo) * itemsize, where)
+            ids = np.empty(hi - lo, dtype=f.tokens.dtype)  # read straight into the array
+            got = os.preadv(fd, [memoryview(ids).cast("B")], where) if ids.size else 0
         except OSError as exc:
             raise DataChangedError(f"token file {str(f.path)!r}: read at byte {where} failed "
                                    f"({exc.strerror or exc})") from None
-        if len(data) != (hi - lo) * itemsize:
+        if got != ids.nbytes:
             raise DataChangedError(f"token file {str(f.path)!r} is shorter than when the run "
-                                   f"opened it: wanted {(hi - lo) * itemsize} bytes at byte "
-                                   f"{where}, got {len(data)} (truncated under the run?)")
-        ids = np.frombuffer(data, dtype=f.tokens.dtype)
+                                   f"opened it: wanted {ids.nbytes} bytes at byte {where}, got "
+                                   f"{got} (truncated under the run?)")
         if self.vocab_size is not None and ids.size and int(ids.max()) >= self.vocab_size:
             bad = int(np.argmax(ids >= self.vocab_size))
             raise DataChangedError(f"token file {str(f.path)!r} holds id {int(ids[bad])} at "
