@@ -180,6 +180,11 @@ class ModelConfig:
     """Share the token embedding with the output head."""
     rope_base: float = 10000.0
     """RoPE frequency base (> 0)."""
+    hf_config: Any = None
+    """With ``name: hf``: a Hugging Face model config, as a local folder holding
+    ``config.json`` or a mapping ``{model_type: llama, hidden_size: 64, ...}``; the model is
+    built by ``transformers`` with fresh weights, its vocab from ``vocab_size`` unless the mapping
+    sets one (docs/models.md)."""
     gradient_checkpointing: bool = False
     """Recompute block activations in backward (same as root ``gradient_checkpointing``)."""
 
@@ -198,6 +203,12 @@ class ModelConfig:
             _check(self.d_ff > 0, f"{p}.d_ff", f"must be > 0, got {self.d_ff}")
         _check(0.0 <= self.dropout < 1.0, f"{p}.dropout", f"must be in [0, 1), got {self.dropout}")
         _check(self.rope_base > 0, f"{p}.rope_base", f"must be > 0, got {self.rope_base}")
+        if self.hf_config is not None:
+            _check(self.name == "hf", f"{p}.hf_config", f"is only read with {p}.name: hf, got "
+                   f"{p}.name {brief(self.name)}")
+            _check(isinstance(self.hf_config, (str, dict)), f"{p}.hf_config",
+                   "must be a folder path or a mapping with model_type, got "
+                   f"{type(self.hf_config).__name__}")
 
 
 @dataclass

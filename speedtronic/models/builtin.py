@@ -9,13 +9,16 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["BUILTIN_MODELS", "builtin_parameters", "swiglu_hidden"]
+__all__ = ["BUILTIN_MODELS", "REFERENCE_MODELS", "builtin_parameters", "swiglu_hidden"]
 
 #: The models that ship with the package: ``model.name`` -> ``"module:factory"``.
 BUILTIN_MODELS: dict[str, str] = {
     "reference_transformer": "speedtronic.models.reference:build_reference_transformer",
     "gpt": "speedtronic.models.reference:build_reference_transformer",
+    "hf": "speedtronic.models.hf:build_hf_model",
 }
+#: The built-ins whose sizes follow ModelConfig's fields (``hf`` follows ``model.hf_config``).
+REFERENCE_MODELS = ("reference_transformer", "gpt")
 
 
 def swiglu_hidden(d_model: int, d_ff: int | None) -> int:
@@ -32,7 +35,7 @@ def swiglu_hidden(d_model: int, d_ff: int | None) -> int:
 def builtin_parameters(model: Any) -> int | None:
     """Parameters of a built-in decoder from its ``ModelConfig`` (norm gains left out: within
     0.1% at any size that matters); None for a model that is not built in."""
-    if model.name not in BUILTIN_MODELS:
+    if model.name not in REFERENCE_MODELS:
         return None
     d, vocab = model.d_model, model.vocab_size or 256
     kv = (model.n_kv_head or model.n_head) * (d // max(1, model.n_head))

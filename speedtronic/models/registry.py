@@ -20,6 +20,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig, SpeedtronicConfig
 from ..errors import SpeedtronicError
 from .builtin import BUILTIN_MODELS
+from .hf import adapt_model
 from .loss import extract_loss
 
 __all__ = ["register_model", "build_model", "registered_models", "extract_loss", "ModelFactory",
@@ -92,6 +93,7 @@ def build_model(cfg: SpeedtronicConfig | ModelConfig) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise SpeedtronicError(f"model factory {name!r} returned {type(model).__name__}, "
                                "expected a torch.nn.Module")
+    model = adapt_model(model, name)  # a Hugging Face model is called with keywords
     wants_ckpt = model_cfg.gradient_checkpointing or bool(getattr(cfg, "gradient_checkpointing",
                                                                   False))
     setter = getattr(model, "set_gradient_checkpointing", None)
