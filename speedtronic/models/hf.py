@@ -25,7 +25,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig
 
-__all__ = ["HFCausalLM", "adapt_model", "build_hf_model", "is_hf_model"]
+__all__ = ["HFCausalLM", "adapt_model", "build_hf_model", "check_forward", "is_hf_model"]
 
 IGNORE_INDEX = -100
 # Keys of a Hugging Face config that bound the sequence length, by model family.
@@ -137,20 +137,25 @@ def build_hf_model(cfg: ModelConfig) -> HFCausalLM:
     return HFCausalLM(hf)
 
 
-def adapt_model(model: nn.Module, name: str) -> nn.Module:
+def adapt_model(model: nn.Module) -> nn.Module:
     """What a factory returned, made callable as ``model(input_ids, labels) -> loss``: a
-    Hugging Face model is wrapped; a module whose forward takes neither two positional
-    arguments nor ``input_ids``/``labels`` keywords is refused, naming the accepted forms."""
-    if is_hf_model(model):
-        return HFCausalLM(model)
+    Hugging Face model is wrapped, anything else returned as is."""
+    return HFCausalLM(model) if is_hf_model(model) else model
+
+
+def check_forward(model: nn.Module, name: str) -> None:
+    """Refuse, before training, a model whose forward cannot take ``(input_ids, labels)``,
+    naming the accepted forms (the trainer's call would end in a TypeError traceback)."""
+    if isinstance(model, HFCausalLM):
+        return
     try:
         params = list(inspect.signature(model.forward).parameters.values())
     except (TypeError, ValueError):  # a C-implemented forward: leave it to the call
-        return model
+        return
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     variadic = any(p.kind == p.VAR_POSITIONAL for p in params)
     if variadic or len(positional) >= 2:
-        return model
+        return
     raise ConfigError(f"model.name: {name!r} returned {type(model).__name__}, whose forward"
                       f"{inspect.signature(model.forward)} takes neither (input_ids, labels) "
                       "nor is a Hugging Face PreTrainedModel. Accepted: forward(input_ids, "

@@ -93,7 +93,7 @@ def build_model(cfg: SpeedtronicConfig | ModelConfig) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise SpeedtronicError(f"model factory {name!r} returned {type(model).__name__}, "
                                "expected a torch.nn.Module")
-    model = adapt_model(model, name)  # a Hugging Face model is called with keywords
+    model = adapt_model(model)  # a Hugging Face model is called with keywords
     wants_ckpt = model_cfg.gradient_checkpointing or bool(getattr(cfg, "gradient_checkpointing",
                                                                   False))
     setter = getattr(model, "set_gradient_checkpointing", None)

@@ -28,6 +28,7 @@ from ..config import ConfigError, SpeedtronicConfig, load_config
 from ..data import DataBundle, build_data, check_data
 from ..kernels import cpu as cpu_kernels
 from ..models import build_model
+from ..models.hf import check_forward
 from . import host_memory
 from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, restore_rng_state
 from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook, require_hook_packages
@@ -234,6 +235,7 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
     if model is None:
         check_model_size(cfg, dev.type)  # closed form: a 10^12-parameter typo fails here
         model = build_model(cfg.model)
+        check_forward(model, cfg.model.name)
     model = model.to(dev)
     if data is None:
         data = _build_data(cfg, dev)
