@@ -1,4 +1,4 @@
-"""The ``speedtronic`` command: train | validate | env | plot.
+"""The ``speedtronic`` command: train | validate | prepare | env | plot | sample | export | compare.
 
 Every subcommand is two functions, ``_add_<name>(subparsers)`` and ``_cmd_<name>(args)``,
 listed in :data:`SUBCOMMANDS`; adding one (e.g. ``compare``) is one entry plus those two
@@ -261,9 +261,19 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse._SubParsersAction], None],
     "validate": (_add_validate, _cmd_validate),
     "env": (_add_env, _cmd_env),
     "plot": (_add_plot, _cmd_plot),
+    "sample": (lambda sub: _models_command().add_sample(sub),
+               lambda args: _models_command().cmd_sample(args)),
+    "export": (lambda sub: _models_command().add_export(sub),
+               lambda args: _models_command().cmd_export(args)),
     "compare": (lambda sub: _compare_command().add_parser(sub),
                 lambda args: _compare_command().run(args)),
 }
+
+
+def _models_command():  # speedtronic/cli/models.py: sample and export (torch inside)
+    from . import models
+
+    return models
 
 
 def _compare_command():  # speedtronic/compare/command.py (imports no torch)

@@ -1,0 +1,104 @@
+"""``speedtronic sample`` and ``speedtronic export``: a run's model, looked at and handed on.
+
+Both read a run directory (its ``config.yaml`` and newest verified checkpoint, or
+``--checkpoint``); ``sample`` writes nothing, ``export`` only its output folder (default
+``<RUN_DIR>/hf``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+
+def add_sample(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sample", help="generate text from a run's checkpoint")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="0 = greedy; higher = more random (default 0.8)")
+    p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely ids "
+                                                         "(0 = all)")
+    p.add_argument("--seed", type=int, default=0, help="same seed, same text (same device)")
+    p.add_argument("--checkpoint", help="a checkpoint file (default: the newest verified one)")
+    p.add_argument("--tokenizer", help="tokenizer.json for runs on token files without "
+                                       "data.tokenizer")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+
+
+def _codec(cfg: Any, tokenizer: str | None) -> tuple[Callable[[str], list[int]],
+                                                      Callable[[list[int]], str], int | None]:
+    """(encode, decode, end-of-text id) of the run's tokens."""
+    from ..config import ConfigError
+
+    spec = tokenizer or cfg.data.tokenizer
+    if spec:
+        from ..data.prepare import eos_id, load_tokenizer
+
+        tok = load_tokenizer(spec)
+        return (lambda text: tok.encode(text, add_special_tokens=False).ids,
+                lambda ids: tok.decode(ids), eos_id(tok))
+    if cfg.data.tokens_path is None and cfg.model.vocab_size == 256:  # bundled / text: bytes
+        return (lambda text: list(text.encode("utf-8")),
+                lambda ids: bytes(ids).decode("utf-8", errors="replace"), None)
+    raise ConfigError("sample: this run trained on token ids without data.tokenizer, so its "
+                      "text cannot be decoded: give --tokenizer path/to/tokenizer.json")
+
+
+def cmd_sample(args: argparse.Namespace) -> int:
+    import logging
+
+    from ..config import ConfigError
+    from ..models.generate import generate
+    from ..train.run_model import load_run_model
+
+    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
+        raise ConfigError("sample: --max-new-tokens must be >= 1, --temperature >= 0 and "
+                          "--top-k >= 0")
+    quiet = logging.getLogger("speedtronic")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # stdout holds the text alone
+    try:
+        model, cfg, path = load_run_model(args.run_dir, args.checkpoint, args.device)
+    finally:
+        quiet.setLevel(level)
+    encode, decode, stop = _codec(cfg, args.tokenizer)
+    prompt = encode(args.prompt)
+    if not prompt:
+        raise ConfigError("sample: --prompt encodes to no tokens")
+    print(f"sample: {path.name}, {args.max_new_tokens} tokens, temperature "
+          f"{args.temperature:g}, top-k {args.top_k or 'all'}, seed {args.seed} (no KV cache: "
+          "each token re-reads the window)", file=sys.stderr)
+    ids = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
+                   top_k=args.top_k or None, max_seq_len=cfg.model.max_seq_len, seed=args.seed,
+                   device=args.device, stop_id=stop)
+    print(args.prompt + decode(ids), flush=True)
+    return 0
+
+
+def add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a run's model as a Hugging Face folder "
+                                      "(LlamaForCausalLM for the reference model)")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("-o", "--output", help="folder to write (default: <RUN_DIR>/hf)")
+    p.add_argument("--checkpoint", help="a checkpoint file (default: the newest verified one)")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..models.export import export_hf
+    from ..train.run_model import load_run_model
+
+    model, cfg, path = load_run_model(args.run_dir, args.checkpoint)
+    out = export_hf(model, cfg.model, args.output or Path(args.run_dir) / "hf",
+                    tokenizer=cfg.data.tokenizer)
+    kind = "LlamaForCausalLM" if cfg.model.name != "hf" else "its Hugging Face class"
+    tok = "tokenizer.json copied" if (out / "tokenizer.json").exists() else \
+        "no tokenizer (byte-level ids are the UTF-8 bytes)" if cfg.model.vocab_size == 256 \
+        else "no tokenizer file"
+    print(f"exported {path.name} as {kind} to {out} ({tok})", flush=True)
+    return 0

@@ -1,0 +1,111 @@
+"""The reference model out to the Hugging Face format, as a ``LlamaForCausalLM`` folder.
+
+The reference decoder is Llama-shaped (RoPE, grouped-query attention, SwiGLU, RMSNorm eps 1e-5,
+no biases, optionally tied head), so only names change. Its RoPE is the half-split form
+(pairs ``x[i], x[i + hd/2]``), which is what transformers' Llama applies (``rotate_half``), so
+q/k need no permutation (that is only for Meta's interleaved checkpoints). A test loads the
+folder with transformers and compares logits with ours (fp32, <= 1e-5).
+
+A Hugging Face model trained through :class:`~speedtronic.models.hf.HFCausalLM` is written with
+its own ``save_pretrained``. Any other model is refused with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, ModelConfig
+from .builtin import swiglu_hidden
+
+__all__ = ["export_hf", "llama_config", "llama_state_dict"]
+
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.k_proj.weight": "self_attn.k_proj.weight",
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.o_proj.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+
+
+def llama_config(cfg: ModelConfig) -> dict[str, Any]:
+    """``config.json`` of the ``LlamaForCausalLM`` equal to the reference model of ``cfg``."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": swiglu_hidden(cfg.d_model, cfg.d_ff),
+        "num_hidden_layers": cfg.n_layer,
+        "num_attention_heads": cfg.n_head,
+        "num_key_value_heads": cfg.n_kv_head or cfg.n_head,
+        "head_dim": cfg.d_model // cfg.n_head,
+        "max_position_embeddings": cfg.max_seq_len,
+        "rms_norm_eps": 1e-5,  # RMSNorm's default in reference.py
+        "rope_theta": cfg.rope_base,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": cfg.tie_weights,
+        "torch_dtype": "float32",
+    }
+
+
+def llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Reference-model tensors under Llama names (a tied head is left to ``tie_word_embeddings``:
+    safetensors stores a tensor once)."""
+    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": state["embed.weight"],
+                                    "model.norm.weight": state["final_norm.weight"]}
+    if not cfg.tie_weights:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    for i in range(cfg.n_layer):
+        for ours, theirs in _BLOCK_NAMES.items():
+            out[f"model.layers.{i}.{theirs}"] = state[f"blocks.{i}.{ours}"]
+    unknown = {k for k in state if not (k.startswith(("embed.", "final_norm.", "lm_head.",
+                                                     "blocks.")))}
+    if unknown:
+        raise ConfigError(f"export: tensors with no Llama counterpart: {sorted(unknown)[:4]}")
+    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in out.items()}
+
+
+def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str | Path,
+              tokenizer: str | None = None) -> Path:
+    """Write ``model`` as a Hugging Face folder (see the module docstring); returns it."""
+    from .hf import HFCausalLM
+    from .reference import ReferenceTransformer
+
+    out = Path(out_dir)
+    if isinstance(model, HFCausalLM):
+        model.hf.save_pretrained(out)
+    elif isinstance(model, ReferenceTransformer):
+        try:
+            from safetensors.torch import save_file
+        except ImportError:
+            raise ConfigError("export needs the 'safetensors' package: pip install "
+                              "safetensors") from None
+        tensors = llama_state_dict(model.state_dict(), cfg)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps(llama_config(cfg), indent=2) + "\n")
+    else:
+        raise ConfigError(f"export: {type(model).__name__} is neither the reference model "
+                          "(exported as LlamaForCausalLM) nor a Hugging Face model (written "
+                          "with save_pretrained); a custom model has no known Hugging Face "
+                          "layout")
+    if tokenizer:
+        source = Path(tokenizer).expanduser()
+        source = source / "tokenizer.json" if source.is_dir() else source
+        if source.is_file():
+            shutil.copyfile(source, out / "tokenizer.json")
+    return out

@@ -1,0 +1,83 @@
+"""``speedtronic sample`` and ``speedtronic export``: deterministic text from a run, and a
+LlamaForCausalLM folder whose logits (and greedy decode) match ours."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from _engine_fixtures import TinyLM, one_thread, tiny_raw  # noqa: F401
+
+from speedtronic.cli import main
+from speedtronic.config import ConfigError, load_config
+from speedtronic.models.export import export_hf
+from speedtronic.models.generate import generate
+from speedtronic.train.run_model import load_run_model
+from speedtronic.train.runtime import train_from_config
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """A 6-step reference run with grouped K/V heads and an untied head (both export paths)."""
+    out = tmp_path_factory.mktemp("runs")
+    raw = tiny_raw(out, "r", model={"d_model": 32, "n_layer": 2, "n_head": 4, "n_kv_head": 2,
+                                    "tie_weights": False, "rope_base": 5000.0},
+                   run={"max_steps": 6, "eval_every": 0})
+    train_from_config(load_config(raw), plot=False)
+    return out / "r"
+
+
+def test_export_loads_in_transformers_with_equal_logits(run_dir, tmp_path, capsys):
+    assert main(["export", str(run_dir), "-o", str(tmp_path / "hf")]) == 0
+    assert "LlamaForCausalLM" in capsys.readouterr().out
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours, _, _ = load_run_model(run_dir)
+    x = torch.randint(0, ours.vocab_size, (2, 32))
+    with torch.no_grad():
+        diff = (ours(x) - hf(input_ids=x).logits).abs().max().item()
+    assert type(hf).__name__ == "LlamaForCausalLM" and diff <= 1e-5
+
+
+def test_greedy_sampling_matches_transformers_generate(run_dir, tmp_path):
+    ours, cfg, _ = load_run_model(run_dir)
+    export_hf(ours, cfg.model, tmp_path / "hf")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    prompt = [int(b) for b in b"def f(x):"]
+    mine = generate(ours, prompt, 16, temperature=0, max_seq_len=cfg.model.max_seq_len)
+    theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                         pad_token_id=0)[0, len(prompt):].tolist()
+    assert mine == theirs
+
+
+def test_sample_is_deterministic_for_a_seed(run_dir, capsys):
+    texts = []
+    for seed in (3, 3, 4):
+        assert main(["sample", str(run_dir), "--prompt", "import ", "--max-new-tokens", "24",
+                     "--seed", str(seed)]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].startswith("import ")
+    assert texts[0] != texts[2]
+
+
+def test_sample_and_export_refuse_what_they_cannot_do(tmp_path, capsys):
+    assert main(["sample", str(tmp_path)]) == 2
+    assert "is not a run directory" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="no known Hugging Face layout"):
+        export_hf(TinyLM(), load_config({}).model, tmp_path / "out")
+
+
+def test_a_hf_run_exports_with_save_pretrained(tmp_path, capsys):
+    raw = tiny_raw(tmp_path, "h", run={"max_steps": 2, "eval_every": 0},
+                   model={"name": "hf", "hf_config": {"model_type": "gpt2", "n_embd": 32,
+                                                      "n_layer": 1, "n_head": 2,
+                                                      "n_positions": 64}})
+    cfg_path = tmp_path / "h.yaml"
+    cfg_path.write_text(yaml.safe_dump(raw))
+    assert main(["train", "--config", str(cfg_path)]) == 0
+    assert main(["export", str(tmp_path / "h")]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "h" / "hf")
+    assert type(hf).__name__ == "GPT2LMHeadModel"
