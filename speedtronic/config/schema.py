@@ -185,6 +185,11 @@ class ModelConfig:
     ``config.json`` or a mapping ``{model_type: llama, hidden_size: 64, ...}``; the model is
     built by ``transformers`` with fresh weights, its vocab from ``vocab_size`` unless the mapping
     sets one (docs/models.md)."""
+    init_from: str | None = None
+    """Start a fresh run from trained weights (the optimizer starts fresh): a run directory
+    (its newest checkpoint), one of our checkpoint files, or a Hugging Face folder of
+    safetensors (Llama names convert into the reference model). Ignored by ``--resume``, whose
+    checkpoint holds the weights."""
     gradient_checkpointing: bool = False
     """Recompute block activations in backward (same as root ``gradient_checkpointing``)."""
 

@@ -23,7 +23,7 @@ from torch import nn
 from ..config import ConfigError, ModelConfig
 from .builtin import swiglu_hidden
 
-__all__ = ["export_hf", "llama_config", "llama_state_dict"]
+__all__ = ["export_hf", "llama_config", "llama_state_dict", "reference_state_from_llama"]
 
 _BLOCK_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -77,6 +77,25 @@ def llama_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[s
     if unknown:
         raise ConfigError(f"export: tensors with no Llama counterpart: {sorted(unknown)[:4]}")
     return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in out.items()}
+
+
+def reference_state_from_llama(tensors: dict[str, torch.Tensor],
+                               cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`llama_state_dict`: a Llama folder's tensors under reference-model
+    names (a tied head takes the embedding). Unknown or missing names are a ConfigError."""
+    inverse = {f"model.layers.{i}.{theirs}": f"blocks.{i}.{ours}"
+               for i in range(cfg.n_layer) for ours, theirs in _BLOCK_NAMES.items()}
+    inverse.update({"model.embed_tokens.weight": "embed.weight",
+                    "model.norm.weight": "final_norm.weight", "lm_head.weight": "lm_head.weight"})
+    unknown = sorted(k for k in tensors if k not in inverse and "rotary_emb" not in k)
+    if unknown:
+        raise ConfigError(f"model.init_from: tensors the reference model does not have (is it "
+                          f"a Llama folder of model.n_layer={cfg.n_layer} layers?): "
+                          f"{unknown[:4]}")
+    out = {inverse[k]: v for k, v in tensors.items() if k in inverse}
+    if "lm_head.weight" not in out and "embed.weight" in out:
+        out["lm_head.weight"] = out["embed.weight"]  # tie_word_embeddings: stored once
+    return out
 
 
 def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str | Path,

@@ -1,7 +1,11 @@
-"""A finished (or running) run's model, rebuilt from its directory: for ``sample`` and ``export``.
+"""Weights in and out of run directories: a run's model rebuilt for ``sample`` and ``export``,
+and ``model.init_from`` (a fresh run starting from trained weights).
 
-Reads ``<run dir>/config.yaml`` (what the run trained with, vocabulary resolved), builds the
-model and loads the newest verified checkpoint (or the one given). Nothing is written.
+:func:`load_run_model` reads ``<run dir>/config.yaml`` (what the run trained with, vocabulary
+resolved), builds the model and loads the newest verified checkpoint (or the one given).
+:func:`init_from` loads weights only (the optimizer starts fresh) from one of our checkpoints
+(verified), a run directory (its newest), or a Hugging Face folder of safetensors: into a
+``model.name: hf`` model as is, into the reference model from Llama names.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from ..config import ConfigError, SpeedtronicConfig, load_config
 from ..models import build_model
 from .checkpoint import CheckpointManager
 
-__all__ = ["load_run_model"]
+__all__ = ["init_from", "load_run_model"]
 
 
 def load_run_model(run_dir: str | Path, checkpoint: str | Path | None = None,
@@ -46,3 +50,68 @@ def load_run_model(run_dir: str | Path, checkpoint: str | Path | None = None,
         first = str(exc).splitlines()[0]
         raise ConfigError(f"{path.name} does not fit the model of {cfg_path}: {first}") from None
     return model.to(torch.device(device)).eval(), cfg, path
+
+
+def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    import json
+
+    try:
+        from safetensors.torch import load_file
+    except ImportError:
+        raise ConfigError("model.init_from: a Hugging Face folder needs the 'safetensors' "
+                          "package: pip install safetensors") from None
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise ConfigError(f"model.init_from: {str(folder)!r} holds neither model.safetensors "
+                          "nor model.safetensors.index.json (only safetensors are read: a "
+                          "pickle could run code)")
+    tensors: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors.update(load_file(str(folder / name)))
+    return tensors
+
+
+def init_from(model: nn.Module, cfg: SpeedtronicConfig) -> str:
+    """Load ``cfg.model.init_from``'s weights into ``model``; one line saying what was loaded.
+    Shapes or names that do not fit are one ConfigError naming the first few."""
+    from ..models.export import reference_state_from_llama
+    from ..models.hf import HFCausalLM
+
+    spec = Path(str(cfg.model.init_from)).expanduser()
+    if spec.is_dir() and (spec / "config.yaml").is_file():  # a run directory: its newest
+        run_cfg = load_config(spec / "config.yaml")
+        found = CheckpointManager(spec / run_cfg.checkpoint.directory).load_latest()
+        if found is None:
+            raise ConfigError(f"model.init_from: run {str(spec)!r} has no checkpoint")
+        state, path = found
+        tensors, target, what = state["model"], model, f"{path} (weights only)"
+    elif spec.is_file():
+        state = CheckpointManager(spec.parent).load(spec)
+        tensors, target, what = state["model"], model, f"{spec} (weights only)"
+    elif spec.is_dir():
+        tensors = _safetensors(spec)
+        if isinstance(model, HFCausalLM):
+            target, what = model.hf, f"Hugging Face folder {spec}"
+        else:
+            tensors = reference_state_from_llama(tensors, cfg.model)
+            target, what = model, f"Llama folder {spec} (converted names)"
+    else:
+        raise ConfigError(f"model.init_from: {str(spec)!r} does not exist (give a run "
+                          "directory, a checkpoint .pt, or a Hugging Face folder)")
+    try:
+        missing, unexpected = target.load_state_dict(tensors, strict=False)
+    except RuntimeError as exc:
+        details = [ln.strip() for ln in str(exc).splitlines()[1:] if ln.strip()]
+        raise ConfigError(f"model.init_from: {what} does not fit this model (did model.* "
+                          f"change?): {'; '.join(details[:3])[:600]}") from None
+    tied_ok = {"lm_head.weight"} if getattr(getattr(target, "config", None),
+                                            "tie_word_embeddings", False) else set()
+    missing = [k for k in missing if k not in tied_ok]
+    if missing or unexpected:
+        raise ConfigError(f"model.init_from: {what} does not fit this model: missing "
+                          f"{missing[:4]}, unexpected {list(unexpected)[:4]}")
+    return f"init_from: loaded {what}; the optimizer starts fresh"

@@ -35,6 +35,7 @@ from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook, require_ho
 from .precision import resolve_device, resolve_precision
 from .preflight import check_model_size
 from .run_lock import RunLock
+from .run_model import init_from
 from .trainer import Trainer, TrainerCallback, TrainResult
 
 logger = logging.getLogger("speedtronic.runtime")
@@ -236,6 +237,10 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
         check_model_size(cfg, dev.type)  # closed form: a 10^12-parameter typo fails here
         model = build_model(cfg.model)
         check_forward(model, cfg.model.name)
+        if cfg.model.init_from and not resume:
+            logger.info(init_from(model, cfg))
+        elif cfg.model.init_from:
+            logger.info("init_from: skipped (--resume loads the checkpoint's weights)")
     model = model.to(dev)
     if data is None:
         data = _build_data(cfg, dev)
@@ -317,7 +322,8 @@ def _open_log_file(buffer: _HeldLogLines) -> logging.Handler:
 #: Model keys a resumed run may change: they change how the same weights are trained or run,
 #: not which function they compute. Any other model.* change is refused (a different n_head or
 #: rope_base over the same tensors would silently train another model).
-_RESUMABLE_MODEL_KEYS = frozenset({"dropout", "gradient_checkpointing", "max_seq_len"})
+_RESUMABLE_MODEL_KEYS = frozenset({"dropout", "gradient_checkpointing", "max_seq_len",
+                                   "init_from"})
 
 
 def _resume(trainer: Trainer, directory: Path) -> bool:

@@ -1,0 +1,75 @@
+"""model.init_from: a fresh run starts from trained weights (a run directory, a checkpoint, a
+Hugging Face folder), with a fresh optimizer; what does not fit is one clear error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _engine_fixtures import one_thread, tiny_config  # noqa: F401
+
+from speedtronic.config import ConfigError
+from speedtronic.models.export import export_hf
+from speedtronic.train.checkpoint import CheckpointManager
+from speedtronic.train.runtime import build_trainer, train_from_config
+
+MODEL = {"d_model": 32, "n_layer": 2, "n_head": 4, "n_kv_head": 2}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("src")
+    train_from_config(tiny_config(out, "src", model=MODEL, run={"max_steps": 3,
+                                                                "eval_every": 0}), plot=False)
+    state, path = CheckpointManager(out / "src" / "checkpoints").load_latest()
+    return out / "src", path, state["model"]
+
+
+def _start(tmp_path, init_from, model=MODEL):
+    trainer = build_trainer(tiny_config(tmp_path, "dst", model={**model, "init_from":
+                                                                 str(init_from)}))
+    trainer.release_run_lock()
+    return trainer
+
+
+@pytest.mark.parametrize("source", ["run_dir", "checkpoint"])
+def test_init_from_our_run_or_checkpoint(tmp_path, trained, source):
+    run_dir, ckpt, weights = trained
+    trainer = _start(tmp_path, run_dir if source == "run_dir" else ckpt)
+    state = trainer.model.state_dict()
+    assert all(torch.equal(state[k], weights[k]) for k in weights)
+    assert trainer.step == 0 and not trainer.optimizer.state  # weights only
+
+
+def test_init_from_a_llama_folder_into_the_reference_model(tmp_path, trained):
+    pytest.importorskip("safetensors")
+    run_dir, _, weights = trained
+    src = build_trainer(tiny_config(tmp_path / "x", "x", model=MODEL))
+    src.release_run_lock()
+    src.model.load_state_dict(weights)
+    export_hf(src.model, src.config.model, tmp_path / "llama")
+    state = _start(tmp_path, tmp_path / "llama").model.state_dict()
+    assert all(torch.equal(state[k], weights[k]) for k in weights)
+
+
+def test_init_from_a_hf_folder_into_a_hf_model(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    spec = {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2, "n_positions": 64,
+            "vocab_size": 256}
+    torch.manual_seed(1)
+    hf = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(**spec))
+    hf.save_pretrained(tmp_path / "gpt2")
+    trainer = _start(tmp_path, tmp_path / "gpt2", model={"name": "hf", "hf_config": spec})
+    ours = trainer.model.hf.state_dict()
+    assert all(torch.equal(ours[k], v) for k, v in hf.state_dict().items())
+
+
+def test_what_does_not_fit_is_one_clear_error(tmp_path, trained):
+    run_dir, _, _ = trained
+    with pytest.raises(ConfigError, match="model.init_from: .* does not fit this model"):
+        _start(tmp_path, run_dir, model={**MODEL, "d_model": 64})
+    with pytest.raises(ConfigError, match="does not exist"):
+        _start(tmp_path, tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="neither model.safetensors"):
+        _start(tmp_path, tmp_path / "empty")
