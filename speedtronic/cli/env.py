@@ -22,6 +22,15 @@ def _version(module: str) -> str | None:
         return f"broken ({type(exc).__name__}: {exc})"
 
 
+def _dist_version(dist: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def collect_env() -> dict[str, Any]:
     """A dict of environment facts (JSON-serializable)."""
     import torch
@@ -52,6 +61,11 @@ def collect_env() -> dict[str, Any]:
     info["mps_available"] = bool(mps is not None and mps.is_available())
     for pkg in ("numpy", "yaml", "safetensors", "tqdm", "matplotlib", "tensorboard", "wandb"):
         info[pkg] = _version(pkg)
+    # Optional back ends, by their installed metadata: importing transformers or datasets
+    # would cost seconds and is not needed to report a version.
+    for dist in ("tokenizers", "datasets", "transformers", "huggingface_hub", "s3fs",
+                 "torchft", "lightning", "accelerate"):
+        info[dist] = _dist_version(dist)
     info["kernels"] = _kernel_status()
     info["cpu_kernels"] = _cpu_kernel_status()
     info["autotune"] = _autotune_table()

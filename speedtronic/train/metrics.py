@@ -35,8 +35,9 @@ def _fmt_count(x: float) -> str:
 def format_step_line(m: dict[str, Any], max_steps: int) -> str:
     """``step 50/500 | loss 2.3456 | lr 3.00e-04 | gnorm 0.84 | 12.3k tok/s | ...``."""
     parts = [f"step {m['step']}/{max_steps}", f"loss {m['loss']:.4f}"]
-    if m.get("lr") is not None:
-        parts.append(f"lr {m['lr']:.2e}")
+    if m.get("lr") is not None:  # the first param group's (Muon's in a hybrid optimizer)
+        group = f" ({m['lr_group']})" if m.get("lr_group") else ""
+        parts.append(f"lr {m['lr']:.2e}{group}")
     if m.get("grad_norm") is not None:
         parts.append(f"gnorm {m['grad_norm']:.3f}")
     parts.append(f"{_fmt_count(m['tokens_per_sec'])} tok/s")
@@ -48,7 +49,20 @@ def format_step_line(m: dict[str, Any], max_steps: int) -> str:
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
     if m.get("memory_bytes") is not None:
         parts.append(f"mem {m['memory_bytes'] / 2**30:.2f} GiB")
+    left = max_steps - int(m["step"])
+    if left > 0 and m.get("step_ms"):
+        parts.append(f"eta {_fmt_duration(left * m['step_ms'] / 1000.0)}")
     return " | ".join(parts)
+
+
+def _fmt_duration(seconds: float) -> str:
+    """``42s``, ``3m05s``, ``2h14m`` (time left at this interval's ms/step)."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _jsonable(value: Any) -> Any:

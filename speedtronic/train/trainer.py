@@ -583,6 +583,7 @@ class Trainer:
             "step": self.step,
             "loss": self.last_loss,
             "lr": lr_value,
+            "lr_group": self.optimizer.param_groups[0].get("name"),
             "grad_norm": norm_value,
             "tokens_per_sec": (self.tokens - interval.tokens) / dt,
             "samples_per_sec": (self.samples - interval.samples) / dt,

@@ -265,3 +265,17 @@ def test_an_unwritable_checkpoint_folder_stops_the_run_before_its_first_step(tmp
     assert len(err) == 1 and "not writable" in err[0] and "blocker" in err[0], err
     metrics = tmp_path / "out" / "t" / "metrics.jsonl"
     assert not metrics.exists() or '"train_step"' not in metrics.read_text()
+
+
+def test_env_lists_the_optional_packages_by_installed_version():
+    from importlib import metadata
+
+    from speedtronic.cli.env import collect_env
+
+    info = collect_env()
+    for dist in ("tokenizers", "datasets", "transformers", "huggingface_hub", "s3fs"):
+        try:
+            expected = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            expected = None
+        assert info[dist] == expected

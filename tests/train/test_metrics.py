@@ -19,7 +19,12 @@ RECORD = {"step": 10, "loss": 2.5, "lr": 3e-4, "grad_norm": 0.75, "tokens_per_se
 def test_step_line_has_every_metric():
     line = format_step_line(RECORD, 100)
     assert line == ("step 10/100 | loss 2.5000 | lr 3.00e-04 | gnorm 0.750 | 12.3k tok/s | "
-                    "96.4 samples/s | 41 ms/step | mem 1.50 GiB")
+                    "96.4 samples/s | 41 ms/step | mem 1.50 GiB | eta 4s")
+    # the time left at this ms/step, and the group the lr is read from
+    assert format_step_line({**RECORD, "step_ms": 2000.0, "lr_group": "muon"}, 2000).endswith(
+        "ms/step | mem 1.50 GiB | eta 1h06m")
+    assert "lr 3.00e-04 (muon)" in format_step_line({**RECORD, "lr_group": "muon"}, 100)
+    assert "eta" not in format_step_line(RECORD, 10)  # the last step: nothing left
 
 
 def test_jsonl_records_hooks_and_torn_last_line(tmp_path):
