@@ -127,9 +127,11 @@ def _warn_if_under_routed(routes: Any) -> None:
     if off and on_muon < off:
         largest = ", ".join(f"{n} {'x'.join(map(str, s))}" for n, s in shapes[:5])
         logger.warning("optimizer: only %.0f%% of the hidden-matrix parameters are on Muon; the "
-                       "largest on AdamW: %s. Set _speedtronic_optimizer_role = 'muon' on their "
-                       "module (or _speedtronic_muon_split = K for a fused projection; "
-                       "optimizer.muon_conv: true for convolution kernels); "
+                       "largest on AdamW: %s. Set _speedtronic_optimizer_role = 'muon' on "
+                       "each of those parameters (on a module it reaches every parameter "
+                       "below it: on the root model that moves the embedding and head too), "
+                       "or _speedtronic_muon_split = K for a fused projection; "
+                       "optimizer.muon_conv: true for convolution kernels; "
                        "speedtronic.optim.describe_routing(model) prints the whole table",
                        100.0 * on_muon / (on_muon + off), largest)
 

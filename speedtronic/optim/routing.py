@@ -26,8 +26,10 @@ Rules, applied once per parameter *tensor* (tied/shared tensors are seen once):
    changes what a kernel's update means. Grouped and depthwise convolutions (independent small
    filters, not one map), transposed convolutions and input convolutions (at most 4 input
    channels: they read pixels as an embedding reads tokens) stay on AdamW.
-6. Everything else (norm gains, biases, raw ``nn.Parameter`` tensors) goes to AdamW; give the
-   owning module ``_speedtronic_optimizer_role = "muon"`` to change that.
+6. Everything else (norm gains, biases, raw ``nn.Parameter`` tensors) goes to AdamW; set
+   ``_speedtronic_optimizer_role = "muon"`` on such a parameter to change that (on a module the
+   role reaches every tensor it registers, so on a root model it would move the embedding and
+   head as well).
 
 AdamW params are split into decay / no-decay: tensors with fewer than 2 dims (biases, norm
 gains) and embeddings/heads do not decay unless ``decay_norms_and_biases`` /
