@@ -519,6 +519,9 @@ class LoggingConfig:
     """Log level of the ``speedtronic`` loggers."""
     every_steps: int = 10
     """Print and record train metrics every N optimizer steps."""
+    heartbeat_seconds: float = 30.0
+    """Print a "still running" line when nothing was printed for this many seconds (a long
+    first step, eval or save); 0 = off."""
     file: str | None = None
     """Also write the text log to this file."""
     progress_bar: bool | None = None
@@ -532,6 +535,8 @@ class LoggingConfig:
 
     def validate(self, p: str = "logging") -> None:
         _check(self.every_steps > 0, f"{p}.every_steps", f"must be > 0, got {self.every_steps}")
+        _check(self.heartbeat_seconds >= 0, f"{p}.heartbeat_seconds",
+               f"must be >= 0 (0 = off), got {self.heartbeat_seconds}")
 
 
 @dataclass

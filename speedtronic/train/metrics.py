@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -132,6 +133,9 @@ class MetricsLogger:
         self.hooks: list[Hook] = list(hooks)
         self._failed_hooks: set[int] = set()
         self._t0 = time.time()
+        self.last_line = time.monotonic()  # read by Heartbeat
+        self.doing = "starting"
+        """What the run is doing now (``step 12/300``, ``eval at step 50``), for Heartbeat."""
         use_bar = sys.stdout.isatty() if progress_bar is None else progress_bar
         self._bar = None
         if use_bar:
@@ -142,6 +146,7 @@ class MetricsLogger:
 
     def line(self, text: str) -> None:
         """Print one human-readable line (above the bar when one is shown)."""
+        self.last_line = time.monotonic()
         if self._bar is not None:
             self._bar.write(text)
         else:
@@ -185,6 +190,43 @@ class MetricsLogger:
                 close()
         if self._file is not None and not self._file.closed:
             self._file.close()
+
+
+class Heartbeat:
+    """A console line when nothing was printed for ``every`` seconds: a long first step (a large
+    model on a CPU, a compile), a slow eval or save would otherwise look like a hang. Host-side
+    only (a daemon thread reading two attributes); it never touches a device.
+
+    Args:
+        metrics: the logger whose ``line`` / ``doing`` it watches.
+        every: seconds of silence before a line (and between two of them); <= 0 is off.
+    """
+
+    def __init__(self, metrics: MetricsLogger, every: float) -> None:
+        self.metrics, self.every = metrics, every
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = time.monotonic()
+
+    def __enter__(self) -> Heartbeat:
+        if self.every > 0:
+            self._thread = threading.Thread(target=self._run, name="speedtronic-heartbeat",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(min(5.0, self.every / 4)):
+            quiet = time.monotonic() - self.metrics.last_line
+            if quiet >= self.every:
+                self.metrics.line(f"... {self.metrics.doing}: still running ({quiet:.0f} s since "
+                                  f"the last line, {time.monotonic() - self._t0:.0f} s into "
+                                  "the run)")
 
 
 def iter_metrics(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:

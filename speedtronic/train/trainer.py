@@ -28,7 +28,7 @@ from ..ooo.trial import OOOTrial
 from . import shapes
 from .accumulation import IGNORE_INDEX, StepWeights, counted_tokens
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
-from .metrics import MetricsLogger, format_step_line
+from .metrics import Heartbeat, MetricsLogger, format_step_line
 from .mfu import MfuMeter
 from .precision import PrecisionPlan, compile_error_types, decide_compile, max_memory_bytes
 from .preemption import PreemptionGuard, requeue_slurm_job
@@ -646,9 +646,12 @@ class Trainer:
         # Installed here, after on_train_start (a DiLoCo node may wait minutes for its first
         # global): a signal before the first step has no work to save and stops at once.
         preemption = PreemptionGuard(cfg.train.preemption_signals)
+        heartbeat = Heartbeat(self.metrics, cfg.logging.heartbeat_seconds)
         try:
             preemption.__enter__()
+            heartbeat.__enter__()
             while self.step < target:
+                self.metrics.doing = f"step {self.step + 1}/{target}"
                 trial = self._ooo_trial
                 if trial is not None:
                     trial.begin_step()
@@ -687,10 +690,12 @@ class Trainer:
                     torch.cuda.synchronize(self.device)
                 t_pause = time.perf_counter()
                 if save_due:  # before the eval: an eval that fails must not cost the checkpoint
+                    self.metrics.doing = f"saving the checkpoint of step {self.step}"
                     self._eval_pending = eval_due
                     self.save_checkpoint()
                     self._eval_pending = False
                 if eval_due:
+                    self.metrics.doing = f"evaluating at step {self.step}"
                     self.evaluate()
                 # Evaluations and checkpoints are not training steps: keep them out of the
                 # interval's ms/step, tokens/s and MFU (an eval once put 93 against 77 ms/step).
@@ -701,6 +706,7 @@ class Trainer:
             self.stopped_by = exc  # callbacks' on_train_end tell an interrupted run from a done one
             raise
         finally:
+            heartbeat.__exit__(None, None, None)
             preemption.__exit__(None, None, None)
             if self._ooo_trial is not None:  # the run ended before the trial did
                 self._ooo_trial.abandon()

@@ -142,3 +142,27 @@ def test_a_whole_last_record_without_its_newline_is_kept(tmp_path):
     m.emit("train_step", {"step": 3, "loss": 1.0})
     m.close()
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
+
+
+def test_heartbeat_prints_when_nothing_was_printed_for_a_while():
+    """A long first step or eval looked like a hang: 4 minutes of silence on a 2-core CPU."""
+    import threading
+    import time as _time
+    from types import SimpleNamespace
+
+    from speedtronic.train.metrics import Heartbeat
+
+    said: list[str] = []
+    printed = threading.Event()
+
+    def line(text: str) -> None:
+        said.append(text)
+        fake.last_line = _time.monotonic()
+        printed.set()
+
+    fake = SimpleNamespace(last_line=_time.monotonic() - 100.0, doing="step 1/300", line=line)
+    with Heartbeat(fake, every=0.2):
+        assert printed.wait(timeout=30)
+    assert said and said[0].startswith("... step 1/300: still running")
+    with Heartbeat(fake, every=0) as off:  # logging.heartbeat_seconds: 0
+        assert off._thread is None
