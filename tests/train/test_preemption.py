@@ -162,3 +162,31 @@ def test_temp_files_of_a_live_writer_are_left_alone(tmp_path):
         assert live.exists() and not dead.exists()
     finally:
         sleeper.communicate(b"")
+
+
+def test_a_preempted_diloco_node_saves_uploads_whole_objects_and_resumes(tmp_path):
+    """A DiLoCo master-that-trains gets SIGTERM mid-round: it saves, stops its master thread,
+    sends its partial round as one complete delta (no torn object in the store) and exits 143;
+    --resume re-installs the newest global and finishes."""
+    pytest.importorskip("safetensors")
+    from safetensors.torch import load_file
+
+    raw = tiny_raw(tmp_path / "runs", "m", run={"max_steps": 10, "eval_every": 0},
+                   checkpoint={"every_steps": 4})
+    raw["distributed"] = {"enabled": True, "role": "master", "node_id": "m0",
+                          "store": f"file://{tmp_path / 'store'}", "inner_steps": 3,
+                          "poll_interval": 0.2, "lease_ttl": 5, "expected_workers": 1,
+                          "master_idle_timeout": 2, "shutdown_timeout": 30}
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text(yaml.safe_dump(raw))
+    proc = launch_cli(tmp_path, cfg, 5, SIG="SIGTERM")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-2000:]
+    run_dir = tmp_path / "runs" / "m"
+    assert [s for s, _ in CheckpointManager(run_dir / "checkpoints").list()] == [5, 4]
+    objects = [p for p in (tmp_path / "store").rglob("*") if p.is_file()]
+    assert not [p for p in objects if ".tmp" in p.name], "a torn upload was left in the store"
+    deltas = [p for p in objects if p.parent.parent.name == "m0" and p.suffix == ".safetensors"]
+    assert deltas and all(load_file(str(p)) for p in deltas)
+    result = train_from_config(load_config(cfg), resume=True, plot=False)
+    assert result.steps == 10
