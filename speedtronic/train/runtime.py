@@ -30,10 +30,11 @@ from ..kernels import cpu as cpu_kernels
 from ..models import build_model
 from ..models.hf import check_forward
 from . import host_memory
-from .checkpoint import CheckpointError, CheckpointManager, capture_rng_state, restore_rng_state
+from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook, require_hook_packages
 from .precision import resolve_device, resolve_precision
 from .preflight import check_model_size
+from .resume import resume_trainer
 from .run_lock import RunLock
 from .run_model import init_from
 from .trainer import Trainer, TrainerCallback, TrainResult
@@ -258,7 +259,7 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
     trainer = Trainer(model, optimizer, data, cfg, device=dev, precision=plan,
                       scheduler=scheduler, checkpoints=None, callbacks=callbacks, run_dir=run_dir)
     if resume:
-        _resume(trainer, ckpt_dir)
+        resume_trainer(trainer, ckpt_dir)
     return trainer
 
 
@@ -317,106 +318,6 @@ def _open_log_file(buffer: _HeldLogLines) -> logging.Handler:
     buffer.close()
     root.addHandler(handler)
     return handler
-
-
-#: Model keys a resumed run may change: they change how the same weights are trained or run,
-#: not which function they compute. Any other model.* change is refused (a different n_head or
-#: rope_base over the same tensors would silently train another model).
-_RESUMABLE_MODEL_KEYS = frozenset({"dropout", "gradient_checkpointing", "max_seq_len",
-                                   "init_from"})
-
-
-def _resume(trainer: Trainer, directory: Path) -> bool:
-    """Load the newest usable checkpoint of ``directory`` into ``trainer``; True if one was.
-
-    Raises (before anything is written) when the checkpoint does not fit this run."""
-    found = CheckpointManager(directory, keep_last=None).load_latest()
-    if found is None:
-        logger.warning("resume: no checkpoint in %s; starting from step 0", directory)
-        return False
-    state, path = found
-    saved = state.get("config") or {}
-    current = trainer.config.to_dict(redact=True)
-    saved_model, current_model = saved.get("model") or {}, current.get("model") or {}
-    refused = [k for k in sorted(set(saved_model) | set(current_model))
-               if saved_model and k not in _RESUMABLE_MODEL_KEYS
-               and saved_model.get(k) != current_model.get(k)]
-    if refused:
-        what = "; ".join(f"model.{k} is {current_model.get(k)!r} here but "
-                         f"{saved_model.get(k)!r} in the checkpoint" for k in refused[:4])
-        raise CheckpointError(f"cannot resume from {path}: {what}. A resumed run keeps the "
-                              "model's architecture: set those keys back, or train a fresh run "
-                              "(without --resume, or under another run.name)")
-    step, target = int(state["step"]), trainer.config.run.max_steps
-    if step > target:
-        raise CheckpointError(f"cannot resume from {path}: it is at step {step}, beyond "
-                              f"run.max_steps {target}; set --max-steps (run.max_steps) above "
-                              f"{step} to train further")
-    changed = [f"{sec}.{k}: {_short(v)} -> {_short((current.get(sec) or {}).get(k))}"
-               for sec in ("optimizer", "scheduler", "model", "data", "train")
-               for k, v in (saved.get(sec) or {}).items()
-               if (current.get(sec) or {}).get(k) != v]
-    fresh = _hyper_parameters(trainer)
-    trainer.load_state_dict(state)
-    if changed:
-        # The config's values are the ones that run (and config.yaml records them): the loaded
-        # optimizer groups and schedule get them back; the state (moments, step) is kept.
-        _reapply_hyper_parameters(trainer, fresh)
-        logger.warning("resume: the config differs from the checkpoint's; running with the "
-                       "config's values (the run will not match an uninterrupted one): %s",
-                       "; ".join(changed[:12]) + ("; ..." if len(changed) > 12 else ""))
-    logger.info("resume: loaded %s (step %d of %d)%s", path, trainer.step, target,
-                "; nothing left to train (raise run.max_steps to continue)"
-                if step == target else "")
-    return True
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
-
-
-#: Param-group entries that are bookkeeping, not hyper-parameters of the config.
-_GROUP_BOOKKEEPING = frozenset({"params", "initial_lr", "lr"})
-
-
-def _hyper_parameters(trainer: Trainer) -> tuple[list[dict[str, Any]], list[float] | None]:
-    """The freshly built optimizer's per-group hyper-parameters (from this config) and the
-    schedule's base lrs, taken before a checkpoint's values replace them."""
-    groups = [{k: (float(v) if isinstance(v, torch.Tensor) and v.dim() == 0 else v)
-               for k, v in g.items() if k not in _GROUP_BOOKKEEPING}
-              for g in trainer.optimizer.param_groups]
-    base = list(trainer.scheduler.base_lrs) if trainer.scheduler is not None else \
-        [float(g["lr"]) for g in trainer.optimizer.param_groups]
-    return groups, [float(b) for b in base]
-
-
-def _reapply_hyper_parameters(trainer: Trainer,
-                              fresh: tuple[list[dict[str, Any]], list[float] | None]) -> None:
-    """Put this config's hyper-parameters back over a loaded checkpoint's: every group value
-    (weight decay, betas, eps, momentum, ...), the schedule's base lrs and the lr of the
-    current step from this config's schedule. 0-d tensor values are filled in place, as the
-    schedulers do (the Muon step keeps its hyper-parameters as device tensors)."""
-    groups, base = fresh
-    opt, sched = trainer.optimizer, trainer.scheduler
-    for group, values, base_lr in zip(opt.param_groups, groups, base or [], strict=False):
-        for key, value in values.items():
-            _set_group_value(group, key, value)
-        if "initial_lr" in group:
-            _set_group_value(group, "initial_lr", base_lr)
-        factor = sched.lr_lambdas[0](sched.last_epoch) if sched is not None else 1.0
-        _set_group_value(group, "lr", base_lr * factor)
-    if sched is not None:
-        sched.base_lrs = list(base or sched.base_lrs)
-        sched._last_lr = [g["lr"] for g in opt.param_groups]  # what get_last_lr() reports
-
-
-def _set_group_value(group: dict[str, Any], key: str, value: Any) -> None:
-    if isinstance(group.get(key), torch.Tensor) and group[key].dim() == 0 \
-            and isinstance(value, (int, float)):
-        group[key].fill_(value)  # in place: the step may hold this tensor
-    else:
-        group[key] = value
 
 
 def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: bool = False,

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..config import SpeedtronicConfig
-from ..errors import NonFiniteError, RunPreempted, SpeedtronicError
+from ..errors import RunPreempted, SpeedtronicError
 from ..models.loss import extract_loss
 from ..ooo import scheduler as ooo
 from ..ooo.trial import OOOTrial
@@ -30,6 +30,7 @@ from .accumulation import IGNORE_INDEX, StepWeights, counted_tokens
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from .metrics import Heartbeat, MetricsLogger, format_step_line
 from .mfu import MfuMeter
+from .nonfinite import NonFiniteGuard
 from .precision import PrecisionPlan, compile_error_types, decide_compile, max_memory_bytes
 from .preemption import PreemptionGuard, requeue_slurm_job
 
@@ -90,7 +91,7 @@ def _guard_counters(optimizer: Any) -> list[tuple[tuple[int, int], torch.Tensor]
     return [(g.shape, g.nonfinite) for g in cache.groups if g.nonfinite is not None]
 
 
-class Trainer:
+class Trainer(NonFiniteGuard):
     """Runs optimizer steps until ``config.run.max_steps`` (an absolute step target).
 
     Args:
@@ -148,7 +149,7 @@ class Trainer:
         self._finite_steps = torch.zeros((), dtype=torch.int64)  # a device tensor in fit
         self._skip_nonfinite = config.train.on_nonfinite == "skip"
         self._skipped_in_row = 0
-        self._loss_before_step = self._finite_steps  # set each step in skip mode (see fit)
+        self._loss_before_step = torch.zeros(())  # set each step in skip mode (see fit)
         self._micro_before_step = 0
         self._interval_first_step = 0  # the step the open log interval started after
         self.skipped_steps = 0
@@ -316,76 +317,6 @@ class Trainer:
         self._last_save_time = time.perf_counter()
         self.metrics.emit("checkpoint", {"step": self.step, "path": str(path)})
         return path
-
-    # ----------------------------------------------------------------------------- non-finite
-    def _count_finite_step(self, grad_norm: torch.Tensor | None) -> None:
-        """Add this step to the device-side count of finite steps (no host read).
-
-        A NaN in ``_loss_sum`` sticks until the log step zeroes it, so the count stops at the
-        first bad step and names it. A non-finite gradient norm counts too, except under
-        GradScaler, whose skipped fp16 steps are normal (their inf norm is why it skips)."""
-        ok = torch.isfinite(self._loss_sum)
-        if grad_norm is not None and self.scaler is None:
-            ok = ok & torch.isfinite(grad_norm).to(ok.device)
-        self._finite_steps += ok
-
-    def _nonfinite_error(self, step: int, what: str) -> NonFiniteError:
-        lr = self.config.optimizer.lr
-        saved = (f"the newest checkpoint (step {self._last_saved_step}) is finite and nothing "
-                 "after it was saved" if self.checkpoints is not None and
-                 self._last_saved_step >= 0 else "nothing non-finite was saved")
-        policy = (f"train.on_nonfinite: skip stops after train.max_skipped_steps="
-                  f"{self.config.train.max_skipped_steps} in a row" if self._skip_nonfinite
-                  else "train.on_nonfinite: stop")
-        return NonFiniteError(
-            f"step {step}: {what} is not finite (NaN or inf), so the run stopped ({policy}); "
-            f"{saved}. Try a lower optimizer.lr (now {lr:g}), "
-            + ("optimizer.grad_clip: 1.0, " if self.config.optimizer.grad_clip is None else "")
-            + "precision.mode: bf16 or fp32"
-            + ("" if self._skip_nonfinite else ", or train.on_nonfinite: skip to drop such steps")
-            + "; then train again (--resume continues from the checkpoint with the new values)")
-
-    def _refuse_nonfinite_state(self) -> None:
-        """Before a save: the interval's loss, its finite-step count and every weight must be
-        finite (one host read; the save reads every tensor anyway). A non-finite state is never
-        written, so ``keep_last`` can never prune the last finite checkpoint away."""
-        if not self.params:
-            return
-        # max |w| per tensor (ord=inf cannot overflow the way a 2-norm of large weights can)
-        peaks = torch._foreach_norm([p.detach() for p in self.params], ord=float("inf"))
-        weights_ok = torch.isfinite(torch.stack([t.float() for t in peaks])).all()
-        loss_ok = torch.isfinite(self._loss_sum.to(weights_ok.device))
-        finite_steps = self._finite_steps.to(weights_ok.device)
-        loss_fine, weights_fine, counted = torch.stack([loss_ok, weights_ok,
-                                                        finite_steps]).tolist()
-        first_bad = self._interval_first_step + int(counted) + 1
-        if not loss_fine or first_bad <= self.step:
-            raise self._nonfinite_error(min(first_bad, self.step),
-                                        "the training loss or gradient norm")
-        if not weights_fine:
-            raise self._nonfinite_error(self.step, "a model weight")
-
-    def _skip_if_nonfinite(self, norm: torch.Tensor | None) -> bool:
-        """``train.on_nonfinite: skip``: True (and the step's update dropped by the caller) when
-        this step's loss or gradient norm is not finite. One host read per step."""
-        ok = torch.isfinite(self._loss_sum)
-        if norm is not None and self.scaler is None:
-            ok = ok & torch.isfinite(norm).to(ok.device)
-        if bool(ok):
-            self._skipped_in_row = 0
-            return False
-        self._skipped_in_row += 1
-        self.skipped_steps += 1
-        step = self.step + 1
-        if self._skipped_in_row >= self.config.train.max_skipped_steps:
-            raise self._nonfinite_error(step, f"the loss or gradient norm of "
-                                              f"{self._skipped_in_row} steps in a row")
-        logger.warning("step %d: non-finite loss or gradient norm: update skipped "
-                       "(train.on_nonfinite: skip; %d in a row, %d in this run)", step,
-                       self._skipped_in_row, self.skipped_steps)
-        self.metrics.emit("nonfinite_skip", {"step": step, "in_a_row": self._skipped_in_row,
-                                             "total": self.skipped_steps})
-        return True
 
     def _end_ooo_trial(self, trial: OOOTrial, step: int) -> None:
         """Record the out-of-order trial's outcome; a scheduler it closed is dropped."""

@@ -85,8 +85,16 @@ def test_process_exit_code_and_no_traceback_then_debug_shows_it(tmp_path):
     assert after.returncode != 0 and "Traceback" in after.stderr
 
 
-def test_importing_the_cli_and_validate_do_not_import_torch(tmp_path):
-    cfg = _write(tmp_path / "ok.yaml", {"optimizer": "muon"})
+@pytest.mark.parametrize("data", ["bundled", "token_file"])
+def test_importing_the_cli_and_validate_do_not_import_torch(tmp_path, data):
+    """validate runs train's checks (model, sizes, data files) without torch."""
+    raw: dict = {"optimizer": "muon"}
+    if data == "token_file":
+        import numpy as np
+
+        np.arange(1000, dtype=np.uint16).tofile(tmp_path / "t.bin")
+        raw.update(data={"tokens_path": str(tmp_path / "t.bin")}, model={"vocab_size": 1000})
+    cfg = _write(tmp_path / "ok.yaml", raw)
     code = ("import sys; from speedtronic.cli import main; rc = main(['validate', '--config', "
             f"{str(cfg)!r}]); sys.stdout.flush(); print('TORCH', 'torch' in sys.modules); "
             "sys.exit(rc)")
