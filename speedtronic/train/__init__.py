@@ -6,6 +6,11 @@
   :mod:`.precision` (device, dtype and compile decisions), :mod:`.checkpoint` (atomic, resumable
   saves), :mod:`.metrics`, :mod:`.mfu`, :mod:`.plot`, :mod:`.host_memory` (glibc malloc tuning)
   and :mod:`.shapes` (start-up shape-alignment check) are its parts.
+* Reliability: :mod:`.nonfinite` (the NaN/inf guard), :mod:`.preemption` (signals -> save and
+  exit), :mod:`.run_lock` (one run per directory), :mod:`.resume` (what a resume honours),
+  :mod:`.preflight` (train's checks before any device, also run by ``validate``).
+* :mod:`.run_model`: a run's model from its directory (``sample``, ``export``) and
+  ``model.init_from``.
 
 May import every layer below it: config, kernels, models, data, optim, ooo, diloco. Only
 ``compare`` and ``cli`` import it.
