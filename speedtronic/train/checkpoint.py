@@ -96,11 +96,16 @@ def _writer_alive(tmp: Path) -> bool:
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` via temp file + fsync + rename + directory fsync."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -247,9 +252,14 @@ class CheckpointManager:
         else:
             why = " ".join(str(exc).split())[:200] or type(exc).__name__
         kept = self.list()
-        with contextlib.suppress(OSError):  # a half-written digest of this step must not stay
-            if not self.path_for(step).exists():
-                self.path_for(step).with_suffix(".sha256").unlink(missing_ok=True)
+        final, digest = self.path_for(step), self.path_for(step).with_suffix(".sha256")
+        with contextlib.suppress(OSError):  # this save's digest must not outlive its failure
+            if not final.exists():
+                digest.unlink(missing_ok=True)
+            elif digest.read_text(encoding="utf-8").strip() != _sha256_file(final):
+                # a forced re-save of a saved step failed after writing its digest: the digest
+                # must describe the file still in place, or that checkpoint would read corrupt
+                atomic_write_text(digest, _sha256_file(final) + "\n")
         newest = f"the newest, {kept[0][1].name}, is intact" if kept else "none was saved yet"
         return CheckpointError(f"saving the checkpoint of step {step} in {self.directory} "
                                f"failed: {why}; committed checkpoints are untouched ({newest}). "

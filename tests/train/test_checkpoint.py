@@ -234,3 +234,26 @@ def test_the_first_save_makes_its_new_folders_durable(tmp_path, monkeypatch):
     mgr = CheckpointManager(tmp_path / "run" / "checkpoints")
     mgr.save(1, {"step": 1, "model": {"w": torch.zeros(2)}})
     assert tmp_path in synced and tmp_path / "run" in synced  # parents of the two new folders
+
+
+def test_a_failed_resave_of_a_saved_step_leaves_that_checkpoint_verifiable(tmp_path,
+                                                                         monkeypatch):
+    """A forced re-save (DiLoCo's final weights) writes the new digest before the rename; if
+    the rename then fails, the old file must still verify."""
+    mgr = CheckpointManager(tmp_path, keep_last=None)
+    mgr.save(1, {"step": 1, "model": {"w": torch.zeros(8)}})
+
+    real_replace = os.replace
+
+    def no_room_for_the_checkpoint(src, dst, *args, **kwargs):
+        if str(dst).endswith(".pt"):  # the digest goes in first, then this rename fails
+            raise OSError(28, "No space left on device")
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", no_room_for_the_checkpoint)
+    with pytest.raises(CheckpointError, match="No space left on device"):
+        mgr.save(1, {"step": 1, "model": {"w": torch.ones(8)}})
+    monkeypatch.undo()
+    state = mgr.load(mgr.path_for(1))  # verifies the digest
+    assert torch.equal(state["model"]["w"], torch.zeros(8))
+    assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
