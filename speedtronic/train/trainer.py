@@ -144,7 +144,7 @@ class Trainer(NonFiniteGuard):
         self._last_saved_step = -1
         self._last_save_time = time.perf_counter()  # checkpoint.every_seconds counts from here
         # Non-finite guard (train.on_nonfinite): steps of the open log interval whose loss and
-        # gradient norm were finite, counted on the device (2-4 tiny ops a step, no host read);
+        # gradient norm were finite, counted on the device (3-4 tiny ops a step, no host read);
         # read with the loss at log steps and before every save.
         self._finite_steps = torch.zeros((), dtype=torch.int64)  # a device tensor in fit
         self._skip_nonfinite = config.train.on_nonfinite == "skip"
