@@ -57,9 +57,14 @@ _BRIEF.maxlist = _BRIEF.maxtuple = _BRIEF.maxdict = _BRIEF.maxset = 6
 _BRIEF.maxlevel = 2
 _BRIEF_MAX = 160  # characters of one echoed value
 
+#: Credentials in a URL's userinfo (``s3://key:secret@host``). The userinfo ends at the *last*
+#: ``@`` before the host, and secrets may hold ``/`` (AWS secret keys often do), so the match runs
+#: from ``://`` up to the last ``@`` that is not followed by whitespace. Also used by
+#: :mod:`speedtronic.config.redaction` for what is written to disk.
+URL_USERINFO = re.compile(r"(://)[^\s]*@(?=[^\s@]*$|[^\s@]*\s)")
+
 _SECRET_PATTERNS = [
-    # userinfo of a URL: s3://KEY:SECRET@host -> s3://<redacted>@host
-    (re.compile(r"(://)[^\s/@'\"]*:[^\s@'\"]*@"), r"\1<redacted>@"),
+    (URL_USERINFO, r"\1<redacted>@"),  # s3://KEY:SECRET@host -> s3://<redacted>@host
     # well-known token shapes (Hugging Face, AWS access keys, GitHub, OpenAI-style keys)
     (re.compile(r"\bhf_[A-Za-z0-9]{20,}"), "<redacted>"),
     (re.compile(r"\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"), "<redacted>"),

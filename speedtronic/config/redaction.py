@@ -1,8 +1,8 @@
 """Config values as plain data, and secrets taken out of them before anything is written.
 
 Used by :meth:`SpeedtronicConfig.to_dict`, hence by ``config.yaml`` in the run directory,
-checkpoints, W&B and the resume check. This module imports nothing from the rest of the package,
-so the schema and the loader can both depend on it.
+checkpoints, W&B and the resume check. It imports only ``errors`` (the URL pattern it shares
+with the CLI's message masking), so the schema and the loader can both depend on it.
 """
 
 from __future__ import annotations
@@ -12,16 +12,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+from ..errors import URL_USERINFO
+
 __all__ = ["REDACTED", "redact", "to_plain", "url_has_credentials"]
 
 REDACTED = "<redacted>"
 
 # Key names that hold credentials ("num_tokens" is not one: match whole words only).
 _SECRET_KEY = re.compile(r"(^|_)(token|secret|password|api_key|access_key|secret_key)$")
-# Credentials in a URL's userinfo (``s3://key:secret@host``). The userinfo ends at the *last*
-# ``@`` before the host, and secrets may hold ``/`` (AWS secret keys often do), so the match runs
-# from ``://`` up to the last ``@`` that is not followed by whitespace.
-_URL_USERINFO = re.compile(r"(://)[^\s]*@(?=[^\s@]*$|[^\s@]*\s)")
+_URL_USERINFO = URL_USERINFO  # shared with the CLI's message masking (errors.mask_secrets)
 
 
 _URL_CREDENTIALS = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://[^@\s/]*(:[^@\s]*)?@|"

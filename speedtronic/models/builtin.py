@@ -9,7 +9,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-__all__ = ["BUILTIN_MODELS", "REFERENCE_MODELS", "builtin_parameters", "swiglu_hidden"]
+from ..errors import ConfigError
+
+__all__ = ["BUILTIN_MODELS", "REFERENCE_MODELS", "builtin_parameters", "swiglu_hidden",
+           "unknown_model_error"]
 
 #: The models that ship with the package: ``model.name`` -> ``"module:factory"``.
 BUILTIN_MODELS: dict[str, str] = {
@@ -41,3 +44,11 @@ def builtin_parameters(model: Any) -> int | None:
     kv = (model.n_kv_head or model.n_head) * (d // max(1, model.n_head))
     per_layer = 2 * d * d + 2 * d * kv + 3 * d * swiglu_hidden(d, model.d_ff)  # attn + SwiGLU
     return model.n_layer * per_layer + vocab * d * (1 if model.tie_weights else 2)
+
+
+def unknown_model_error(name: str, registered: set[str] | frozenset[str] = frozenset()
+                        ) -> ConfigError:
+    """The one message for a ``model.name`` that names nothing (registry and ``validate``)."""
+    known = ", ".join(sorted(set(BUILTIN_MODELS) | set(registered)))
+    return ConfigError(f"model.name: unknown model {name!r}; registered models: {known} (or "
+                       "use 'package.module:factory')")

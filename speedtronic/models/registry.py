@@ -19,7 +19,7 @@ from torch import nn
 
 from ..config import ConfigError, ModelConfig, SpeedtronicConfig
 from ..errors import SpeedtronicError
-from .builtin import BUILTIN_MODELS
+from .builtin import BUILTIN_MODELS, unknown_model_error
 from .hf import adapt_model
 from .loss import extract_loss
 
@@ -87,8 +87,7 @@ def build_model(cfg: SpeedtronicConfig | ModelConfig) -> nn.Module:
     elif ":" in name:
         factory = _import_factory(name)
     else:
-        raise ConfigError(f"model.name: unknown model {name!r}; registered models: "
-                          f"{', '.join(registered_models())} (or use 'package.module:factory')")
+        raise unknown_model_error(name, set(_REGISTRY))
     model = factory(model_cfg)
     if not isinstance(model, nn.Module):
         raise SpeedtronicError(f"model factory {name!r} returned {type(model).__name__}, "

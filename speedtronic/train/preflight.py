@@ -26,7 +26,8 @@ from ..config import ConfigError, SpeedtronicConfig
 
 logger = logging.getLogger("speedtronic.runtime")
 
-__all__ = ["MAX_PARAMETERS", "machine_memory_bytes", "preflight", "training_bytes"]
+__all__ = ["MAX_PARAMETERS", "check_model_size", "check_run_dir", "machine_memory_bytes",
+           "preflight", "training_bytes"]
 
 #: More parameters than any single-machine run of this engine can hold (a 1T-parameter model
 #: needs 16 TB for weights, gradients and AdamW state in fp32).
@@ -63,7 +64,7 @@ def _check_model_name(cfg: SpeedtronicConfig) -> None:
     import importlib.util
     import sys
 
-    from ..models.builtin import BUILTIN_MODELS
+    from ..models.builtin import BUILTIN_MODELS, unknown_model_error
 
     name = cfg.model.name
     registry = sys.modules.get("speedtronic.models.registry")
@@ -81,9 +82,7 @@ def _check_model_name(cfg: SpeedtronicConfig) -> None:
                               "no such module found (the module must be importable: "
                               "installed, in the working directory, or on PYTHONPATH)")
         return
-    raise ConfigError(f"model.name: unknown model {name!r}; registered models: "
-                      f"{', '.join(sorted(set(BUILTIN_MODELS) | registered))} (or use "
-                      "'package.module:factory')")
+    raise unknown_model_error(name, registered)
 
 
 def _check_size(parameters: int, cfg: SpeedtronicConfig, device: str, how: str) -> str:
@@ -155,13 +154,19 @@ def preflight(cfg: SpeedtronicConfig) -> list[str]:
     _check_model_name(cfg)
     lines = [_check_data_files(cfg)]  # first: it may set model.vocab_size from the tokenizer
     lines.insert(0, check_model_size(cfg, _device_type(cfg)))
-    run_dir = cfg.run_dir
+    check_run_dir(cfg.run_dir)
+    lines.append(f"run directory: {cfg.run_dir} (writable)")
+    return lines
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """The run directory can be created: no file in its path, and its nearest existing
+    folder is writable (``train`` checks it first, before anything is built)."""
     blocked = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
     if blocked is not None and not blocked.is_dir():
         raise ConfigError(f"run directory {run_dir} (run.output_dir / run.name) cannot be "
-                          f"created: {blocked} is a file")
+                          f"created: {blocked} is a file; choose another run.output_dir or "
+                          "run.name")
     if blocked is not None and not os.access(blocked, os.W_OK):
         raise ConfigError(f"run directory {run_dir} cannot be created: {blocked} is not "
                           "writable; choose another run.output_dir")
-    lines.append(f"run directory: {run_dir} (writable)")
-    return lines

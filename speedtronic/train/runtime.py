@@ -33,7 +33,7 @@ from . import host_memory
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook, require_hook_packages
 from .precision import resolve_device, resolve_precision
-from .preflight import check_model_size
+from .preflight import check_model_size, check_run_dir
 from .resume import resume_trainer
 from .run_lock import RunLock
 from .run_model import init_from
@@ -157,11 +157,7 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
     cfg = config if isinstance(config, SpeedtronicConfig) else load_config(config)
     resume = resume or cfg.checkpoint.resume
     run_dir = cfg.run_dir
-    blocked = next((p for p in (run_dir, *run_dir.parents) if p.exists()), None)
-    if blocked is not None and not blocked.is_dir():
-        raise ConfigError(f"run directory {run_dir} (run.output_dir / run.name) cannot be "
-                          f"created: {blocked} is a file; choose another run.output_dir or "
-                          "run.name")
+    check_run_dir(run_dir)
     level = getattr(logging, cfg.logging.level)
     logging.getLogger("speedtronic").setLevel(level)
     # First: a second run (or --resume) into a live run's directory is refused before it reads
