@@ -19,12 +19,13 @@ from ..config import ConfigError, SpeedtronicConfig, load_config
 from ..models import build_model
 from .checkpoint import CheckpointManager
 
-__all__ = ["init_from", "load_run_model"]
+__all__ = ["init_from", "load_run_model", "run_checkpoint"]
 
 
-def load_run_model(run_dir: str | Path, checkpoint: str | Path | None = None,
-                   device: str = "cpu") -> tuple[nn.Module, SpeedtronicConfig, Path]:
-    """``(model in eval mode on device, the run's config, the checkpoint loaded)``."""
+def run_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
+                   ) -> tuple[SpeedtronicConfig, dict, Path]:
+    """``(the run's config, a verified checkpoint state, its path)``: ``checkpoint`` or the
+    run's newest. ConfigError for a folder that is no run, or a run without a checkpoint."""
     run = Path(run_dir)
     cfg_path = run / "config.yaml"
     if not cfg_path.is_file():
@@ -33,22 +34,26 @@ def load_run_model(run_dir: str | Path, checkpoint: str | Path | None = None,
     cfg = load_config(cfg_path)
     manager = CheckpointManager(run / cfg.checkpoint.directory, keep_last=None)
     if checkpoint is not None:
-        path = Path(checkpoint)
-        state = manager.load(path)
-    else:
-        found = manager.load_latest()
-        if found is None:
-            raise ConfigError(f"{str(run)!r} has no checkpoint in {cfg.checkpoint.directory}/ "
-                              "yet (checkpoint.enabled: false, or the run stopped before its "
-                              "first save)")
-        state, path = found
+        return cfg, manager.load(Path(checkpoint)), Path(checkpoint)
+    found = manager.load_latest()
+    if found is None:
+        raise ConfigError(f"{str(run)!r} has no checkpoint in {cfg.checkpoint.directory}/ "
+                          "yet (checkpoint.enabled: false, or the run stopped before its "
+                          "first save)")
+    return cfg, found[0], found[1]
+
+
+def load_run_model(run_dir: str | Path, checkpoint: str | Path | None = None,
+                   device: str = "cpu") -> tuple[nn.Module, SpeedtronicConfig, Path]:
+    """``(model in eval mode on device, the run's config, the checkpoint loaded)``."""
+    cfg, state, path = run_checkpoint(run_dir, checkpoint)
     cfg.model.gradient_checkpointing = False
     model = build_model(cfg.model)
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:
         first = str(exc).splitlines()[0]
-        raise ConfigError(f"{path.name} does not fit the model of {cfg_path}: {first}") from None
+        raise ConfigError(f"{path.name} does not fit the model of {run_dir}: {first}") from None
     return model.to(torch.device(device)).eval(), cfg, path
 
 
@@ -83,11 +88,7 @@ def init_from(model: nn.Module, cfg: SpeedtronicConfig) -> str:
 
     spec = Path(str(cfg.model.init_from)).expanduser()
     if spec.is_dir() and (spec / "config.yaml").is_file():  # a run directory: its newest
-        run_cfg = load_config(spec / "config.yaml")
-        found = CheckpointManager(spec / run_cfg.checkpoint.directory).load_latest()
-        if found is None:
-            raise ConfigError(f"model.init_from: run {str(spec)!r} has no checkpoint")
-        state, path = found
+        _, state, path = run_checkpoint(spec)
         tensors, target, what = state["model"], model, f"{path} (weights only)"
     elif spec.is_file():
         state = CheckpointManager(spec.parent).load(spec)
