@@ -582,7 +582,32 @@ class DistributedConfig:
     inner_steps: int = 500
     """H: inner optimizer steps between deltas."""
     poll_interval: float = 60.0
-    """Seconds between background polls of the global pointer (workers) or deltas (master)."""
+    """Seconds between a worker's background polls of the global pointer (and the master's
+    listings when ``master_poll_interval`` is null). Keep it under ~1/4 of a round: a worker
+    warns when it is longer."""
+    master_poll_interval: float | None = None
+    """Seconds between the master's listings of new deltas; null = ``poll_interval`` capped at
+    1 s. The master
+    must apply a delta within a small part of a round: at one listing per round asynchronous
+    DiLoCo lost 2-5% to lock-step (bench_diloco_async.md), at 1/20 of a round under 1%."""
+    grace_window: float = 0.0
+    """Seconds the master waits after a listing finds new deltas, before aggregating, so that
+    near-simultaneous arrivals land in one update (0 = apply at once)."""
+    consistent_base: bool = True
+    """At each round boundary install ``G - c * (own deltas G does not hold yet)``, with ``c``
+    the total weight the master gives a delta (published in the pointer with each session's
+    high-water mark), instead of a G missing this worker's own recent rounds
+    (docs/diloco.md#consistent-base)."""
+    max_unapplied: int = 4
+    """Most own deltas a worker keeps for its consistent base (each a host fp32 copy of the
+    model); at this many it waits up to ``unapplied_wait`` for the master, then drops the
+    oldest from the carry with a warning."""
+    unapplied_wait: float = field(default=30.0, metadata=_INF_IS_NO_LIMIT)
+    """Seconds a worker waits at a boundary when ``max_unapplied`` deltas are outstanding."""
+    push_pull_timeout: float = 0.0
+    """Push-pull: wait up to this many seconds at each boundary for a global that holds this
+    worker's delta, and install it without carry (Liu et al. 2024); 0 = off. Off by default:
+    it idles the worker for a master round and did not beat the carry (bench_diloco_async.md)."""
     outer_lr: float = 0.7
     """Outer learning rate."""
     outer_momentum: float = 0.9
@@ -641,6 +666,14 @@ class DistributedConfig:
     endpoint_url: str | None = None
     """S3 endpoint (MinIO, R2, HF buckets' S3 gateway); None = AWS_ENDPOINT_URL or AWS."""
 
+    @property
+    def master_poll(self) -> float:
+        """The master's listing interval in seconds (``master_poll_interval`` or
+        ``poll_interval``)."""
+        if self.master_poll_interval is None:
+            return min(self.poll_interval, 1.0)
+        return self.master_poll_interval
+
     def validate(self, p: str = "distributed") -> None:
         if self.enabled:
             _check(self.store is not None, f"{p}.store",
@@ -651,6 +684,13 @@ class DistributedConfig:
                    f"got {brief(self.node_id)}")
         _check(self.inner_steps > 0, f"{p}.inner_steps", f"must be > 0, got {self.inner_steps}")
         _check(self.poll_interval > 0, f"{p}.poll_interval", "must be > 0")
+        if self.master_poll_interval is not None:
+            _check(self.master_poll_interval > 0, f"{p}.master_poll_interval",
+                   "must be > 0 or null")
+        _check(self.grace_window >= 0, f"{p}.grace_window", "must be >= 0")
+        _check(self.max_unapplied >= 1, f"{p}.max_unapplied", "must be >= 1")
+        _check(self.unapplied_wait >= 0, f"{p}.unapplied_wait", "must be >= 0")
+        _check(self.push_pull_timeout >= 0, f"{p}.push_pull_timeout", "must be >= 0")
         _check(self.outer_lr > 0, f"{p}.outer_lr", f"must be > 0, got {self.outer_lr}")
         _check(0.0 <= self.outer_momentum < 1.0, f"{p}.outer_momentum",
                f"must be in [0, 1), got {self.outer_momentum}")
@@ -670,9 +710,9 @@ class DistributedConfig:
             _check(getattr(self, key) > 0, f"{p}.{key}", "must be > 0")
         for key in ("final_sync_timeout", "master_idle_timeout"):
             _check(getattr(self, key) >= 0, f"{p}.{key}", "must be >= 0")
-        _check(self.lease_ttl > 2 * self.poll_interval, f"{p}.lease_ttl",
-               f"must exceed 2 x poll_interval={self.poll_interval} (the master renews once "
-               f"per poll), got {self.lease_ttl}")
+        _check(self.lease_ttl > 2 * self.master_poll, f"{p}.lease_ttl",
+               f"must exceed 2 x the master's poll interval={self.master_poll} (the master "
+               f"renews once per poll), got {self.lease_ttl}")
         _check(self.keep_versions >= 2, f"{p}.keep_versions", "must be >= 2 (nodes may still "
                "be downloading the previous version)")
         _check(0 <= self.shard < self.num_shards, f"{p}.shard",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import struct
 import time
@@ -262,6 +263,12 @@ class Pointer:
     state_sha256: str
     master: str = ""
     created_at: float = field(default_factory=time.time)
+    hwm: dict = field(default_factory=dict)
+    """Per ``node/session``: the highest delta seq this global holds (applied or rejected), so a
+    worker knows which of its own deltas the global still lacks (its consistent-base carry)."""
+    carry: float = 0.0
+    """The weight the master's outer optimizer gives one delta in total (immediate step plus
+    momentum), ``outer.carry_weight``: a worker installs ``G - carry * (its deltas G lacks)``."""
 
     def to_bytes(self) -> bytes:
         return (json.dumps(asdict(self), sort_keys=True, indent=1) + "\n").encode()
@@ -276,11 +283,22 @@ class Pointer:
             raise FormatError(f"unreadable pointer {POINTER_KEY}: {exc}") from exc
         for f in fields(cls):
             value = getattr(pointer, f.name)
-            kind = {"int": int, "str": str, "float": (int, float)}[f.type]
+            kind = {"int": int, "str": str, "float": (int, float), "dict": dict}[f.type]
             if not isinstance(value, kind) or isinstance(value, bool):
                 raise FormatError(f"unreadable pointer {POINTER_KEY}: {f.name} is "
                                   f"{value!r}, not {f.type}")
+        if not all(isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+                   for k, v in pointer.hwm.items()):
+            raise FormatError(f"unreadable pointer {POINTER_KEY}: hwm must map "
+                              "'node/session' to an integer seq")
+        if not (math.isfinite(pointer.carry) and 0.0 <= pointer.carry <= 1e3):
+            raise FormatError(f"unreadable pointer {POINTER_KEY}: carry {pointer.carry!r} is "
+                              "not a finite weight")
         return pointer
+
+    def holds(self, node: str, session: str) -> int:
+        """The highest seq of ``node/session`` this global holds (-1: none)."""
+        return self.hwm.get(f"{node}/{session}", -1)
 
 
 def global_key(version: int, epoch: int, nonce: str) -> str:

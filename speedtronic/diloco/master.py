@@ -36,7 +36,7 @@ from ..config import DistributedConfig
 from . import codec
 from .codec import LEASE_KEY, POINTER_KEY, FormatError, Pointer
 from .faults import crash_point
-from .outer import OuterOptimizer, staleness_weight
+from .outer import OuterOptimizer, carry_weight, staleness_weight
 from .store import ObjectNotFound, PreconditionFailed, Store, StoreError
 
 logger = logging.getLogger("speedtronic.diloco.master")
@@ -176,7 +176,7 @@ class Master:
                 told = True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
-            stop.wait(min(self.cfg.poll_interval, self.cfg.lease_ttl / 4))
+            stop.wait(min(self.cfg.master_poll, self.cfg.lease_ttl / 4))
         return False
 
     def _fence(self) -> None:
@@ -301,7 +301,7 @@ class Master:
             try:
                 wbytes, sbytes = self.store.get(gkey), self.store.get(skey)
                 weights, meta = codec.decode(wbytes)
-                codec.decode(sbytes)
+                _, state_meta = codec.decode(sbytes)
             except (FormatError, ObjectNotFound) as exc:
                 logger.warning("diloco master: %s is unusable (%s); trying an older one", gkey,
                                exc)
@@ -313,7 +313,9 @@ class Master:
             return Pointer(version=version, path=gkey, sha256=codec.sha256(wbytes),
                            weights_digest=codec.tensor_digest(weights), outer_step=version,
                            master_epoch=max(epoch, self.epoch), state_path=skey,
-                           state_sha256=codec.sha256(sbytes), master=self.node_id)
+                           state_sha256=codec.sha256(sbytes), master=self.node_id,
+                           hwm={k: int(v) for k, v in state_meta.get("hwm", {}).items()},
+                           carry=self.carry_weight())
         raise FormatError(f"{damage}; and no complete global + master state pair is left in "
                           f"{self.store.url} to rebuild it from")
 
@@ -335,7 +337,8 @@ class Master:
         pointer = Pointer(version=version, path=gkey, sha256=codec.sha256(wbytes),
                           weights_digest=codec.tensor_digest(self.weights), outer_step=version,
                           master_epoch=self.epoch, state_path=skey,
-                          state_sha256=codec.sha256(sbytes), master=self.node_id)
+                          state_sha256=codec.sha256(sbytes), master=self.node_id,
+                          hwm=dict(self.hwm), carry=self.carry_weight())
         pbytes = pointer.to_bytes()
         if getattr(self.store, "single_commit", False):
             try:
@@ -360,6 +363,21 @@ class Master:
         crash_point("after_pointer_written")
         self.pointer, self.pointer_etag = pointer, etag
         return len(wbytes) + len(sbytes) + len(pbytes)
+
+    def carry_weight(self) -> float:
+        """``c`` for the pointer: the total weight this master's outer step gives one delta
+        (:func:`~speedtronic.diloco.outer.carry_weight`), at the M it divides by now."""
+        return carry_weight(self.cfg.outer_optimizer, self.cfg.outer_lr,
+                            self.cfg.outer_momentum, self._workers(set()))
+
+    def has_new_deltas(self) -> bool:
+        """Whether a listing shows a delta above its session's high-water mark (names only)."""
+        for key in self.store.list("nodes/"):
+            parsed = codec.parse_delta_key(key)
+            if parsed is not None and key not in self.skip and \
+                    parsed[2] > self.hwm.get(f"{parsed[0]}/{parsed[1]}", -1):
+                return True
+        return False
 
     # ------------------------------------------------------------------ one round
     def _workers(self, batch_nodes: set[str]) -> float:
@@ -659,17 +677,21 @@ class Master:
 
     def run(self, stop: threading.Event, *, until: Callable[[Master], bool] | None = None,
             idle_timeout: float = 0.0) -> None:
-        """Rounds every ``poll_interval`` until ``stop``, ``until(self)`` or ``idle_timeout``
-        seconds without a new delta (0 = no idle limit)."""
+        """Rounds every ``master_poll`` seconds until ``stop``, ``until(self)`` or
+        ``idle_timeout`` seconds without a new delta (0 = no idle limit). With a
+        ``grace_window``, a listing that finds new deltas waits that long before aggregating,
+        so near-simultaneous arrivals share one update."""
+        poll = self.cfg.master_poll
         while not stop.is_set():
             try:
+                if self.cfg.grace_window > 0 and self.has_new_deltas():
+                    stop.wait(self.cfg.grace_window)
                 stats = self.run_once()
             except LeaseLost:
                 raise
             except (StoreError, FormatError) as exc:  # store outage: keep the state, retry
-                logger.warning("diloco master: round failed (%s); retrying in %.1fs", exc,
-                               self.cfg.poll_interval)
-                stop.wait(self.cfg.poll_interval)
+                logger.warning("diloco master: round failed (%s); retrying in %.1fs", exc, poll)
+                stop.wait(poll)
                 continue
             if stats.found == 0 and until is not None and until(self):
                 break
@@ -677,7 +699,7 @@ class Master:
                 logger.info("diloco master: no new delta for %.0fs, stopping", idle_timeout)
                 break
             if stats.found == 0:
-                stop.wait(self.cfg.poll_interval)
+                stop.wait(poll)
 
 
 # The name suffix of every global and master state (codec.global_key / state_key): version,

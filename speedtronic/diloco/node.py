@@ -40,6 +40,7 @@ import torch
 from ..config import ConfigError, DistributedConfig
 from ..errors import NonFiniteError
 from . import codec
+from .carry import Carry, ConsistentBase
 from .codec import POINTER_KEY, FormatError, Pointer
 from .faults import crash_point
 from .store import (
@@ -97,6 +98,7 @@ class _Snapshot:
     steps: int
     tokens: int
     event: Any = None  # CUDA event when the copy was non_blocking
+    seq: int | None = None  # consistent-base mode: already a delta, numbered at the boundary
 
 
 @dataclass
@@ -109,7 +111,7 @@ class _Upload:
     seq: int
 
 
-class Worker:
+class Worker(ConsistentBase):
     """DiLoCo worker callback (``name = "diloco"``). Works with any object exposing ``model``,
     ``optimizer`` and optionally ``log_metrics`` and ``config`` (the Trainer does)."""
 
@@ -145,6 +147,18 @@ class Worker:
                   "resets": 0}
         self._train_s = 0.0
         self._wall_start: float | None = None
+        # Consistent base (carry.py): own deltas the newest global lacks, and that global.
+        self._carry_mode = bool(cfg.consistent_base)
+        self._carry = Carry()
+        self._global: tuple[Pointer, dict[str, torch.Tensor]] | None = None
+        self._residual: dict[str, torch.Tensor] | None = None  # codec error, sent next delta
+        self._poll_soon = threading.Event()  # wakes the poll thread early (boundary waits)
+        self._round_start: float | None = None
+        self._round_s = 0.0   # EMA of the wall-clock seconds of a round
+        self._lag_sum, self._installs_counted = 0, 0
+        self._warned: set[str] = set()
+        self.m.update({"lag": 0, "lag_mean": 0.0, "version_age_s": 0.0, "carry_dropped": 0,
+                       "boundary_wait_s": 0.0})
 
     # ------------------------------------------------------------------ callback API
     def on_train_start(self, trainer: Any) -> None:
@@ -192,8 +206,12 @@ class Worker:
             self._reset_optimizer(trainer)
         self._steps_in_round += 1
         if self._steps_in_round >= self.cfg.inner_steps:
+            self._time_round()
             self._snapshot()
-            if self._candidate is not None:
+            if self._carry_mode:
+                self._await_master()
+                self._install(trainer)
+            elif self._candidate is not None:
                 self._install(trainer)
             self._train_s += time.perf_counter() - t0
             self._log(trainer)
@@ -278,6 +296,9 @@ class Worker:
 
     @torch.no_grad()
     def _snapshot(self) -> None:
+        if self._carry_mode:
+            self._snapshot_delta()
+            return
         steps, self._steps_in_round = self._steps_in_round, 0
         with self._lock:
             snap = self._pending.get(self.gen)
@@ -304,6 +325,9 @@ class Worker:
     def _install(self, trainer: Any, force: bool = False) -> None:
         """Copy the staged global into the model; ``force`` re-installs the same version (the
         local weights moved on from it and the work since was rejected)."""
+        if self._carry_mode:
+            self._install_consistent(trainer)
+            return
         with self._lock:
             if self._candidate is None:
                 return
@@ -329,6 +353,10 @@ class Worker:
             replaced(f"DiLoCo global v{pointer.version}")
 
     def _drop_unused_refs(self) -> None:
+        if self._carry_mode:  # deltas are made at the boundary: only this round's base lives
+            for g in [g for g in self._refs if g != self.gen]:
+                del self._refs[g]
+            return
         live = {self.gen, *self._pending}
         if self._inflight is not None:
             live.add(self._inflight.gen)
@@ -383,16 +411,25 @@ class Worker:
         """snapshot -> encoded delta (called with the lock held; cheap next to the upload)."""
         if snap.event is not None:
             snap.event.synchronize()
-        ref = self._refs[snap.gen]
-        for k, s in snap.tensors.items():  # delta = reference - snapshot, in the snapshot buffer
-            torch.sub(ref[k], s, out=s)
-        header = codec.DeltaHeader(node=self.node_id, session=self.session, seq=self._seq,
+        if snap.seq is None:
+            ref = self._refs[snap.gen]
+            for k, s in snap.tensors.items():  # delta = reference - snapshot, in its buffer
+                torch.sub(ref[k], s, out=s)
+            seq, self._seq = self._seq, self._seq + 1
+        else:
+            seq = snap.seq  # consistent-base mode: a delta already, numbered at the boundary
+        header = codec.DeltaHeader(node=self.node_id, session=self.session, seq=seq,
                                    base_version=snap.base_version, inner_steps=snap.steps,
                                    tokens=snap.tokens, codec=self.cfg.compression)
-        self._seq += 1
         data, decoded = codec.encode_delta(snap.tensors, header)
         if self.cfg.compression != "none":
             self.m["codec_rel_err"] = codec.relative_error(snap.tensors, decoded)
+            if snap.seq is not None:
+                # The master applies the decoded values: carry those, and send the rounding
+                # error with the next delta (what moving the reference does in the other mode).
+                self._residual = {k: snap.tensors[k] - decoded[k] for k in decoded}
+                for k, t in snap.tensors.items():
+                    t.copy_(decoded[k])
         return _Upload(snap.gen, header.key, data, decoded, snap, header.seq)
 
     def _put(self, job: _Upload) -> None:
@@ -406,6 +443,9 @@ class Worker:
         self.m["bytes_up"] += len(job.data)
 
     def _confirm(self, job: _Upload) -> None:
+        if job.snapshot.seq is not None:
+            self._confirm_delta(job)
+            return
         with self._lock:
             ref = self._refs.get(job.gen)
             if ref is not None:  # a newer snapshot of this generation is measured from here
@@ -463,9 +503,14 @@ class Worker:
         tensors = {k: v.float() for k, v in tensors.items()}
         with self._lock:
             self._candidate = (pointer, tensors)
+            self._lock.notify_all()  # a boundary may be waiting for this global
 
     def _poll_loop(self) -> None:
-        while not self._stop.wait(self.cfg.poll_interval):
+        while not self._stop.is_set():
+            self._poll_soon.wait(self.cfg.poll_interval)
+            self._poll_soon.clear()
+            if self._stop.is_set():
+                return
             try:
                 self._poll_once()
             except (StoreError, FormatError) as exc:
@@ -518,6 +563,8 @@ class Worker:
                     reason = json.loads(self.store.get(receipt)).get("reason", "?")
                     logger.warning("diloco worker %s: the master rejected its last delta (%s); "
                                    "ending on global v%d", self.node_id, reason, pointer.version)
+                    with self._lock:
+                        self._release(self._carry.clear())  # rejected work is not carried
                     self._stage(pointer)
                     self._install(trainer, force=True)
                     return self.version == pointer.version
@@ -530,6 +577,7 @@ class Worker:
 
     def close(self) -> None:
         self._stop.set()
+        self._poll_soon.set()
         with self._lock:
             self._lock.notify_all()
         for t in self._threads:

@@ -37,6 +37,22 @@ METHODS = ("nesterov", "delayed_nesterov", "sgd")
 WEIGHTINGS = ("none", "inverse", "inverse_sqrt")
 
 
+def carry_weight(method: str, lr: float, momentum: float, workers: float) -> float:
+    """The total weight one arriving delta ends up with in the global, ``c``.
+
+    Delayed Nesterov moves the global by ``lr * d / M`` on arrival and adds ``d / M`` to the
+    round's accumulator; every later momentum refresh applies it again scaled by ``lr * mu^k``:
+    ``lr/M * (1 + mu + mu^2 + ...) = lr / (M (1 - mu))``. Nesterov on a full round is the same
+    step; ``sgd`` (and momentum 0) stops at ``lr / M``. A worker that installs
+    ``G - c * (its deltas G does not hold yet)`` starts its next round from what G will be once
+    the master has applied them, instead of a base missing its own last round (the lag that made
+    asynchronous DiLoCo lose to one node, docs/diloco.md#consistent-base)."""
+    m = max(float(workers), 1.0)
+    if method == "sgd" or momentum == 0.0:
+        return lr / m
+    return lr / (m * (1.0 - momentum))
+
+
 def staleness_weight(staleness: int, policy: str) -> float:
     if policy == "none":
         return 1.0

@@ -38,7 +38,8 @@ def _write(path: str | None, data: dict) -> None:
 
 def worker(a: argparse.Namespace) -> None:
     cfg = make_cfg(a.store, inner_steps=a.h, compression=a.codec,
-                   final_sync_timeout=a.final_sync, poll_interval=a.poll)
+                   final_sync_timeout=a.final_sync, poll_interval=a.poll,
+                   max_unapplied=a.max_unapplied)
     model = TinyModel(seed=0)
     trainer = FakeTrainer(model)
     cb = Worker(cfg, node_id=a.node)
@@ -99,6 +100,7 @@ def main() -> None:
     p.add_argument("--max-staleness", type=int, default=8)
     p.add_argument("--delete", action="store_true")
     p.add_argument("--max-object-mb", type=float, default=None)
+    p.add_argument("--max-unapplied", type=int, default=4)
     a = p.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO,

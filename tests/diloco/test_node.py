@@ -81,8 +81,15 @@ def test_distributed_config_validation():
         load_config({"distributed": {"enabled": True}})
     with pytest.raises(ConfigError, match="node_id"):
         load_config({"distributed": {"node_id": "../evil"}})
-    with pytest.raises(ConfigError, match="lease_ttl"):
-        load_config({"distributed": {"poll_interval": 10, "lease_ttl": 15}})
+    with pytest.raises(ConfigError, match="lease_ttl"):  # the master renews once per listing
+        load_config({"distributed": {"master_poll_interval": 10, "lease_ttl": 15}})
+    with pytest.raises(ConfigError, match="lease_ttl"):  # null: poll_interval, capped at 1 s
+        load_config({"distributed": {"poll_interval": 0.5, "lease_ttl": 0.9}})
+    load_config({"distributed": {"poll_interval": 10, "lease_ttl": 15}})
+    for key, bad in (("max_unapplied", 0), ("push_pull_timeout", -1), ("grace_window", -1),
+                     ("master_poll_interval", 0), ("unapplied_wait", -1)):
+        with pytest.raises(ConfigError, match=f"distributed.{key}"):
+            load_config({"distributed": {key: bad}})
     with pytest.raises(ConfigError, match="shard"):
         load_config({"distributed": {"shard": 2, "num_shards": 2}})
     with pytest.raises(ConfigError, match="outer_optimizer"):
