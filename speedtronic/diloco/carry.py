@@ -238,7 +238,7 @@ class ConsistentBase:
             self._gen_version[self.gen] = pointer.version
             self.version, self.digest = pointer.version, pointer.weights_digest
             self._drop_unused_refs()
-        self.m["installs"] += 1
+        self.m["installs"] += int(new_version)  # globals installed; every boundary re-bases
         self.m["lag"] = lag
         self._lag_sum += lag
         self._installs_counted += 1

@@ -1,0 +1,210 @@
+"""The consistent-base carry: its weight c, what it installs, when it stops carrying a delta.
+
+Driven by hand (poll_interval 1e6: the poll thread never runs by itself) over a real file://
+store with the real Master, so every install and publication happens where the test says."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from harness import FakeTrainer, TinyModel, batch, initial_weights, make_cfg  # noqa: E402
+
+from speedtronic.diloco import codec  # noqa: E402
+from speedtronic.diloco.master import Master  # noqa: E402
+from speedtronic.diloco.node import Worker  # noqa: E402
+from speedtronic.diloco.outer import OuterOptimizer, carry_weight  # noqa: E402
+from speedtronic.diloco.store import open_store  # noqa: E402
+
+H = 3
+
+
+@pytest.mark.parametrize("method,lr,mu", [("delayed_nesterov", 0.5, 0.5),
+                                          ("delayed_nesterov", 0.7, 0.9), ("sgd", 1.0, 0.0),
+                                          ("nesterov", 0.5, 0.5)])
+def test_carry_weight_is_the_total_weight_the_outer_step_gives_one_delta(method, lr, mu):
+    """One delta d among M=2 arrivals, then only empty rounds: the global ends up moved by
+    -c * d, c = lr / (M (1 - mu)) (lr / M without momentum)."""
+    M = 2
+    theta = {"w": torch.zeros(3, dtype=torch.float64)}
+    d = {"w": torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)}
+    zero = {"w": torch.zeros(3, dtype=torch.float64)}
+    outer = OuterOptimizer(method, lr, mu)
+    outer.step(theta, [(d, 1.0), (zero, 1.0)], workers=M)
+    for _ in range(400):
+        outer.step(theta, [(zero, 1.0), (zero, 1.0)], workers=M)
+    c = carry_weight(method, lr, mu, M)
+    assert c == pytest.approx(lr / (M * (1 - mu)))
+    torch.testing.assert_close(theta["w"], -c * d["w"], rtol=1e-5, atol=1e-6)  # fp32 state
+
+
+def _cluster(tmp_path, n_workers: int, **kw):
+    url = f"file://{tmp_path}/store"
+    cfg = make_cfg(url, inner_steps=H, poll_interval=1e6, lease_ttl=1e7, outer_lr=0.5,
+                   outer_momentum=0.5, expected_workers=n_workers, reset_inner_optimizer=False,
+                   **kw)
+    master = Master(open_store(url), cfg, "m", lambda: initial_weights())
+    assert master.acquire_lease(threading.Event(), timeout=5)
+    master.load_or_bootstrap()
+    workers, trainers = [], []
+    for i in range(n_workers):
+        w, t = Worker(cfg, node_id=f"w{i}"), FakeTrainer(TinyModel(0))
+        w.on_train_start(t)
+        workers.append(w)
+        trainers.append(t)
+    return cfg, master, workers, trainers
+
+
+def _steps(w: Worker, t: FakeTrainer, n: int, shard: int) -> None:
+    for _ in range(n):
+        x, y = batch(t.step, shard)
+        t.optimizer.zero_grad()
+        torch.nn.functional.mse_loss(t.model(x), y).backward()
+        t.optimizer.step()
+        t.step += 1
+        w.after_optimizer_step(t, t.step)
+
+
+def _params(t: FakeTrainer) -> dict[str, torch.Tensor]:
+    return {k: p.detach().clone() for k, p in t.model.named_parameters()}
+
+
+def test_a_boundary_installs_the_global_minus_c_times_the_deltas_it_lacks(tmp_path):
+    _, master, (w,), (t,) = _cluster(tmp_path, 1)
+    try:
+        g0 = {k: v.clone() for k, v in master.weights.items()}
+        c = master.carry_weight()
+        assert c == pytest.approx(0.5 / (1 * 0.5))
+        _steps(w, t, H - 1, 0)
+        _steps(w, t, 1, 0)  # the boundary: delta d0 = g0 - weights, then install g0 - c d0
+        d0 = w._carry.find(0).tensors
+        for k, p in _params(t).items():
+            torch.testing.assert_close(p, g0[k] - c * d0[k])
+        assert w.m["lag"] == 1 and [d.seq for d in w._carry] == [0]
+        assert w.flush(30)
+        _steps(w, t, H, 0)  # no global holds d0 yet: both are carried
+        d1 = w._carry.find(1).tensors
+        for k, p in _params(t).items():
+            torch.testing.assert_close(p, g0[k] - c * (d0[k] + d1[k]))
+        assert w.flush(30)
+        stats = master.run_once()  # v1 holds d0 and d1
+        assert stats.applied == 2 and codec.Pointer.holds(master.pointer, "w0", w.session) == 1
+        w.poll_now()
+        _steps(w, t, H, 0)  # the carry now holds only d2: d0 and d1 are never carried again
+        assert [d.seq for d in w._carry] == [2]
+        g1, d2 = master.weights, w._carry.find(2).tensors
+        for k, p in _params(t).items():
+            torch.testing.assert_close(p, g1[k] - c * d2[k])
+        assert w.m["installs"] == 2 and w.m["lag_mean"] == pytest.approx((0 + 1 + 2 + 1) / 4)
+    finally:
+        w.close()
+
+
+def _lockstep(tmp_path, consistent: bool, rounds: int = 4) -> dict[str, torch.Tensor]:
+    _, master, workers, trainers = _cluster(tmp_path, 2, consistent_base=consistent)
+    try:
+        for _ in range(rounds):
+            for i, (w, t) in enumerate(zip(workers, trainers, strict=True)):
+                _steps(w, t, H, i)
+                assert w.flush(30)
+            assert master.run_once().applied == 2  # the whole round in one master round
+            for w, t in zip(workers, trainers, strict=True):
+                w.poll_now()
+                w.install_now(t)
+        return {k: v.clone() for k, v in master.weights.items()}
+    finally:
+        for w in workers:
+            w.close()
+
+
+def test_with_zero_lag_the_consistent_base_is_lockstep_diloco(tmp_path):
+    """All M deltas arrive in one master round and every worker installs the result: the carry
+    is empty at each install, so the run is the lock-step run without it, to fp32 rounding."""
+    with_carry = _lockstep(tmp_path / "a", True)
+    without = _lockstep(tmp_path / "b", False)
+    for k in without:
+        torch.testing.assert_close(with_carry[k], without[k], rtol=0, atol=1e-6)
+    assert any(not torch.equal(with_carry[k], initial_weights()[k]) for k in without)
+
+
+def test_a_rejected_delta_is_not_carried_once_a_global_covers_it(tmp_path):
+    """w0's first delta is stale (max_staleness 0) and quarantined in the round that applies
+    w1's: the published mark covers it, so w0's next base carries nothing of it."""
+    _, master, (w0, w1), (t0, t1) = _cluster(tmp_path, 2, max_staleness=0)
+    try:
+        _steps(w1, t1, H, 1)
+        assert w1.flush(30)
+        assert master.run_once().applied == 1  # v1 from w1: w0's base v0 is now stale
+        w1.poll_now()
+        w1.install_now(t1)  # w1's next round is based on v1
+        _steps(w0, t0, H, 0)
+        _steps(w1, t1, H, 1)
+        assert w0.flush(30) and w1.flush(30)
+        stats = master.run_once()
+        assert stats.rejected == 1 and stats.applied == 1
+        assert master.pointer.holds("w0", w0.session) == 0  # covered, though not applied
+        w0.poll_now()
+        _steps(w0, t0, H, 0)
+        assert [d.seq for d in w0._carry] == [1]  # only the new round's delta
+        g, d1 = master.weights, w0._carry.find(1).tensors
+        c = master.pointer.carry
+        for k, p in _params(t0).items():
+            torch.testing.assert_close(p, g[k] - c * d1[k])
+    finally:
+        w0.close()
+        w1.close()
+
+
+def test_beyond_max_unapplied_the_oldest_stops_being_carried(tmp_path):
+    """A master that never runs: memory stays at max_unapplied deltas (uploads succeed, so
+    there is nothing to merge), each dropped one counted."""
+    _, _, (w,), (t,) = _cluster(tmp_path, 1, max_unapplied=2, unapplied_wait=0.0)
+    try:
+        for _ in range(5):
+            _steps(w, t, H, 0)
+            assert w.flush(30)
+        assert len(w._carry) == 2 and w.m["carry_dropped"] == 3
+        assert [d.seq for d in w._carry] == [3, 4]
+    finally:
+        w.close()
+
+
+def test_push_pull_installs_a_global_that_holds_the_delta(tmp_path):
+    """With push_pull_timeout the boundary waits (polling) for the master, here a real master
+    thread listing every 20 ms, and installs with nothing carried."""
+    _, master, (w,), (t,) = _cluster(tmp_path, 1, push_pull_timeout=30.0,
+                                       master_poll_interval=0.02)
+    stop = threading.Event()
+    thread = threading.Thread(target=master.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        _steps(w, t, H, 0)
+        assert w.m["lag"] == 0 and len(w._carry) == 0
+        assert w.version >= 1 and w._global[0].holds("w0", w.session) == 0
+        for k, p in _params(t).items():
+            torch.testing.assert_close(p, w._global[1][k])
+    finally:
+        stop.set()
+        thread.join(10)
+        w.close()
+
+
+def test_pointers_check_the_marks_and_the_weight_and_old_ones_still_read():
+    base = dict(version=3, path="global/v.safetensors", sha256="a", weights_digest="b",
+                outer_step=3, master_epoch=1, state_path="master/s", state_sha256="c")
+    old = codec.Pointer(**base)
+    data = old.to_bytes().replace(b'"carry": 0.0,', b"").replace(b'"hwm": {},', b"")
+    assert b"hwm" not in data
+    legacy = codec.Pointer.from_bytes(data)  # a pointer from before the carry: c = 0
+    assert legacy.carry == 0.0 and legacy.holds("w0", "s") == -1
+    good = codec.Pointer(**base, hwm={"w0/s": 4}, carry=0.33)
+    assert codec.Pointer.from_bytes(good.to_bytes()).holds("w0", "s") == 4
+    for bad in ({"hwm": {"w0/s": "4"}}, {"hwm": ["w0"]}, {"carry": float("nan")},
+                {"carry": -1.0}, {"hwm": {"w0/s": True}}):
+        with pytest.raises(codec.FormatError, match="pointer"):
+            codec.Pointer.from_bytes(codec.Pointer(**{**base, **bad}).to_bytes())
