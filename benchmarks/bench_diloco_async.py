@@ -99,17 +99,22 @@ def _final_eval(cfg, master, evals) -> float:
 
 def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carry: bool,
               master_ratio: float, worker_ratio: float, timing_seed: int,
-              push_pull: float = 0.0, horizon: float | None = None) -> dict:
+              push_pull: float = 0.0, horizon: float | None = None,
+              adaptive: bool = False) -> dict:
     """One asynchronous run on the simulated clock; ``horizon`` (time units) stops every worker
     there (equal wall-clock), else each trains ``steps`` inner steps (equal tokens)."""
     rng = random.Random(timing_seed)
-    limits = ([max(H, int(horizon * s) // H * H) for s in speeds] if horizon is not None
+    limits = ([max(H, int(horizon * s)) for s in speeds] if horizon is not None
               else [steps] * M)
     t_wall = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        nodes, master, workers = _setup(cfg, Path(tmp), M, limits, consistent_base=carry)
+        nodes, master, workers = _setup(cfg, Path(tmp), M, limits, consistent_base=carry,
+                                        adaptive_inner_steps=adaptive)
+        now = [0.0]
+        master._clock = lambda: now[0]
         for w in workers:
             w.cfg = replace(w.cfg, push_pull_timeout=0.0)  # push-pull waits are scheduled here
+            w._clock = lambda: now[0]  # adaptive H measures simulated step times
         pm, pw = master_ratio * H, worker_ratio * H
         events: list[tuple[float, int, str, int]] = []
         order = 0
@@ -135,6 +140,7 @@ def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carr
 
         while events:
             t, _, kind, i = heapq.heappop(events)
+            now[0] = t
             if kind == "master":
                 if all(n.step >= lim for n, lim in zip(nodes, limits, strict=True)):
                     continue
@@ -155,10 +161,12 @@ def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carr
             else:  # one inner step of worker i
                 n, w = nodes[i], workers[i]
                 n.train_step()
-                boundary = n.step % H == 0
-                if boundary and push_pull:
+                if push_pull:
                     w._install = lambda trainer, force=False: None  # deferred below
                 w.after_optimizer_step(n, n.step)
+                boundary = w._steps_in_round == 0
+                if push_pull and not boundary:
+                    del w._install
                 if boundary:
                     assert w.flush(60)
                     factor[i] = math.exp(rng.gauss(0, JITTER))
@@ -170,6 +178,9 @@ def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carr
                         continue
                 if n.step < limits[i]:
                     push(t + factor[i] / speeds[i], "step", i)
+                elif w._steps_in_round:  # a partial last round is sent too
+                    w._snapshot()
+                    assert w.flush(60)
         for w in workers:
             w.close()
         lag = [w.m["lag_mean"] for w in workers]
@@ -177,6 +188,7 @@ def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carr
         sim_end = t
         loss = _final_eval(cfg, master, evals)
     return {"eval": loss, "lag_mean": statistics.mean(lag), "versions": published,
+            "round_steps": [w.round_steps for w in workers],
             "steps_done": steps_done, "sim_time": sim_end, "push_pull_wait": installs_wait,
             "wall_s": time.perf_counter() - t_wall}
 
@@ -254,6 +266,9 @@ def plan_uneven(steps: int, timing_seeds: list[int]) -> dict:
         rows[f"uneven: consistent base, master poll 0.05 | t{seed}"] = ("async", {
             "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed, "carry": True,
             "master_ratio": 0.05, "worker_ratio": 0.25, "horizon": horizon})
+        rows[f"uneven: consistent base + adaptive H, master poll 0.05 | t{seed}"] = ("async", {
+            "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed, "carry": True,
+            "master_ratio": 0.05, "worker_ratio": 0.25, "horizon": horizon, "adaptive": True})
         rows[f"uneven: async as shipped | t{seed}"] = ("async", {
             "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed, "carry": False,
             "master_ratio": 1.0, "worker_ratio": 1.0, "horizon": horizon})

@@ -604,6 +604,10 @@ class DistributedConfig:
     oldest from the carry with a warning."""
     unapplied_wait: float = field(default=30.0, metadata=_INF_IS_NO_LIMIT)
     """Seconds a worker waits at a boundary when ``max_unapplied`` deltas are outstanding."""
+    adaptive_inner_steps: bool = False
+    """Scale this worker's H by its measured speed: ``inner_steps * fastest / own`` seconds per
+    step (the fastest recent worker's, published by the master), at least ``inner_steps / 8``,
+    so a slow worker's rounds last as long as the others' and its deltas are not staler."""
     push_pull_timeout: float = 0.0
     """Push-pull: wait up to this many seconds at each boundary for a global that holds this
     worker's delta, and install it without carry (Liu et al. 2024); 0 = off. Off by default:

@@ -122,6 +122,10 @@ class ConsistentBase:
     _residual: dict[str, torch.Tensor] | None
     _poll_soon: threading.Event
     _stop: threading.Event
+    _clock: Callable[[], float]
+    _step_end: float | None
+    _step_s: float
+    round_steps: int
 
     # ------------------------------------------------------------------ training thread
     @torch.no_grad()
@@ -288,6 +292,24 @@ class ConsistentBase:
                                 self.cfg.poll_interval, 100 * POLL_WARN_FRACTION, self._round_s,
                                 POLL_WARN_FRACTION * self._round_s)
         self._round_start = now
+
+    def _time_step(self) -> None:
+        """Seconds of the step that just ended (from the end of the previous callback: the
+        boundary's own work and waits are not the worker's speed)."""
+        if self._step_end is not None:
+            seconds = self._clock() - self._step_end
+            self._step_s = seconds if not self._step_s else 0.9 * self._step_s + 0.1 * seconds
+
+    def _adapt_round_steps(self) -> None:
+        """``adaptive_inner_steps``: H scaled by the fastest worker's step time over ours."""
+        pointer = self._newest_pointer()
+        if not self.cfg.adaptive_inner_steps or pointer is None or not self._step_s \
+                or not pointer.fastest_step_s:
+            return
+        h = self.cfg.inner_steps
+        scaled = round(h * min(1.0, pointer.fastest_step_s / self._step_s))
+        self.round_steps = max(1, h // 8, min(h, scaled))
+        self.m["round_steps"] = self.round_steps
 
     def _check_lag(self) -> None:
         pointer = self._global[0] if self._global is not None else None

@@ -269,6 +269,9 @@ class Pointer:
     carry: float = 0.0
     """The weight the master's outer optimizer gives one delta in total (immediate step plus
     momentum), ``outer.carry_weight``: a worker installs ``G - carry * (its deltas G lacks)``."""
+    fastest_step_s: float = 0.0
+    """Seconds per inner step of the fastest recent worker, as the master measures it (0 =
+    unknown); ``adaptive_inner_steps`` workers scale their H by it."""
 
     def to_bytes(self) -> bytes:
         return (json.dumps(asdict(self), sort_keys=True, indent=1) + "\n").encode()
@@ -291,9 +294,11 @@ class Pointer:
                    for k, v in pointer.hwm.items()):
             raise FormatError(f"unreadable pointer {POINTER_KEY}: hwm must map "
                               "'node/session' to an integer seq")
-        if not (math.isfinite(pointer.carry) and 0.0 <= pointer.carry <= 1e3):
-            raise FormatError(f"unreadable pointer {POINTER_KEY}: carry {pointer.carry!r} is "
-                              "not a finite weight")
+        for name in ("carry", "fastest_step_s"):
+            value = getattr(pointer, name)
+            if not (math.isfinite(value) and 0.0 <= value <= 1e6):
+                raise FormatError(f"unreadable pointer {POINTER_KEY}: {name} {value!r} is not "
+                                  "a finite non-negative number")
         return pointer
 
     def holds(self, node: str, session: str) -> int:

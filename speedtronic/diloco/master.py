@@ -134,6 +134,7 @@ class Master:
         self._clock: Callable[[], float] = time.monotonic
         self._last_new_time: dict[str, float] = {}  # per session: when it last listed a new delta
         self._gap: dict[str, float] = {}  # per session: seconds between its last two new deltas
+        self._step_s: dict[str, tuple[float, int]] = {}  # session: (seconds/step, round seen)
 
     # ------------------------------------------------------------------ lease
     def _lease_bytes(self, epoch: int, renewals: int) -> bytes:
@@ -338,7 +339,8 @@ class Master:
                           weights_digest=codec.tensor_digest(self.weights), outer_step=version,
                           master_epoch=self.epoch, state_path=skey,
                           state_sha256=codec.sha256(sbytes), master=self.node_id,
-                          hwm=dict(self.hwm), carry=self.carry_weight())
+                          hwm=dict(self.hwm), carry=self.carry_weight(),
+                          fastest_step_s=self.fastest_step_s())
         pbytes = pointer.to_bytes()
         if getattr(self.store, "single_commit", False):
             try:
@@ -369,6 +371,13 @@ class Master:
         (:func:`~speedtronic.diloco.outer.carry_weight`), at the M it divides by now."""
         return carry_weight(self.cfg.outer_optimizer, self.cfg.outer_lr,
                             self.cfg.outer_momentum, self._workers(set()))
+
+    def fastest_step_s(self) -> float:
+        """Seconds per inner step of the fastest session heard from in the last 50 listings
+        (delta gap / its inner steps; 0 = unknown): workers with ``adaptive_inner_steps``
+        shorten their rounds to ``inner_steps * fastest / own`` so all rounds last as long."""
+        recent = [v for v, seen in self._step_s.values() if self._round - seen <= 50 and v > 0]
+        return min(recent, default=0.0)
 
     def has_new_deltas(self) -> bool:
         """Whether a listing shows a delta above its session's high-water mark (names only)."""
@@ -522,6 +531,10 @@ class Master:
                                  f"(max_staleness={self.cfg.max_staleness})", stats)
                 continue
             self._check_round_length(header.inner_steps)
+            session_key = f"{node}/{session}"
+            if session_key in self._gap and header.inner_steps > 0:  # this session's pace
+                self._step_s[session_key] = (self._gap[session_key] / header.inner_steps,
+                                             self._round)
             reason = self._validate(delta)
             if reason is not None:
                 self._quarantine(key, reason, stats)

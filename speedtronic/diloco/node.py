@@ -157,8 +157,12 @@ class Worker(ConsistentBase):
         self._round_s = 0.0   # EMA of the wall-clock seconds of a round
         self._lag_sum, self._installs_counted = 0, 0
         self._warned: set[str] = set()
-        self.m.update({"lag": 0, "lag_mean": 0.0, "version_age_s": 0.0, "carry_dropped": 0,
-                       "boundary_wait_s": 0.0})
+        self.round_steps = cfg.inner_steps  # H; adaptive_inner_steps scales it by speed
+        self._clock = time.perf_counter  # what step times are measured with
+        self._step_end: float | None = None
+        self._step_s = 0.0  # EMA of this worker's seconds per inner step
+        self.m.update({"round_steps": cfg.inner_steps, "lag": 0, "lag_mean": 0.0,
+                       "version_age_s": 0.0, "carry_dropped": 0, "boundary_wait_s": 0.0})
 
     # ------------------------------------------------------------------ callback API
     def on_train_start(self, trainer: Any) -> None:
@@ -201,11 +205,12 @@ class Worker(ConsistentBase):
 
     def after_optimizer_step(self, trainer: Any, step: int) -> None:
         t0 = time.perf_counter()
+        self._time_step()
         if self._reset_due:
             self._reset_due = False
             self._reset_optimizer(trainer)
         self._steps_in_round += 1
-        if self._steps_in_round >= self.cfg.inner_steps:
+        if self._steps_in_round >= self.round_steps:
             self._time_round()
             self._snapshot()
             if self._carry_mode:
@@ -213,10 +218,12 @@ class Worker(ConsistentBase):
                 self._install(trainer)
             elif self._candidate is not None:
                 self._install(trainer)
+            self._adapt_round_steps()
             self._train_s += time.perf_counter() - t0
             self._log(trainer)
         else:
             self._train_s += time.perf_counter() - t0
+        self._step_end = self._clock()
 
     def on_train_end(self, trainer: Any) -> None:
         if not self._threads:

@@ -208,3 +208,30 @@ def test_pointers_check_the_marks_and_the_weight_and_old_ones_still_read():
                 {"carry": -1.0}, {"hwm": {"w0/s": True}}):
         with pytest.raises(codec.FormatError, match="pointer"):
             codec.Pointer.from_bytes(codec.Pointer(**{**base, **bad}).to_bytes())
+
+
+def test_adaptive_inner_steps_scale_a_slow_workers_round_by_the_fastest_pace(tmp_path):
+    """The master measures each session's seconds per step (gap between its deltas / their
+    inner steps) on its clock and publishes the fastest; a worker twice as slow as the fastest
+    shortens its H accordingly, the fastest keeps H."""
+    clock = [0.0]
+    _, master, (fast, slow), (tf, ts) = _cluster(tmp_path, 2, adaptive_inner_steps=True)
+    master._clock = lambda: clock[0]
+    for w in (fast, slow):
+        w._clock = lambda: clock[0]
+    try:
+        for tick in range(1, 10 * H):  # one time unit per tick: fast steps each, slow each 2nd
+            clock[0] = float(tick)
+            for w, t, shard, every in ((fast, tf, 0, 1), (slow, ts, 1, 2)):
+                if tick % every == 0:
+                    _steps(w, t, 1, shard)
+                    assert w.flush(30)
+            master.run_once()
+            fast.poll_now()
+            slow.poll_now()
+        assert master.pointer.fastest_step_s == pytest.approx(1.0)
+        assert fast.round_steps == H
+        assert slow.round_steps == round(H / 2) and slow.m["round_steps"] == slow.round_steps
+    finally:
+        fast.close()
+        slow.close()
