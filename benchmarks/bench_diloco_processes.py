@@ -8,7 +8,8 @@ cross-entropy of the final global, nats/byte, 20 held-out batches of 16 x 64 byt
 * DiLoCo, M workers, H inner steps, outer delayed Nesterov 0.5/0.5, no inner reset, one row per
   ``--polls`` value (every node's poll_interval; a round of H steps takes about 1 s here)
 * optionally the same rows with the code at ``--before DIR`` (a checkout put first on
-  PYTHONPATH), to compare two versions side by side in one run
+  PYTHONPATH), to compare two versions side by side in one run; ``--repeats N`` interleaves
+  N runs of every setting (poll x version) and reports each setting's median and range
 * one node alone, the same number of steps (what each worker would do by itself)
 * one node with an M x batch (the equal-compute data-parallel reference)
 
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -111,7 +113,9 @@ def main() -> None:
     ap.add_argument("--polls", default="1,3", help="poll_interval values (s), one row each")
     ap.add_argument("--before", default="", help="an older checkout for a side-by-side row")
     ap.add_argument("--no-baselines", action="store_true", help="DiLoCo rows only")
+    ap.add_argument("--repeats", type=int, default=1, help="interleaved runs per setting")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--stem", default="bench_diloco_processes", help="result file name")
     args = ap.parse_args()
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as d:
@@ -120,14 +124,17 @@ def main() -> None:
         if args.before:
             versions.append((f", {Path(args.before).name}", args.before))
         polls = [float(p) for p in args.polls.split(",")]
-        for poll in polls:
-            for tag, pythonpath in versions:
-                name = f"DiLoCo, poll {poll:g} s{tag}"
-                tmp = base / f"run{len(rows)}"
-                tmp.mkdir()
-                cfg = make_config(tmp, args.steps, args.workers, args.inner_steps, poll)
-                rows[name] = run_diloco(cfg, tmp, args.workers, pythonpath)
-                print(name, rows[name], flush=True)
+        for repeat in range(args.repeats):
+            for poll in polls:
+                for tag, pythonpath in versions:
+                    name = f"DiLoCo, poll {poll:g} s{tag}"
+                    if args.repeats > 1:
+                        name += f" | r{repeat}"
+                    tmp = base / f"run{len(rows)}"
+                    tmp.mkdir()
+                    cfg = make_config(tmp, args.steps, args.workers, args.inner_steps, poll)
+                    rows[name] = run_diloco(cfg, tmp, args.workers, pythonpath)
+                    print(name, rows[name], flush=True)
         if not args.no_baselines:
             cfg = make_config(base, args.steps, args.workers, args.inner_steps, polls[0])
             rows["one node alone"] = run_single(cfg, base, 16)
@@ -139,8 +146,8 @@ def main() -> None:
             "workers": args.workers, "inner_steps": args.inner_steps, "polls": polls}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_diloco_processes.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                                indent=1))
+    stem = out / args.stem
+    stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     lines = ["# DiLoCo as real processes", "",
              f"`{meta['command']}` (OMP_NUM_THREADS=1), torch {meta['torch']}, Python "
              f"{meta['python']}, {meta['cores']} cores ({meta['cpu_flags']}), fp32 on CPU. "
@@ -151,7 +158,17 @@ def main() -> None:
     for name, r in rows.items():
         lines.append(f"| {name} | {r['eval']:.4f} | {r.get('versions', '')} | "
                      f"{r['wall_s']:.0f} |")
-    (out / "bench_diloco_processes.md").write_text("\n".join(lines) + "\n")
+    settings: dict[str, list[float]] = {}
+    for name, r in rows.items():
+        settings.setdefault(name.split(" | ")[0], []).append(r["eval"])
+    if args.repeats > 1:
+        lines += ["", "| setting | median | range | range % of median | runs |",
+                  "|---|---:|---:|---:|---:|"]
+        for name, ev in settings.items():
+            med = statistics.median(ev)
+            lines.append(f"| {name} | {med:.4f} | {min(ev):.4f}-{max(ev):.4f} | "
+                         f"{100 * (max(ev) - min(ev)) / med:.1f} | {len(ev)} |")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -243,12 +243,7 @@ class ConsistentBase:
             self.version, self.digest = pointer.version, pointer.weights_digest
             self._drop_unused_refs()
         self.m["installs"] += int(new_version)  # globals installed; every boundary re-bases
-        self.m["lag"] = lag
-        self._lag_sum += lag
-        self._installs_counted += 1
-        self.m["lag_mean"] = self._lag_sum / self._installs_counted
-        self.m["version_age_s"] = max(0.0, time.time() - pointer.created_at)
-        self._check_lag()
+        self._record_lag(lag, pointer)
         if new_version:
             logger.info("diloco worker %s: installed global v%d (carrying %d own deltas, "
                         "c=%.3g)", self.node_id, pointer.version, lag, pointer.carry)
@@ -310,6 +305,16 @@ class ConsistentBase:
         scaled = round(h * min(1.0, pointer.fastest_step_s / self._step_s))
         self.round_steps = max(1, h // 8, min(h, scaled))
         self.m["round_steps"] = self.round_steps
+
+    def _record_lag(self, lag: int, pointer: Pointer) -> None:
+        """Metrics of one install: own deltas the global lacked (carried, in this mode), their
+        running mean, and how old the global was (its publication time, the master's clock)."""
+        self.m["lag"] = lag
+        self._lag_sum += lag
+        self._installs_counted += 1
+        self.m["lag_mean"] = self._lag_sum / self._installs_counted
+        self.m["version_age_s"] = max(0.0, time.time() - pointer.created_at)
+        self._check_lag()
 
     def _check_lag(self) -> None:
         pointer = self._global[0] if self._global is not None else None

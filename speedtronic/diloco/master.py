@@ -135,6 +135,8 @@ class Master:
         self._last_new_time: dict[str, float] = {}  # per session: when it last listed a new delta
         self._gap: dict[str, float] = {}  # per session: seconds between its last two new deltas
         self._step_s: dict[str, tuple[float, int]] = {}  # session: (seconds/step, round seen)
+        self._tokens_per_step: dict[str, float] = {}  # session: its deltas' tokens / steps
+        self._warned_poll = False
 
     # ------------------------------------------------------------------ lease
     def _lease_bytes(self, epoch: int, renewals: int) -> bytes:
@@ -372,6 +374,19 @@ class Master:
         return carry_weight(self.cfg.outer_optimizer, self.cfg.outer_lr,
                             self.cfg.outer_momentum, self._workers(set()))
 
+    def _token_weight(self, session_key: str, header: codec.DeltaHeader) -> float:
+        """A delta's weight for the tokens per step it trained on, relative to the mean over
+        sessions: a worker with twice the batch counts twice, as its examples would in one
+        data-parallel batch. Not per token of the round: a delta is a displacement, already
+        proportional to its steps (a short round moves less), so weighting it by its tokens
+        would count its length twice. 1.0 when every worker runs the same batch (or a header
+        has no token count)."""
+        if header.tokens <= 0 or header.inner_steps <= 0:
+            return 1.0
+        self._tokens_per_step[session_key] = header.tokens / header.inner_steps
+        mean = sum(self._tokens_per_step.values()) / len(self._tokens_per_step)
+        return self._tokens_per_step[session_key] / mean
+
     def fastest_step_s(self) -> float:
         """Seconds per inner step of the fastest session heard from in the last 50 listings
         (delta gap / its inner steps; 0 = unknown): workers with ``adaptive_inner_steps``
@@ -471,6 +486,7 @@ class Master:
                             self._gap[session_key] = now - self._last_new_time[session_key]
                         self._last_new_time[session_key] = now
                     self._last_new[session_key] = self._round
+        self._check_poll_interval()
         listed = {item[0] for items in pending.values() for item in items}
         self._listed_at = {k: v for k, v in self._listed_at.items() if k in listed}
         self._warn_about_shared_node_ids()
@@ -539,7 +555,8 @@ class Master:
             if reason is not None:
                 self._quarantine(key, reason, stats)
                 continue
-            accepted.add(delta, staleness_weight(stale, self.cfg.staleness_weighting))
+            accepted.add(delta, staleness_weight(stale, self.cfg.staleness_weighting)
+                         * self._token_weight(session_key, header))
             del delta
             applied_keys.append(key)
             staleness.append(stale)
@@ -616,6 +633,20 @@ class Master:
             self.store.delete_many(doomed)
         except StoreError as exc:  # garbage collection is best effort
             logger.warning("diloco master: cleanup failed (will retry next round): %s", exc)
+
+    def _check_poll_interval(self) -> None:
+        """Warn once when this master lists less often than ~4 times per round (the median gap
+        between a session's deltas): every listing interval a delta waits is lag for the
+        workers that install the global in between (bench_diloco_async.md)."""
+        if self._warned_poll or len(self._gap) < 2:
+            return
+        gaps = sorted(self._gap.values())
+        round_s = gaps[len(gaps) // 2]
+        if round_s > 0 and self.cfg.master_poll > 0.25 * round_s:
+            self._warned_poll = True
+            logger.warning("diloco master: it lists deltas every %.3gs, more than 1/4 of a "
+                           "round (%.3gs): set distributed.master_poll_interval <= %.3g",
+                           self.cfg.master_poll, round_s, 0.25 * round_s)
 
     def _check_round_length(self, inner_steps: int) -> None:
         """Warn once when workers' rounds (from their delta headers) are short for the outer

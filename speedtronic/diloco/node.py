@@ -353,7 +353,12 @@ class Worker(ConsistentBase):
             self._gen_version[self.gen] = pointer.version
             self.version, self.digest = pointer.version, pointer.weights_digest
             self._drop_unused_refs()
+            # The lag this mode leaves: own deltas made (numbered or still queued) that the
+            # installed global does not hold - the work the next round's base is missing.
+            made = self._seq + sum(1 for g in self._pending if g is not None)
+            lag = max(0, made - 1 - pointer.holds(self.node_id, self.session))
         self.m["installs"] += 1
+        self._record_lag(lag, pointer)
         logger.info("diloco worker %s: installed global v%d", self.node_id, pointer.version)
         replaced = getattr(trainer, "weights_replaced", None)
         if callable(replaced):

@@ -235,3 +235,18 @@ def test_adaptive_inner_steps_scale_a_slow_workers_round_by_the_fastest_pace(tmp
     finally:
         fast.close()
         slow.close()
+
+
+def test_deltas_are_weighted_by_tokens_per_step_not_by_round_length(tmp_path):
+    _, master, workers, _ = _cluster(tmp_path, 1)
+    workers[0].close()
+
+    def header(tokens: int, steps: int) -> codec.DeltaHeader:
+        return codec.DeltaHeader(node="n", session="s", seq=0, base_version=0,
+                                 inner_steps=steps, tokens=tokens, codec="none")
+
+    assert master._token_weight("a/1", header(512 * 20, 20)) == 1.0
+    assert master._token_weight("b/1", header(512 * 20, 20)) == 1.0  # equal batches: 1
+    # twice the batch counts twice the mean of the others; a shorter round is not discounted
+    assert master._token_weight("c/1", header(1024 * 5, 5)) == pytest.approx(1024 / (2048 / 3))
+    assert master._token_weight("d/1", header(0, 20)) == 1.0  # no token count in the header
