@@ -369,6 +369,11 @@ class OptimizerConfig:
     """Muon+: normalize rows then columns after orthogonalization (requires name: muon)."""
     muon_norm_eps: float = 1e-8
     """Epsilon inside the square root of the Muon+ normalization."""
+    cuda_graph: Literal["off", "on", "auto"] = "off"
+    """The Muon step as one captured CUDA graph, replayed each step (CUDA only; off on CPU and
+    under ``train.compile`` with one log line). ``auto`` times 3 eager steps against 3 replays
+    after the warm-up and keeps the faster. Off by default until a GPU run has measured it
+    (benchmarks/gpu_check.sh); docs/optimizers.md lists what invalidates a capture."""
     cautious: bool = False
     """Cautious masking: drop update entries whose sign disagrees with the gradient (AdamW: the
     Adam direction; Muon: the orthogonalized update). Applies to both branches."""
@@ -404,6 +409,9 @@ class OptimizerConfig:
         _check(not self.muon_plus or self.name == "muon", f"{p}.muon_plus",
                f"requires optimizer.name: muon (got name: {self.name}); Muon+ normalizes "
                "orthogonalized updates, which AdamW does not produce")
+        _check(self.cuda_graph == "off" or self.name == "muon", f"{p}.cuda_graph",
+               f"requires optimizer.name: muon (got name: {self.name}); it captures the Muon "
+               "step (AdamW's fused step is already a few launches)")
         _check(not self.muon_conv or self.name == "muon", f"{p}.muon_conv",
                f"requires optimizer.name: muon (got name: {self.name}); it routes convolution "
                "kernels to Muon")

@@ -28,7 +28,7 @@ from ._state import (
 )
 from .adamw import ADAMW_DEFAULTS, adamw_step, fused_supported
 from .adamw import _check_group as _check_adamw_group
-from .muon import MUON_DEFAULTS, MuonCacheMixin
+from .muon import MUON_DEFAULTS, MuonCacheMixin, check_cuda_graph
 from .muon import _check_group as _check_muon_group
 from .muon_step import tensorize_hyper
 from .routing import route_parameters, trainable_parameters
@@ -58,11 +58,11 @@ class HybridOptimizer(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.o
     is what those schedulers do to a plain AdamW.
     """
 
-    def __init__(self, param_groups: list[dict[str, Any]], *, cuda_graph: bool = False,
+    def __init__(self, param_groups: list[dict[str, Any]], *, cuda_graph: bool | str = False,
                  workspace_budget: int | None = None) -> None:
         if not param_groups:
             raise ValueError("HybridOptimizer needs at least one param group")
-        self.cuda_graph = bool(cuda_graph)  # the Muon step only; see speedtronic.optim.Muon
+        self.cuda_graph = check_cuda_graph(cuda_graph)  # the Muon step; see optim.Muon
         self.workspace_budget = workspace_budget
         super().__init__(param_groups, defaults={"momentum": None})
 
@@ -192,7 +192,8 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig | None = None) -> 
         groups.append(_adamw_group(decay, cfg, cfg.weight_decay, "adamw_decay"))
     if no_decay:
         groups.append(_adamw_group(no_decay, cfg, 0.0, "adamw_no_decay"))
-    opt = HybridOptimizer(groups)
+    opt = HybridOptimizer(groups, cuda_graph={"on": True, "off": False, "auto": "auto"}[
+        cfg.cuda_graph])
 
     logger.info("optimizer: %s (%s)", cfg.name, routes.summary() if cfg.name == "muon" else
                 f"adamw on all {sum(len(g['params']) for g in groups)} trainable tensors")

@@ -36,6 +36,18 @@ logger = logging.getLogger("speedtronic.optim")
 WARMUP_STEPS = 3
 """Eager steps before a capture: the first builds the banks, the next run the per-shape kernel
 choice and autotune on the side stream the capture will use (torch's recipe asks for a few)."""
+MEASURE_STEPS = 3
+"""``cuda_graph="auto"``: eager steps timed after the warm-up, and replays timed after the
+capture; the graph stays only if its median is lower (one host sync, at that decision)."""
+
+
+def auto_keeps_graph(eager_ms: list[float], replay_ms: list[float]) -> bool:
+    """The ``auto`` decision: keep the graph when its median step beats the eager median."""
+    def median(v: list[float]) -> float:
+        s = sorted(v)
+        return s[len(s) // 2] if len(s) % 2 else 0.5 * (s[len(s) // 2 - 1] + s[len(s) // 2])
+
+    return bool(eager_ms) and bool(replay_ms) and median(replay_ms) < median(eager_ms)
 
 
 @dataclass
@@ -47,6 +59,10 @@ class GraphState:
     graph: Any = None
     static_grads: list[Tensor] = field(default_factory=list)
     logged: bool = False
+    mode: str = "on"           # "on", or "auto": measure, then keep the faster
+    eager_events: list[tuple[Any, Any]] = field(default_factory=list)
+    replay_events: list[tuple[Any, Any]] = field(default_factory=list)
+    decided_off: str = ""      # auto chose eager: why (the measured medians)
 
 
 def _key(groups: list[dict[str, Any]], params: list[Tensor]) -> tuple:
@@ -77,7 +93,7 @@ def graphed_step(state: GraphState, groups: list[dict[str, Any]],
 
     ``planted`` says whether the step's momentum views are still the ones of its plan."""
     params = [p for g in groups for p in g["params"] if p.grad is not None]
-    reason = why_not(params)
+    reason = why_not(params) or state.decided_off or None
     if reason is not None:
         if not state.logged:
             logger.info("muon cuda graph: off (%s)", reason)
@@ -87,9 +103,19 @@ def graphed_step(state: GraphState, groups: list[dict[str, Any]],
     key = _key(groups, params)
     if key != state.key or (state.graph is not None and not planted()):
         state.key, state.warm, state.graph, state.static_grads = key, 0, None, []
+        state.eager_events, state.replay_events = [], []
     if state.graph is not None:
-        torch._foreach_copy_(state.static_grads, [p.grad for p in params])
-        state.graph.replay()
+        with _timed(state.replay_events, state.mode == "auto" and
+                    len(state.replay_events) < MEASURE_STEPS):
+            torch._foreach_copy_(state.static_grads, [p.grad for p in params])
+            state.graph.replay()
+        if state.mode == "auto" and len(state.replay_events) == MEASURE_STEPS:
+            _decide(state)
+        return
+    if state.mode == "auto" and WARMUP_STEPS <= state.warm < WARMUP_STEPS + MEASURE_STEPS:
+        with _timed(state.eager_events, True):  # on the current stream, as training runs it
+            eager()
+        state.warm += 1
         return
     if state.warm < WARMUP_STEPS:
         side = torch.cuda.Stream()
@@ -113,7 +139,42 @@ def graphed_step(state: GraphState, groups: list[dict[str, Any]],
     torch._foreach_copy_(state.static_grads, user_grads)
     graph.replay()
     state.graph = graph
-    if not state.logged:
+    if not state.logged and state.mode != "auto":
         logger.info("muon cuda graph: on (captured after %d eager steps; %d matrices)",
                     WARMUP_STEPS, len(params))
         state.logged = True
+
+
+class _timed:
+    """Record a CUDA event pair around the block into ``into`` (when ``on``)."""
+
+    def __init__(self, into: list[tuple[Any, Any]], on: bool) -> None:
+        self.into, self.on = into, on
+
+    def __enter__(self) -> None:
+        if self.on:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.on:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.into.append((self.start, end))
+
+
+def _decide(state: GraphState) -> None:
+    """``auto``: compare the timed eager steps with the timed replays (the one host sync)."""
+    torch.cuda.synchronize()
+    eager = [a.elapsed_time(b) for a, b in state.eager_events]
+    replay = [a.elapsed_time(b) for a, b in state.replay_events]
+    state.replay_events.append((None, None))  # decided: stop timing
+    figures = (f"eager {sorted(eager)[len(eager) // 2]:.3f} ms, graph "
+               f"{sorted(replay)[len(replay) // 2]:.3f} ms per step")
+    if auto_keeps_graph(eager, replay):
+        logger.info("muon cuda graph: auto -> on (%s)", figures)
+    else:
+        state.graph, state.static_grads = None, []
+        state.decided_off = f"auto measured the eager step faster: {figures}"
+        logger.info("muon cuda graph: auto -> off (%s)", figures)
+    state.logged = True

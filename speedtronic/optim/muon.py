@@ -229,12 +229,21 @@ def muon_step(state: dict, groups: Sequence[dict[str, Any]],
         destination.copy_(source)
 
 
+def check_cuda_graph(value: bool | str) -> bool | str:
+    """``cuda_graph``: True, False or ``"auto"``."""
+    if value == "auto":
+        return "auto"
+    if isinstance(value, bool):
+        return value
+    raise ValueError(f"cuda_graph must be True, False or 'auto', got {value!r}")
+
+
 class MuonCacheMixin:
     """Holds the lean step's :class:`StepCache` (not part of ``state_dict``: it is rebuilt
     from the momentum buffers whenever they, or the matrix set, change)."""
 
     workspace_budget: int | None = None
-    cuda_graph: bool = False
+    cuda_graph: bool | str = False
 
     def run_muon_step(self, state: dict, groups: list[dict[str, Any]]) -> None:
         """The lean step over ``groups`` (Muon groups only), eager or as a CUDA graph."""
@@ -246,7 +255,8 @@ class MuonCacheMixin:
 
         graph = self.__dict__.get("_muon_graph")
         if graph is None:
-            graph = self.__dict__["_muon_graph"] = GraphState()
+            graph = self.__dict__["_muon_graph"] = GraphState(
+                mode="auto" if self.cuda_graph == "auto" else "on")
         graphed_step(graph, groups, lambda: muon_step(state, groups, cache),
                      lambda: planted(cache))
 
@@ -281,7 +291,8 @@ class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimi
             ``"bf16"``, ``"fp16"``, ``"fp32"``, ``"fp64"`` or a torch dtype.
         cuda_graph: capture the whole step as one CUDA graph after a few eager steps and replay
             it (see :mod:`~speedtronic.optim.cuda_graph` for what invalidates it); off on CPU
-            and under ``torch.compile``, with one log line saying why.
+            and under ``torch.compile``, with one log line saying why. ``"auto"``: time 3 eager
+            steps and 3 replays and keep whichever is faster (one host sync, once).
         workspace_budget: bytes the step's workspaces may take (gather bank, NS input and
             temporaries); None = :func:`~speedtronic.optim.muon_step.default_budget_bytes`
             (8% of the device's memory, 256 MiB to 16 GiB). A shape group that does not fit runs
@@ -300,7 +311,7 @@ class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimi
                  ns_coefficients: str | Sequence[float] = ops.QUINTIC, eps: float = 1e-7,
                  ns_steps: int = 5, adjust_lr_fn: str | None = None, *, muon_plus: bool = False,
                  norm_eps: float = 1e-8, cautious: bool = False, cautious_rescale: bool = True,
-                 ns_dtype: str | torch.dtype | None = "auto", cuda_graph: bool = False,
+                 ns_dtype: str | torch.dtype | None = "auto", cuda_graph: bool | str = False,
                  workspace_budget: int | None = None) -> None:
         if workspace_budget is not None and (isinstance(workspace_budget, bool)
                                              or not isinstance(workspace_budget, int)
@@ -308,7 +319,7 @@ class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimi
             raise ValueError(f"workspace_budget must be a positive int of bytes or None, got "
                              f"{workspace_budget!r}")
         self.workspace_budget = workspace_budget
-        self.cuda_graph = bool(cuda_graph)
+        self.cuda_graph = check_cuda_graph(cuda_graph)
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, muon_plus=muon_plus, norm_eps=norm_eps,

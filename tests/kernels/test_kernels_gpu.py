@@ -285,16 +285,19 @@ def test_full_step_captures_in_a_cuda_graph(gen):
         torch.testing.assert_close(a, b)
 
 
-def test_muon_cuda_graph_option_matches_eager_under_a_schedule(gen):
+@pytest.mark.parametrize("mode", [True, "auto"])
+def test_muon_cuda_graph_option_matches_eager_under_a_schedule(gen, mode, caplog):
     """Muon(cuda_graph=True): warm-up, capture, replay with new gradient tensors each step and
-    an LR schedule filling the lr tensor, equal to the eager step throughout."""
+    an LR schedule filling the lr tensor, equal to the eager step throughout. ``"auto"`` also
+    times both and logs its choice (whichever it keeps, the updates are the eager ones)."""
     from speedtronic.optim import Muon
 
+    caplog.set_level("INFO", logger="speedtronic.optim")
     shapes = [(768, 768)] * 4 + [(768, 3072), (3072, 768)]
     init = [_rand(s, gen) for s in shapes]
-    grads = [[_rand(s, gen) for s in shapes] for _ in range(8)]
+    grads = [[_rand(s, gen) for s in shapes] for _ in range(12)]
     runs = []
-    for graphed in (False, True):
+    for graphed in (False, mode):
         params = [torch.nn.Parameter(w.clone()) for w in init]
         opt = Muon(params, lr=0.02, weight_decay=0.01, cuda_graph=graphed)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
@@ -303,9 +306,11 @@ def test_muon_cuda_graph_option_matches_eager_under_a_schedule(gen):
                 p.grad = g.clone()
             opt.step()
             sched.step()
-        assert (opt.__dict__.get("_muon_graph") is not None) == graphed
-        if graphed:
+        assert (opt.__dict__.get("_muon_graph") is not None) == bool(graphed)
+        if graphed is True:
             assert opt._muon_graph.graph is not None
+        elif graphed == "auto":
+            assert "muon cuda graph: auto -> " in caplog.text
         runs.append([p.detach().clone() for p in params])
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-5)

@@ -288,3 +288,33 @@ def test_the_cuda_path_estimate_stays_within_its_design_budget(name):
     c = _count(_opt(shapes, scale, ns_dtype="fp16")[0])
     assert c.host_syncs == 0
     assert c.launches <= design_cuda_budget(shapes), (c.launches, c.by_name.most_common())
+
+
+def test_cuda_graph_auto_keeps_the_graph_only_when_its_median_is_faster():
+    from speedtronic.optim.cuda_graph import auto_keeps_graph
+
+    assert auto_keeps_graph([2.0, 2.1, 9.0], [1.0, 1.2, 1.1])
+    assert not auto_keeps_graph([1.0, 1.1, 1.2], [1.3, 0.5, 1.4])  # one fast replay is no median
+    assert not auto_keeps_graph([], [1.0]) and not auto_keeps_graph([1.0], [])
+
+
+def test_engine_cuda_graph_setting_reaches_the_optimizer_and_is_refused_without_muon(caplog):
+    from speedtronic.config import ConfigError, load_config
+    from speedtronic.optim import build_optimizer
+
+    cfg = load_config({"optimizer": {"name": "muon", "cuda_graph": "auto"}})
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16), nn.Linear(16, 4))
+    opt = build_optimizer(model, cfg.optimizer)
+    assert opt.cuda_graph == "auto"
+    model(torch.randn(3, 16)).sum().backward()
+    with caplog.at_level("INFO", logger="speedtronic.optim"):
+        opt.step()
+    assert "muon cuda graph: off (no CUDA device)" in caplog.text
+    assert build_optimizer(model, load_config({"optimizer": {"name": "muon"}}).optimizer
+                           ).cuda_graph is False
+    with pytest.raises(ConfigError, match="optimizer.cuda_graph"):
+        load_config({"optimizer": {"name": "adamw", "cuda_graph": "on"}})
+    with pytest.raises(ConfigError, match="optimizer.cuda_graph"):
+        load_config({"optimizer": {"name": "muon", "cuda_graph": "yes"}})
+    with pytest.raises(ValueError, match="cuda_graph"):
+        Muon([nn.Parameter(torch.randn(4, 4))], cuda_graph="sometimes")
