@@ -100,7 +100,7 @@ def _final_eval(cfg, master, evals) -> float:
 def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carry: bool,
               master_ratio: float, worker_ratio: float, timing_seed: int,
               push_pull: float = 0.0, horizon: float | None = None,
-              adaptive: bool = False) -> dict:
+              adaptive: bool = False, lookahead: float = 0.0) -> dict:
     """One asynchronous run on the simulated clock; ``horizon`` (time units) stops every worker
     there (equal wall-clock), else each trains ``steps`` inner steps (equal tokens)."""
     rng = random.Random(timing_seed)
@@ -109,7 +109,8 @@ def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carr
     t_wall = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         nodes, master, workers = _setup(cfg, Path(tmp), M, limits, consistent_base=carry,
-                                        adaptive_inner_steps=adaptive)
+                                        adaptive_inner_steps=adaptive,
+                                        carry_lookahead=lookahead)
         now = [0.0]
         master._clock = lambda: now[0]
         for w in workers:
@@ -240,6 +241,8 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
                                                      "worker_ratio": 0.25},
         "consistent base, master poll 1 round": {"carry": True, "master_ratio": 1.0,
                                                   "worker_ratio": 0.25},
+        "consistent base + lookahead 0.25, master poll 0.05 round": {
+            "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25},
         "no carry, master poll 0.05 round": {"carry": False, "master_ratio": 0.05,
                                               "worker_ratio": 0.25},
         "push-pull (timeout 0.5 round), master poll 0.05": {
@@ -269,6 +272,10 @@ def plan_uneven(steps: int, timing_seeds: list[int]) -> dict:
         rows[f"uneven: consistent base + adaptive H, master poll 0.05 | t{seed}"] = ("async", {
             "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed, "carry": True,
             "master_ratio": 0.05, "worker_ratio": 0.25, "horizon": horizon, "adaptive": True})
+        rows[f"uneven: consistent base + adaptive H + lookahead 0.25 | t{seed}"] = ("async", {
+            "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed, "carry": True,
+            "master_ratio": 0.05, "worker_ratio": 0.25, "horizon": horizon, "adaptive": True,
+            "lookahead": 0.25})
         rows[f"uneven: async as shipped | t{seed}"] = ("async", {
             "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed, "carry": False,
             "master_ratio": 1.0, "worker_ratio": 1.0, "horizon": horizon})

@@ -606,6 +606,10 @@ class DistributedConfig:
     the total weight the master gives a delta (published in the pointer with each session's
     high-water mark), instead of a G missing this worker's own recent rounds
     (docs/diloco.md#consistent-base)."""
+    carry_lookahead: float = 0.0
+    """Carry ``c * (1 + carry_lookahead * (M - 1))`` instead of ``c``: the other workers' rounds
+    in flight, which the global also lacks, extrapolated from this worker's own delta (workers'
+    deltas point the same way). 0 = the exact algebra (docs/diloco.md#consistent-base)."""
     max_unapplied: int = 4
     """Most own deltas a worker keeps for its consistent base (each a host fp32 copy of the
     model); at this many it waits up to ``unapplied_wait`` for the master, then drops the
@@ -701,6 +705,7 @@ class DistributedConfig:
                    "must be > 0 or null")
         _check(self.grace_window >= 0, f"{p}.grace_window", "must be >= 0")
         _check(self.max_unapplied >= 1, f"{p}.max_unapplied", "must be >= 1")
+        _check(0 <= self.carry_lookahead <= 1, f"{p}.carry_lookahead", "must be in [0, 1]")
         _check(self.unapplied_wait >= 0, f"{p}.unapplied_wait", "must be >= 0")
         _check(self.push_pull_timeout >= 0, f"{p}.push_pull_timeout", "must be >= 0")
         _check(self.outer_lr > 0, f"{p}.outer_lr", f"must be > 0, got {self.outer_lr}")

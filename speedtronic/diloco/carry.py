@@ -233,7 +233,8 @@ class ConsistentBase:
             pointer, weights = self._global
             self._release(self._carry.drop_held(pointer.holds(self.node_id, self.session)))
             lag = len(self._carry)
-            base = self._carry.base(weights, pointer.carry)
+            c = pointer.carry * (1.0 + self.cfg.carry_lookahead * max(0.0, pointer.workers - 1))
+            base = self._carry.base(weights, c)
             for k, p in self._params.items():
                 p.copy_(base[k])
             new_version = pointer.version != self.version

@@ -269,6 +269,8 @@ class Pointer:
     carry: float = 0.0
     """The weight the master's outer optimizer gives one delta in total (immediate step plus
     momentum), ``outer.carry_weight``: a worker installs ``G - carry * (its deltas G lacks)``."""
+    workers: float = 0.0
+    """The M the master divides each delta by (0 = not published)."""
     fastest_step_s: float = 0.0
     """Seconds per inner step of the fastest recent worker, as the master measures it (0 =
     unknown); ``adaptive_inner_steps`` workers scale their H by it."""
@@ -294,7 +296,7 @@ class Pointer:
                    for k, v in pointer.hwm.items()):
             raise FormatError(f"unreadable pointer {POINTER_KEY}: hwm must map "
                               "'node/session' to an integer seq")
-        for name in ("carry", "fastest_step_s"):
+        for name in ("carry", "fastest_step_s", "workers"):
             value = getattr(pointer, name)
             if not (math.isfinite(value) and 0.0 <= value <= 1e6):
                 raise FormatError(f"unreadable pointer {POINTER_KEY}: {name} {value!r} is not "

@@ -342,7 +342,7 @@ class Master:
                           master_epoch=self.epoch, state_path=skey,
                           state_sha256=codec.sha256(sbytes), master=self.node_id,
                           hwm=dict(self.hwm), carry=self.carry_weight(),
-                          fastest_step_s=self.fastest_step_s())
+                          workers=self._workers(set()), fastest_step_s=self.fastest_step_s())
         pbytes = pointer.to_bytes()
         if getattr(self.store, "single_commit", False):
             try:

@@ -250,3 +250,19 @@ def test_deltas_are_weighted_by_tokens_per_step_not_by_round_length(tmp_path):
     # twice the batch counts twice the mean of the others; a shorter round is not discounted
     assert master._token_weight("c/1", header(1024 * 5, 5)) == pytest.approx(1024 / (2048 / 3))
     assert master._token_weight("d/1", header(0, 20)) == 1.0  # no token count in the header
+
+
+def test_carry_lookahead_scales_c_by_the_other_workers_in_flight(tmp_path):
+    _, master, (w0, w1), (t0, _) = _cluster(tmp_path, 2, carry_lookahead=0.5)
+    try:
+        g0 = {k: v.clone() for k, v in master.weights.items()}
+        _steps(w0, t0, H, 0)
+        pointer = w0._global[0]
+        assert pointer.workers == 2.0
+        c = pointer.carry * (1 + 0.5 * (2 - 1))
+        d0 = w0._carry.find(0).tensors
+        for k, p in _params(t0).items():
+            torch.testing.assert_close(p, g0[k] - c * d0[k])
+    finally:
+        w0.close()
+        w1.close()
