@@ -304,7 +304,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--model-seeds", default="0")
     ap.add_argument("--timing-seeds", default="0,1,2")
-    ap.add_argument("--rows", default="all", help="'all', 'uneven', or a substring filter")
+    ap.add_argument("--rows", default="all", help="'all', 'uneven', optionally ':' and "
+                    "comma-separated substrings a row name must contain")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--report", action="store_true", help="only rewrite the markdown")
     ap.add_argument("--part", default="0/1", help="k/n: run every n-th row from the k-th, so "
@@ -321,10 +322,13 @@ def main() -> None:
     for mseed in [int(s) for s in args.model_seeds.split(",")]:
         cfg = bench_cfg(mseed)
         evals = build_data(replace_batch(cfg, 64)).eval_batches(20)
-        rows = plan_uneven(args.steps, tseeds) if args.rows == "uneven" else plan(
+        which, _, only = args.rows.partition(":")  # "uneven:lookahead", "all:master poll"
+        if which not in ("all", "uneven"):
+            which, only = "all", args.rows
+        rows = plan_uneven(args.steps, tseeds) if which == "uneven" else plan(
             args.M, args.steps, tseeds)
-        if args.rows not in ("all", "uneven"):
-            rows = {k: v for k, v in rows.items() if args.rows in k}
+        if only:
+            rows = {k: v for k, v in rows.items() if any(o in k for o in only.split(","))}
         k, n = (int(v) for v in args.part.split("/"))
         for index, (name, (kind, kw)) in enumerate(rows.items()):
             if index % n != k:
