@@ -106,6 +106,7 @@ class ConsistentBase:
     ``G - c * carry``; with ``push_pull_timeout`` it first waits for a global holding them."""
 
     # Provided by Worker.
+    _snapshot_record: Any  # its upload-queue record type
     cfg: Any
     node_id: str
     session: str
@@ -134,8 +135,6 @@ class ConsistentBase:
 
         The weights are copied into a fresh buffer that becomes the next reference, and the old
         reference buffer turns into the delta in place: one device->host copy and one pass."""
-        from .node import _Snapshot  # the Worker's upload record
-
         steps, self._steps_in_round = self._steps_in_round, 0
         with self._lock:
             weights = self._pool.pop() if self._pool else {
@@ -151,8 +150,8 @@ class ConsistentBase:
                 self._residual = None
             self._refs[self.gen] = weights             # the next delta is measured from here
             seq, self._seq = self._seq, self._seq + 1
-            snap = _Snapshot(self.gen, self.version, delta, steps, steps * self.tokens_per_step,
-                             seq=seq)
+            snap = self._snapshot_record(self.gen, self.version, delta, steps,
+                                         steps * self.tokens_per_step, seq=seq)
             self._pending[seq] = snap
             self._carry.add(OwnDelta(seq, delta))
             self._lock.notify_all()

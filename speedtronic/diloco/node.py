@@ -116,6 +116,7 @@ class Worker(ConsistentBase):
     ``optimizer`` and optionally ``log_metrics`` and ``config`` (the Trainer does)."""
 
     name = "diloco"
+    _snapshot_record = _Snapshot  # what ConsistentBase queues for the upload thread
 
     def __init__(self, cfg: DistributedConfig, *, store: Store | None = None,
                  node_id: str | None = None, tokens_per_step: int = 0) -> None:

@@ -59,11 +59,12 @@ class HybridOptimizer(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.o
     """
 
     def __init__(self, param_groups: list[dict[str, Any]], *, cuda_graph: bool | str = False,
-                 workspace_budget: int | None = None) -> None:
+                 workspace_budget: int | None = None, process_group: Any = None) -> None:
         if not param_groups:
             raise ValueError("HybridOptimizer needs at least one param group")
         self.cuda_graph = check_cuda_graph(cuda_graph)  # the Muon step; see optim.Muon
         self.workspace_budget = workspace_budget
+        self.process_group = process_group  # sharded Newton-Schulz (speedtronic.optim.Muon)
         super().__init__(param_groups, defaults={"momentum": None})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -143,7 +144,8 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig | None = None) -> HybridOptimizer:
+def build_optimizer(model: nn.Module, config: OptimizerConfig | None = None, *,
+                    process_group: Any = None) -> HybridOptimizer:
     """Build the one optimizer covering every trainable parameter of ``model``.
 
     ``config.name == "adamw"``: AdamW over ALL trainable parameters (matrices decay; norms,
@@ -151,6 +153,8 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig | None = None) -> 
     ``config.name == "muon"``: hidden matrices on Muon (``muon_lr``, ``muon_weight_decay``, ...),
     the rest on AdamW (``lr``, ``weight_decay``), routed by
     :func:`speedtronic.optim.route_parameters`. Logs one line per decision.
+    ``process_group``: under data parallelism, split the Muon step's Newton-Schulz across its
+    ranks (:mod:`speedtronic.optim.sharded`).
     """
     cfg = config if config is not None else OptimizerConfig()
     cfg.validate()
@@ -193,7 +197,7 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig | None = None) -> 
     if no_decay:
         groups.append(_adamw_group(no_decay, cfg, 0.0, "adamw_no_decay"))
     opt = HybridOptimizer(groups, cuda_graph={"on": True, "off": False, "auto": "auto"}[
-        cfg.cuda_graph])
+        cfg.cuda_graph], process_group=process_group)
 
     logger.info("optimizer: %s (%s)", cfg.name, routes.summary() if cfg.name == "muon" else
                 f"adamw on all {sum(len(g['params']) for g in groups)} trainable tensors")

@@ -244,6 +244,7 @@ class MuonCacheMixin:
 
     workspace_budget: int | None = None
     cuda_graph: bool | str = False
+    process_group: Any = None
 
     def run_muon_step(self, state: dict, groups: list[dict[str, Any]]) -> None:
         """The lean step over ``groups`` (Muon groups only), eager or as a CUDA graph."""
@@ -264,7 +265,10 @@ class MuonCacheMixin:
     def muon_cache(self) -> StepCache:
         cache = self.__dict__.get("_muon_cache")
         if cache is None:
-            cache = self.__dict__["_muon_cache"] = StepCache(self.workspace_budget)
+            from .sharded import shard_spec
+
+            cache = self.__dict__["_muon_cache"] = StepCache(
+                self.workspace_budget, shard=shard_spec(self.process_group))
         return cache
 
     def nonfinite_counts(self) -> list[tuple[tuple[int, int], int]]:
@@ -297,6 +301,11 @@ class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimi
             temporaries); None = :func:`~speedtronic.optim.muon_step.default_budget_bytes`
             (8% of the device's memory, 256 MiB to 16 GiB). A shape group that does not fit runs
             in chunks: less memory, more launches.
+        process_group: under data parallelism (every rank steps on the same averaged
+            gradients), split the Newton-Schulz work: each rank orthogonalizes 1/W of every
+            shape group and an all-gather shares the results (:mod:`~speedtronic.optim.sharded`);
+            parameters stay bitwise equal across ranks and to the replicated step. None = each
+            rank does all of it.
 
     ``lr``, ``weight_decay`` and ``momentum`` are held as 0-d fp32 tensors on the parameters'
     device (floats are converted when the group is added; an LR scheduler then fills them in
@@ -312,7 +321,7 @@ class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimi
                  ns_steps: int = 5, adjust_lr_fn: str | None = None, *, muon_plus: bool = False,
                  norm_eps: float = 1e-8, cautious: bool = False, cautious_rescale: bool = True,
                  ns_dtype: str | torch.dtype | None = "auto", cuda_graph: bool | str = False,
-                 workspace_budget: int | None = None) -> None:
+                 workspace_budget: int | None = None, process_group: Any = None) -> None:
         if workspace_budget is not None and (isinstance(workspace_budget, bool)
                                              or not isinstance(workspace_budget, int)
                                              or workspace_budget <= 0):
@@ -320,6 +329,7 @@ class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimi
                              f"{workspace_budget!r}")
         self.workspace_budget = workspace_budget
         self.cuda_graph = check_cuda_graph(cuda_graph)
+        self.process_group = process_group
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, muon_plus=muon_plus, norm_eps=norm_eps,

@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import ops
+from .sharded import sharded_orthogonalize
 
 __all__ = ["HYPER_KEYS", "NS_DTYPES", "StepCache", "StepEntry", "adjusted_lr_scale",
            "default_budget_bytes", "hyper_tensor", "lean_muon_step", "tensorize_hyper",
@@ -121,6 +122,7 @@ class _Group:
     grads: Tensor | None = None  # (chunk, m, n) fp32, allocated on first use
     work: Tensor | None = None   # (chunk, m, n) compute dtype, when not fp32
     nonfinite: Tensor | None = None  # () int64: fp16 NS hits so far
+    gathered: Tensor | None = None   # sharded NS: the all-gather buffer (W * per, m, n)
     slot_pg: Tensor | None = None    # (b,) int64: index into pgs per slot, when len(pgs) > 1
 
 
@@ -131,6 +133,7 @@ class StepCache:
     momentum buffer replaced) rebuilds it, copying the current momentum into new banks."""
 
     budget_bytes: int | None = None
+    shard: Any = None  # sharded.ShardSpec: Newton-Schulz split across data-parallel ranks
     signature: tuple | None = None
     groups: list[_Group] = field(default_factory=list)
     views: list[tuple[dict, Tensor]] = field(default_factory=list)  # (state, planted view)
@@ -308,7 +311,7 @@ def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]],
                  for i in part.entries]
         torch._foreach_mul_(works, hyper[index]["decay"])
     for g in cache.groups:
-        _group_step(g, groups[g.pgs[0]], hyper)
+        _group_step(g, groups[g.pgs[0]], hyper, cache.shard)
 
 
 def _per_slot(g: _Group, hyper: dict[int, dict[str, Tensor]], key: str) -> Tensor:
@@ -319,7 +322,8 @@ def _per_slot(g: _Group, hyper: dict[int, dict[str, Tensor]], key: str) -> Tenso
     return torch.stack([hyper[i][key] for i in g.pgs])[g.slot_pg].view(-1, 1, 1)
 
 
-def _group_step(g: _Group, group: dict[str, Any], hyper: dict[int, dict[str, Tensor]]) -> None:
+def _group_step(g: _Group, group: dict[str, Any], hyper: dict[int, dict[str, Tensor]],
+                shard: Any = None) -> None:
     m, n = g.shape
     b = g.momentum.shape[0]
     if g.grads is None or g.grads.shape[0] < min(b, g.chunk):
@@ -332,6 +336,10 @@ def _group_step(g: _Group, group: dict[str, Any], hyper: dict[int, dict[str, Ten
     flat = ops.resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
     w_all, mu_all = _per_slot(g, hyper, "w"), _per_slot(g, hyper, "mu")
     newton_schulz = ops.kernel_or_fallback("newton_schulz", g.device, [])
+    steps, eps = int(group["ns_steps"]), float(group["eps"])
+
+    def orthogonalize(X: Tensor) -> Tensor:  # (c, m, n) normalized, compute dtype
+        return newton_schulz(X, steps, flat, eps, g.compute, "auto", True)
     for start in range(0, b, g.chunk):
         stop = min(b, start + g.chunk)
         G = g.grads[:stop - start]                                     # (c, m, n) fp32
@@ -359,8 +367,11 @@ def _group_step(g: _Group, group: dict[str, Any], hyper: dict[int, dict[str, Ten
             X = U / norm                                               # M must survive
         else:
             X = U.div_(norm)
-        orth = newton_schulz(X, int(group["ns_steps"]), flat, float(group["eps"]), g.compute,
-                          "auto", True)                                # (c, m, n)
+        if shard is None:
+            orth = orthogonalize(X)                                    # (c, m, n)
+        else:  # this rank's share, then all of them (optim/sharded.py)
+            g.gathered = sharded_orthogonalize(X, shard, orthogonalize, g.gathered)
+            orth = g.gathered[:stop - start]                           # (c, m, n)
         if guard:
             # A 16-bit NS result is finite iff its fp32 sum is (|entries| < 4: no overflow),
             # and x * 0 is NaN exactly for a non-finite x: 3 small ops instead of isfinite's 5.

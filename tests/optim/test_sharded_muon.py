@@ -1,0 +1,96 @@
+"""The sharded Muon step (``process_group=``) on 2 CPU processes over gloo: each rank
+orthogonalizes half of every shape group, and the parameters come out bitwise equal on both
+ranks and to the replicated step, for the plain, Muon+ and cautious steps."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+from speedtronic.optim import Muon
+
+WORLD, STEPS = 2, 3
+# odd counts: a rank gets ceil(b / 2) slots, the other the rest (padding in the gather)
+SHAPES = [(16, 16)] * 5 + [(48, 16)] * 3 + [(16, 48)] * 2
+VARIANTS = {"plain": {}, "muon_plus": {"muon_plus": True}, "cautious": {"cautious": True}}
+
+
+def _params() -> list[nn.Parameter]:
+    g = torch.Generator().manual_seed(0)
+    return [nn.Parameter(torch.randn(s, generator=g) * 0.1) for s in SHAPES]
+
+
+def _grads(step: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)  # what every rank holds after the all-reduce
+    return [torch.randn(s, generator=g) for s in SHAPES]
+
+
+def _run(kw: dict, group) -> tuple[list[torch.Tensor], int]:
+    """Final parameters and how many matrices this process orthogonalized."""
+    import speedtronic.optim.muon_step as muon_step
+
+    counted = [0]
+    original = muon_step.ops.kernel_or_fallback
+
+    def counting(name, device, dtypes):
+        fn = original(name, device, dtypes)
+        if name != "newton_schulz":
+            return fn
+
+        def ns(X, *args):
+            counted[0] += X.shape[0]
+            return fn(X, *args)
+        return ns
+
+    muon_step.ops.kernel_or_fallback = counting
+    try:
+        params = _params()
+        opt = Muon(params, lr=0.02, weight_decay=0.01, process_group=group, **kw)
+        for step in range(STEPS):
+            for p, g in zip(params, _grads(step), strict=True):
+                p.grad = g
+            opt.step()
+    finally:
+        muon_step.ops.kernel_or_fallback = original
+    return [p.detach().clone() for p in params], counted[0]
+
+
+def _rank(rank: int, init_file: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)
+    try:
+        results = {name: _run(kw, dist.group.WORLD) for name, kw in VARIANTS.items()}
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")
+def test_sharded_step_is_bitwise_the_replicated_step_with_half_the_newton_schulz(tmp_path):
+    out = str(tmp_path / "params")
+    mp.spawn(_rank, args=(str(tmp_path / "init"), out), nprocs=WORLD, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
+    per_group = [5, 3 + 2]  # (16, 16) x 5; (16, 48) x 5 with the tall ones transposed
+    for name, kw in VARIANTS.items():
+        replicated, all_matrices = _run(kw, None)
+        assert all_matrices == sum(per_group) * STEPS
+        for params, counted in (ranks[0][name], ranks[1][name]):
+            for a, b in zip(params, replicated, strict=True):
+                assert torch.equal(a, b), name
+        # rank 0 takes ceil(b / 2) of each group, rank 1 the rest: half the work each
+        assert ranks[0][name][1] == sum(math.ceil(b / 2) for b in per_group) * STEPS
+        assert ranks[1][name][1] == sum(b // 2 for b in per_group) * STEPS
+
+
+def test_a_process_group_without_torch_distributed_is_a_clear_error():
+    p = nn.Parameter(torch.randn(4, 4))
+    p.grad = torch.randn(4, 4)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        Muon([p], process_group=object()).step()
