@@ -356,7 +356,7 @@ class Worker(ConsistentBase):
             self._drop_unused_refs()
             # The lag this mode leaves: own deltas made (numbered or still queued) that the
             # installed global does not hold - the work the next round's base is missing.
-            made = self._seq + sum(1 for g in self._pending if g is not None)
+            made = self._seq + len(self._pending)
             lag = max(0, made - 1 - pointer.holds(self.node_id, self.session))
         self.m["installs"] += 1
         self._record_lag(lag, pointer)
