@@ -638,7 +638,7 @@ class Master:
         """Warn once when this master lists less often than ~4 times per round (the median gap
         between a session's deltas): every listing interval a delta waits is lag for the
         workers that install the global in between (bench_diloco_async.md)."""
-        if self._warned_poll or len(self._gap) < 2:
+        if self._warned_poll or not self._gap:
             return
         gaps = sorted(self._gap.values())
         round_s = gaps[len(gaps) // 2]

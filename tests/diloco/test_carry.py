@@ -45,9 +45,9 @@ def test_carry_weight_is_the_total_weight_the_outer_step_gives_one_delta(method,
 
 def _cluster(tmp_path, n_workers: int, **kw):
     url = f"file://{tmp_path}/store"
-    cfg = make_cfg(url, inner_steps=H, poll_interval=1e6, lease_ttl=1e7, outer_lr=0.5,
-                   outer_momentum=0.5, expected_workers=n_workers, reset_inner_optimizer=False,
-                   **kw)
+    settings = dict(inner_steps=H, poll_interval=1e6, lease_ttl=1e7, outer_lr=0.5,
+                    outer_momentum=0.5, expected_workers=n_workers, reset_inner_optimizer=False)
+    cfg = make_cfg(url, **{**settings, **kw})
     master = Master(open_store(url), cfg, "m", lambda: initial_weights())
     assert master.acquire_lease(threading.Event(), timeout=5)
     master.load_or_bootstrap()
@@ -266,3 +266,27 @@ def test_carry_lookahead_scales_c_by_the_other_workers_in_flight(tmp_path):
     finally:
         w0.close()
         w1.close()
+
+
+def test_slow_polls_and_a_lagging_master_are_each_warned_about_once(tmp_path, caplog):
+    """Rounds of H one-second steps: a 100 s worker poll and a 10 s master listing are each
+    more than a quarter of a round; and once the master stops, the lag grows past 1.5."""
+    clock = [0.0]
+    _, master, (w,), (t,) = _cluster(tmp_path, 1, poll_interval=100.0, unapplied_wait=0.0,
+                                     master_poll_interval=10.0)
+    w._clock = master._clock = lambda: clock[0]
+    try:
+        with caplog.at_level("WARNING", logger="speedtronic.diloco"):
+            for rnd in range(9):
+                for _ in range(H):
+                    clock[0] += 1.0
+                    _steps(w, t, 1, 0)
+                assert w.flush(30)
+                if rnd < 3:
+                    master.run_once()  # then the master stalls
+        text = caplog.text
+        assert text.count("poll_interval 100s is more than 25% of a round") == 1
+        assert text.count("lists deltas every 10s") == 1
+        assert text.count("the globals it installed lacked") == 1 and w.m["lag_mean"] > 1.5
+    finally:
+        w.close()

@@ -81,7 +81,7 @@ def test_sharded_step_is_bitwise_the_replicated_step_with_half_the_newton_schulz
     for name, kw in VARIANTS.items():
         replicated, all_matrices = _run(kw, None)
         assert all_matrices == sum(per_group) * STEPS
-        for params, counted in (ranks[0][name], ranks[1][name]):
+        for params, _ in (ranks[0][name], ranks[1][name]):
             for a, b in zip(params, replicated, strict=True):
                 assert torch.equal(a, b), name
         # rank 0 takes ceil(b / 2) of each group, rank 1 the rest: half the work each
