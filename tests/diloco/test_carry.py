@@ -290,3 +290,31 @@ def test_slow_polls_and_a_lagging_master_are_each_warned_about_once(tmp_path, ca
         assert text.count("the globals it installed lacked") == 1 and w.m["lag_mean"] > 1.5
     finally:
         w.close()
+
+
+def test_a_grace_window_puts_near_simultaneous_arrivals_into_one_update(tmp_path):
+    """w0's delta is listed; during the grace wait w1's lands; the one update holds both."""
+    _, master, (w0, w1), (t0, t1) = _cluster(tmp_path, 2, grace_window=0.5)
+
+    class Stop:
+        waits: list[float] = []
+
+        def is_set(self) -> bool:
+            return master.pointer.version >= 1
+
+        def wait(self, seconds: float) -> bool:
+            self.waits.append(seconds)
+            if len(self.waits) == 1:  # the grace wait: the second worker's delta arrives
+                _steps(w1, t1, H, 1)
+                assert w1.flush(30)
+            return self.is_set()
+
+    try:
+        _steps(w0, t0, H, 0)
+        assert w0.flush(30)
+        master.run(Stop())
+        assert Stop.waits[0] == 0.5 and master.pointer.version == 1
+        assert master.totals["applied"] == 2  # both deltas in v1
+    finally:
+        w0.close()
+        w1.close()
