@@ -45,8 +45,10 @@ def test_carry_weight_is_the_total_weight_the_outer_step_gives_one_delta(method,
 
 def _cluster(tmp_path, n_workers: int, **kw):
     url = f"file://{tmp_path}/store"
+    # carry_lookahead 0: these tests pin the exact algebra (one test sets it)
     settings = dict(inner_steps=H, poll_interval=1e6, lease_ttl=1e7, outer_lr=0.5,
-                    outer_momentum=0.5, expected_workers=n_workers, reset_inner_optimizer=False)
+                    outer_momentum=0.5, expected_workers=n_workers, reset_inner_optimizer=False,
+                    carry_lookahead=0.0)
     cfg = make_cfg(url, **{**settings, **kw})
     master = Master(open_store(url), cfg, "m", lambda: initial_weights())
     assert master.acquire_lease(threading.Event(), timeout=5)
