@@ -291,8 +291,11 @@ def _meta() -> dict:
                                 text=True, cwd=Path(__file__).parent, check=False).stdout.strip()
     except OSError:
         commit = "?"
+    from bench_data import cpu_flags
+
     return {"torch": torch.__version__, "python": platform.python_version(),
-            "machine": platform.machine(), "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "cpu_flags": cpu_flags(),
+            "threads": torch.get_num_threads(),
             "speedtronic_commit": commit, "H": H, "outer": [OUTER_LR, OUTER_MOMENTUM],
             "batch": BATCH, "d_model": D_MODEL, "jitter": JITTER,
             "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
@@ -338,7 +341,7 @@ def main() -> None:
             if any(all(r.get(k) == v for k, v in key.items()) for r in done["runs"]):
                 continue
             res = RUNNERS[kind](cfg, evals, **kw)
-            row = {**key, **res}
+            row = {**key, **res, "commit": _meta()["speedtronic_commit"]}
             print(f"[bench_diloco_async] {json.dumps(row)}", flush=True)
             out_json.parent.mkdir(parents=True, exist_ok=True)
             with open(str(out_json) + ".lock", "w") as lock:
@@ -357,7 +360,12 @@ def report(done: dict) -> str:
         base = r["row"].split(" | ")[0]
         groups.setdefault((r["M"], r["steps"], r["model_seed"]), {}).setdefault(base, []).append(r)
     lines = ["# Asynchronous DiLoCo on a simulated clock", "",
-             f"`{' '.join(['python', 'benchmarks/bench_diloco_async.py', *sys.argv[1:]])}`; "
+             "Made by `python benchmarks/bench_diloco_async.py` (the rows below came from "
+             "several invocations with `--rows`, `--M`, `--steps`, `--model-seeds`, `--part`; "
+             "`--report` rewrites this file from the json). Method: the module docstring. "
+             "Eval: cross-entropy (nats/byte) of the final global, lower is better; mean, "
+             "worst and spread over the timing seeds t0-t2; `lag mean`: own deltas the "
+             "installed global lacked, per install (the consistent base carries them).", "",
              f"meta: `{json.dumps(done.get('meta', {}))}`", ""]
     for (M, steps, mseed), rows in sorted(groups.items()):
         lines += [f"## M={M}, {steps} steps per worker, model seed {mseed}", "",
@@ -367,8 +375,10 @@ def report(done: dict) -> str:
             ev = [r["eval"] for r in rs]
             mean = statistics.mean(ev)
             spread = 100 * (max(ev) - min(ev)) / mean if len(ev) > 1 else 0.0
-            lag = (f"{statistics.mean(r['lag_mean'] for r in rs):.2f}" if "lag_mean" in rs[0]
-                   else "-")
+            # own deltas the installed global lacked, mean per install (runs of the shipped
+            # mode from before it recorded a lag have 0 there: left out)
+            lags = [r["lag_mean"] for r in rs if r.get("lag_mean")]
+            lag = f"{statistics.mean(lags):.2f}" if lags else "-"
             lines.append(f"| {name} | {mean:.4f} | {max(ev):.4f} | {spread:.1f} | {lag} | "
                          f"{len(rs)} |")
         lines.append("")
