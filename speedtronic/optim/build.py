@@ -62,7 +62,7 @@ class HybridOptimizer(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.o
                  workspace_budget: int | None = None, process_group: Any = None) -> None:
         if not param_groups:
             raise ValueError("HybridOptimizer needs at least one param group")
-        self.cuda_graph = check_cuda_graph(cuda_graph)  # the Muon step; see optim.Muon
+        self.cuda_graph = check_cuda_graph(cuda_graph, process_group)  # see optim.Muon
         self.workspace_budget = workspace_budget
         self.process_group = process_group  # sharded Newton-Schulz (speedtronic.optim.Muon)
         super().__init__(param_groups, defaults={"momentum": None})

@@ -229,13 +229,15 @@ def muon_step(state: dict, groups: Sequence[dict[str, Any]],
         destination.copy_(source)
 
 
-def check_cuda_graph(value: bool | str) -> bool | str:
-    """``cuda_graph``: True, False or ``"auto"``."""
-    if value == "auto":
-        return "auto"
-    if isinstance(value, bool):
-        return value
-    raise ValueError(f"cuda_graph must be True, False or 'auto', got {value!r}")
+def check_cuda_graph(value: bool | str, process_group: Any = None) -> bool | str:
+    """``cuda_graph``: True, False or ``"auto"``; not with a ``process_group`` (a captured
+    all-gather is untested here, so it is refused rather than left to chance)."""
+    if not (isinstance(value, bool) or value == "auto"):
+        raise ValueError(f"cuda_graph must be True, False or 'auto', got {value!r}")
+    if value and process_group is not None:
+        raise ValueError("cuda_graph with process_group (the sharded step) is not supported yet: "
+                         "use one of them")
+    return value
 
 
 class MuonCacheMixin:
@@ -328,7 +330,7 @@ class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimi
             raise ValueError(f"workspace_budget must be a positive int of bytes or None, got "
                              f"{workspace_budget!r}")
         self.workspace_budget = workspace_budget
-        self.cuda_graph = check_cuda_graph(cuda_graph)
+        self.cuda_graph = check_cuda_graph(cuda_graph, process_group)
         self.process_group = process_group
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,

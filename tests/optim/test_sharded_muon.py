@@ -94,3 +94,8 @@ def test_a_process_group_without_torch_distributed_is_a_clear_error():
     p.grad = torch.randn(4, 4)
     with pytest.raises(RuntimeError, match="init_process_group"):
         Muon([p], process_group=object()).step()
+
+
+def test_the_sharded_step_and_a_cuda_graph_are_refused_together():
+    with pytest.raises(ValueError, match="process_group"):
+        Muon([nn.Parameter(torch.randn(4, 4))], cuda_graph=True, process_group=object())
