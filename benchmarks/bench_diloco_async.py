@@ -369,9 +369,19 @@ def report(done: dict) -> str:
              f"meta: `{json.dumps(done.get('meta', {}))}`", ""]
     for (M, steps, mseed), rows in sorted(groups.items()):
         lines += [f"## M={M}, {steps} steps per worker, model seed {mseed}", "",
-                  "| row | eval CE mean | worst | spread (% of mean) | lag mean | runs |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        for name, rs in rows.items():
+                  "| row | eval CE mean | worst | spread (% of mean) | mean / lock-step | "
+                  "worst / one node | lag mean | runs |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+        def ref(name: str, rows: dict = rows) -> float | None:
+            return statistics.mean(r["eval"] for r in rows[name]) if name in rows else None
+
+        lock, alone = ref("lock-step DiLoCo"), ref("one node")
+        # baselines first, then the asynchronous rows in the order they were run
+        order = sorted(rows, key=lambda n: (not n.startswith(("one node", "lock-step")),
+                                            not n.startswith("one node")))
+        for name in order:
+            rs = rows[name]
             ev = [r["eval"] for r in rs]
             mean = statistics.mean(ev)
             spread = 100 * (max(ev) - min(ev)) / mean if len(ev) > 1 else 0.0
@@ -379,8 +389,10 @@ def report(done: dict) -> str:
             # mode from before it recorded a lag have 0 there: left out)
             lags = [r["lag_mean"] for r in rs if r.get("lag_mean")]
             lag = f"{statistics.mean(lags):.2f}" if lags else "-"
-            lines.append(f"| {name} | {mean:.4f} | {max(ev):.4f} | {spread:.1f} | {lag} | "
-                         f"{len(rs)} |")
+            vs_lock = f"{mean / lock:.3f}" if lock and name != "lock-step DiLoCo" else "-"
+            vs_alone = f"{max(ev) / alone:.3f}" if alone and name != "one node" else "-"
+            lines.append(f"| {name} | {mean:.4f} | {max(ev):.4f} | {spread:.1f} | {vs_lock} | "
+                         f"{vs_alone} | {lag} | {len(rs)} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -105,6 +105,33 @@ def run_single(cfg: dict, tmp: Path, batch: int) -> dict:
     return {"eval": final_eval(log), "wall_s": time.perf_counter() - t0}
 
 
+def report(meta: dict, rows: dict, repeats: int) -> list[str]:
+    """The markdown lines: every run, then (with repeats) each setting's median and range."""
+    lines = ["# DiLoCo as real processes", "",
+             f"`{meta['command']}` (OMP_NUM_THREADS=1), torch {meta['torch']}, Python "
+             f"{meta['python']}, {meta['cores']} cores ({meta['cpu_flags']}), fp32 on CPU. "
+             f"{meta['workers']} workers x {meta['steps']} steps, H={meta['inner_steps']} (a "
+             "round takes about 1 s), outer delayed Nesterov 0.5/0.5, no inner reset; eval = "
+             "the final global's eval loss (nats/byte; the highest of the workers' final "
+             "evals).", "",
+             "| run | repeat | eval loss | versions | wall s |", "|---|---|---:|---:|---:|"]
+    for name, r in rows.items():
+        setting, _, repeat = name.partition(" | ")
+        lines.append(f"| {setting} | {repeat} | {r['eval']:.4f} | {r.get('versions', '')} | "
+                     f"{r['wall_s']:.0f} |")
+    settings: dict[str, list[float]] = {}
+    for name, r in rows.items():
+        settings.setdefault(name.split(" | ")[0], []).append(r["eval"])
+    if repeats > 1:
+        lines += ["", "| setting | median | range | range % of median | runs |",
+                  "|---|---:|---:|---:|---:|"]
+        for name, ev in settings.items():
+            med = statistics.median(ev)
+            lines.append(f"| {name} | {med:.4f} | {min(ev):.4f}-{max(ev):.4f} | "
+                         f"{100 * (max(ev) - min(ev)) / med:.1f} | {len(ev)} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1200)
@@ -148,26 +175,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     stem = out / args.stem
     stem.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    lines = ["# DiLoCo as real processes", "",
-             f"`{meta['command']}` (OMP_NUM_THREADS=1), torch {meta['torch']}, Python "
-             f"{meta['python']}, {meta['cores']} cores ({meta['cpu_flags']}), fp32 on CPU. "
-             f"{args.workers} workers x {args.steps} steps, H={args.inner_steps} (a round takes "
-             "about 1 s), outer delayed Nesterov 0.5/0.5, no inner reset; eval = the final "
-             "global's eval loss (nats/byte; the highest of the workers' final evals).", "",
-             "| run | eval loss | versions | wall s |", "|---|---:|---:|---:|"]
-    for name, r in rows.items():
-        lines.append(f"| {name} | {r['eval']:.4f} | {r.get('versions', '')} | "
-                     f"{r['wall_s']:.0f} |")
-    settings: dict[str, list[float]] = {}
-    for name, r in rows.items():
-        settings.setdefault(name.split(" | ")[0], []).append(r["eval"])
-    if args.repeats > 1:
-        lines += ["", "| setting | median | range | range % of median | runs |",
-                  "|---|---:|---:|---:|---:|"]
-        for name, ev in settings.items():
-            med = statistics.median(ev)
-            lines.append(f"| {name} | {med:.4f} | {min(ev):.4f}-{max(ev):.4f} | "
-                         f"{100 * (max(ev) - min(ev)) / med:.1f} | {len(ev)} |")
+    lines = report(meta, rows, args.repeats)
     stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
