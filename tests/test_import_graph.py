@@ -155,7 +155,7 @@ LAYERS: dict[str, int] = {
     "speedtronic.errors": 0, "speedtronic._renamed": 0,
     "speedtronic.config": 1, "speedtronic.kernels": 1,
     "speedtronic.models": 2, "speedtronic.data": 2, "speedtronic.optim": 2, "speedtronic.ooo": 2,
-    "speedtronic.diloco": 3,
+    "speedtronic.diloco": 3, "speedtronic.distributed": 3,
     "speedtronic.train": 4,
     "speedtronic.compare": 5,
     "speedtronic.cli": 6, "speedtronic.__main__": 7,

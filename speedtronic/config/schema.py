@@ -745,6 +745,33 @@ class DistributedConfig:
                    f"got scheme {brief(self.store.split('://', 1)[0])}")
 
 
+@dataclass
+class DataParallelConfig:
+    """``torchrun`` data parallelism (DDP): read only when the run is started by torchrun with
+    more than one process; ``data.target_batch_size`` is then the global batch."""
+
+    timeout_s: float = 600.0
+    """Seconds any collective may wait: a rank that died or hangs ends the job with an error
+    after this long instead of a silent wait (torchrun itself stops the others when a rank
+    exits with an error)."""
+    shard_muon: bool = True
+    """Each rank orthogonalizes 1/world of the Muon matrices and all-gathers the results
+    (bitwise equal to every rank doing all of them). Newton-Schulz FLOPs per rank drop to
+    1/world; the all-gather adds (world-1)/world of the Muon parameters' bytes on top of DDP's
+    gradient all-reduce."""
+    find_unused_parameters: bool = False
+    """DDP's search for parameters a forward did not use (costs a graph walk per step; turn on
+    only for models with such parameters: DDP then says so in its error)."""
+    bucket_cap_mb: float = 25.0
+    """DDP gradient bucket size in MiB (torch's default): larger buckets mean fewer all-reduce
+    launches, smaller ones start the communication earlier in backward."""
+
+    def validate(self, p: str = "data_parallel") -> None:
+        _check(self.timeout_s > 0, f"{p}.timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
+        _check(self.bucket_cap_mb > 0, f"{p}.bucket_cap_mb",
+               f"must be > 0 MiB, got {self.bucket_cap_mb}")
+
+
 _SECTIONS: dict[str, type] = {
     "run": RunConfig,
     "model": ModelConfig,
@@ -756,6 +783,7 @@ _SECTIONS: dict[str, type] = {
     "train": TrainConfig,
     "logging": LoggingConfig,
     "distributed": DistributedConfig,
+    "data_parallel": DataParallelConfig,
     "shape_validation": ShapeValidationConfig,
 }
 
@@ -774,6 +802,7 @@ class SpeedtronicConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
     shape_validation: ShapeValidationConfig = field(default_factory=ShapeValidationConfig)
     compile: bool | Literal["auto"] = "auto"
     """Compile the model with ``torch.compile`` (falls back to eager, with the reason logged).

@@ -114,6 +114,12 @@ def parse_layout(layout: str) -> tuple[str, int]:
                      "'split:K' or 'transposed_split:K'")
 
 
+def _is_dtensor(p: Tensor) -> bool:
+    """A ``torch.distributed.tensor.DTensor`` (checked by type name: importing DTensor costs
+    ~0.2 s and most runs never shard)."""
+    return any(c.__name__ == "DTensor" for c in type(p).__mro__)
+
+
 def _check_group(group: dict[str, Any]) -> None:
     lr = group["lr"]
     if isinstance(lr, Tensor) and lr.numel() != 1:
@@ -135,6 +141,13 @@ def _check_group(group: dict[str, Any]) -> None:
         group["ns_coefficients"] = list(group["ns_coefficients"])
     kind, k = parse_layout(group.get("layout", "matrix"))
     for p in group["params"]:
+        if _is_dtensor(p):
+            raise ValueError(
+                "Muon got a DTensor parameter (FSDP2 fully_shard or tensor parallelism): its "
+                "step orthogonalizes whole matrices and does not gather shards yet (torch "
+                "failed inside it with 'mixed torch.Tensor and DTensor'). Use data parallelism "
+                "(torchrun speedtronic train, or DDP) until sharded parameters are supported "
+                "(issue #30); AdamW-only groups are not affected")
         if kind == "flatten" and p.ndim >= 2:
             continue
         if p.ndim != 2:

@@ -192,6 +192,20 @@ class MetricsLogger:
             self._file.close()
 
 
+class PeerMetrics(MetricsLogger):
+    """The metrics logger of a data-parallel rank other than 0: it writes and prints nothing
+    (rank 0 records the run; its rows hold the global loss and tokens/s)."""
+
+    def __init__(self, max_steps: int) -> None:
+        super().__init__(Path(os.devnull), max_steps=max_steps, progress_bar=False)
+
+    def line(self, text: str) -> None:
+        self.last_line = time.monotonic()
+
+    def emit(self, event: str, payload: dict[str, Any]) -> None:
+        return None
+
+
 class Heartbeat:
     """A console line when nothing was printed for ``every`` seconds: a long first step (a large
     model on a CPU, a compile), a slow eval or save would otherwise look like a hang. Host-side

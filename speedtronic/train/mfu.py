@@ -114,7 +114,9 @@ class MfuMeter:
         ``tokens_per_sec``."""
         if self.flops_per_token is None:
             return
-        tflops = record["tokens_per_sec"] * self.flops_per_token / 1e12
+        # per device: under torchrun tokens_per_sec is the job's, the peak is one GPU's
+        per_device = record.get("tokens_per_sec_per_rank", record["tokens_per_sec"])
+        tflops = per_device * self.flops_per_token / 1e12
         record["model_tflops"] = tflops
         self.tflops_history.append(tflops)
         if self.peak_tflops is not None:

@@ -26,12 +26,20 @@ from torch import nn
 from .. import optim
 from ..config import ConfigError, SpeedtronicConfig, load_config
 from ..data import DataBundle, build_data, check_data
+from ..distributed import DataParallel, init_data_parallel, launched_rank
 from ..kernels import cpu as cpu_kernels
 from ..models import build_model
 from ..models.hf import check_forward
 from . import host_memory
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
-from .metrics import Hook, MetricsLogger, TensorBoardHook, WandbHook, require_hook_packages
+from .metrics import (
+    Hook,
+    MetricsLogger,
+    PeerMetrics,
+    TensorBoardHook,
+    WandbHook,
+    require_hook_packages,
+)
 from .precision import resolve_device, resolve_precision
 from .preflight import check_model_size, check_run_dir
 from .resume import resume_trainer
@@ -99,9 +107,16 @@ def _warn_about_schedule(cfg: SpeedtronicConfig, horizon: int) -> None:
                        steps - horizon, s.min_lr_ratio, steps)
 
 
-def build_optimizer(model: nn.Module, cfg: SpeedtronicConfig) -> torch.optim.Optimizer:
-    """One optimizer over every trainable parameter (``speedtronic.optim.build_optimizer``)."""
-    return optim.build_optimizer(model, cfg.optimizer)
+def build_optimizer(model: nn.Module, cfg: SpeedtronicConfig,
+                    dp: DataParallel | None = None) -> torch.optim.Optimizer:
+    """One optimizer over every trainable parameter (``speedtronic.optim.build_optimizer``);
+    under torchrun with ``data_parallel.shard_muon`` each rank orthogonalizes its share."""
+    group = None
+    if dp is not None and cfg.data_parallel.shard_muon and cfg.optimizer.name == "muon":
+        import torch.distributed as dist
+
+        group = dist.group.WORLD
+    return optim.build_optimizer(model, cfg.optimizer, process_group=group)
 
 
 def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
@@ -121,10 +136,15 @@ def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
-def _build_data(cfg: SpeedtronicConfig, device: torch.device) -> DataBundle:
+def _build_data(cfg: SpeedtronicConfig, device: torch.device,
+                dp: DataParallel | None = None) -> DataBundle:
     d = cfg.distributed
-    # DiLoCo nodes each read their own shard of the training samples (eval is shared).
+    # DiLoCo nodes each read their own shard of the training samples (eval is shared); so do
+    # torchrun ranks: rank r takes every world-th sample, so one step's micro-batches over all
+    # ranks are the samples one process would take (speedtronic.distributed.ddp).
     rank, world = (d.shard, d.num_shards) if d.enabled else (0, 1)
+    if dp is not None:
+        rank, world = dp.rank, dp.world_size
     return build_data(cfg, rank=rank, world=world, device=device)
 
 
@@ -160,19 +180,25 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
     check_run_dir(run_dir)
     level = getattr(logging, cfg.logging.level)
     logging.getLogger("speedtronic").setLevel(level)
+    writer = launched_rank() == 0  # under torchrun only rank 0 writes the run directory
     # First: a second run (or --resume) into a live run's directory is refused before it reads
     # or moves anything there.
-    lock = RunLock(run_dir, "resume" if resume else "train")
+    lock = RunLock(run_dir, "resume" if resume else "train") if writer else None
     try:
-        log_buffer = _check_log_file(cfg, run_dir)  # written to the file once the run dir is ready
+        log_buffer = _check_log_file(cfg, run_dir) if writer else None
     except BaseException:
-        lock.release()
+        if lock is not None:
+            lock.release()
         raise
     own: list[logging.Handler] = [log_buffer] if log_buffer is not None else []
     try:
         trainer = _build_parts(cfg, resume=resume, device=device, callbacks=callbacks,
                                model=model, data=data)
         trainer.run_lock = lock
+        if not writer:  # a torchrun rank other than 0: takes part in saves, writes nothing
+            trainer.saves_on_rank0 = cfg.checkpoint.enabled
+            trainer.metrics = PeerMetrics(cfg.run.max_steps)
+            return trainer
         require_hook_packages(tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb)
         _prepare_run_dir(run_dir, resume)
         if log_buffer is not None:
@@ -193,7 +219,8 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
         restore_rng_state(rng)
     except BaseException:
         _remove_log_handlers(own)  # a failed build leaves none of its handlers behind
-        lock.release()
+        if lock is not None:
+            lock.release()
         raise
     trainer.log_handlers = own[1:]  # the run's file handler: train_from_config removes it
     return trainer
@@ -217,6 +244,15 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.run.seed)
     dev = resolve_device(device if device is not None else cfg.run.device)
+    dp = init_data_parallel(dev, cfg.data_parallel.timeout_s)
+    if dp is not None:
+        from ..distributed import ddp
+
+        dev = dp.device
+        ddp.check_supported(cfg, dp)
+        if not dp.is_main:  # one copy of the build's decision lines: rank 0's
+            quiet = max(getattr(logging, cfg.logging.level), logging.WARNING)
+            logging.getLogger("speedtronic").setLevel(quiet)
     malloc_line = host_memory.apply_for_device(dev.type)  # None unless the CLI asked
     if malloc_line is not None:
         logger.info(malloc_line)
@@ -240,8 +276,8 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
             logger.info("init_from: skipped (--resume loads the checkpoint's weights)")
     model = model.to(dev)
     if data is None:
-        data = _build_data(cfg, dev)
-    optimizer = build_optimizer(model, cfg)
+        data = _build_data(cfg, dev, dp)
+    optimizer = build_optimizer(model, cfg, dp)
     scheduler = build_scheduler(optimizer, cfg)
     callbacks = list(callbacks)
     if cfg.distributed.enabled:
@@ -253,7 +289,8 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
     # The trainer is built before the run directory is touched; its default metrics logger
     # opens no file until a first record, and build_trainer attaches the real one (with hooks).
     trainer = Trainer(model, optimizer, data, cfg, device=dev, precision=plan,
-                      scheduler=scheduler, checkpoints=None, callbacks=callbacks, run_dir=run_dir)
+                      scheduler=scheduler, checkpoints=None, callbacks=callbacks, run_dir=run_dir,
+                      data_parallel=dp)
     if resume:
         resume_trainer(trainer, ckpt_dir)
     return trainer
@@ -337,7 +374,9 @@ def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: 
         trainer.metrics.close()
         _remove_log_handlers(trainer.log_handlers)
         trainer.release_run_lock()
-    if plot:
+        if trainer.dp is not None:
+            trainer.dp.close()
+    if plot and (trainer.dp is None or trainer.dp.is_main):
         _write_plot(result.run_dir)
     return result
 

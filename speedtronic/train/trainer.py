@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from ..config import SpeedtronicConfig
+from ..distributed import DataParallel
+from ..distributed import ddp as dp_step
 from ..errors import RunPreempted, SpeedtronicError
 from ..models.loss import extract_loss
 from ..ooo import scheduler as ooo
@@ -107,13 +109,17 @@ class Trainer(NonFiniteGuard):
         metrics: the metrics fan-out (None = metrics.jsonl in ``run_dir`` without a bar).
         callbacks: :class:`TrainerCallback` objects.
         run_dir: the run directory.
+        data_parallel: this rank's place in a ``torchrun`` job (None: one process). The model
+            is then wrapped in DDP, ``data`` must be this rank's shard, and the config's batch
+            is the global batch (see :mod:`speedtronic.distributed.ddp`).
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, data: Any,
                  config: SpeedtronicConfig, *, device: torch.device, precision: PrecisionPlan,
                  scheduler: Any = None, checkpoints: CheckpointManager | None = None,
                  metrics: MetricsLogger | None = None, callbacks: Sequence[Any] = (),
-                 run_dir: str | Path | None = None) -> None:
+                 run_dir: str | Path | None = None,
+                 data_parallel: DataParallel | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.data = data
@@ -129,13 +135,24 @@ class Trainer(NonFiniteGuard):
         self.step = 0
         self.tokens = 0
         self.samples = 0
-        self.accumulation_steps = config.accumulation_steps
+        self.dp = data_parallel
+        self.accumulation_steps = (config.accumulation_steps if data_parallel is None else
+                                   dp_step.local_accumulation_steps(config,
+                                                                    data_parallel.world_size))
+        # DDP around the model; self.model stays the plain module (its state_dict has no
+        # "module." prefix, so checkpoints load in a one-process run and back).
+        self._ddp = (dp_step.wrap_model(model, data_parallel, config)
+                     if data_parallel is not None else None)
+        self.saves_on_rank0 = False
+        """True on a data-parallel rank other than 0 of a checkpointing run: it takes part in
+        every save (its data position and RNG go into rank 0's file) but writes nothing."""
         self.scaler = precision.grad_scaler()
         self.last_loss: float | None = None
         self.last_eval_loss: float | None = None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._eval_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._forward = model
+        self._eval_count = 0  # held-out batches over all ranks
+        self._forward = self._ddp if self._ddp is not None else model
         self._compile_pending = False
         self._ooo = None
         self._ooo_trial: OOOTrial | None = None
@@ -188,7 +205,7 @@ class Trainer(NonFiniteGuard):
                                "set_gradient_checkpointing(bool))", type(self.model).__name__)
         self.compile_on, why = decide_compile(cfg, self.device)
         if self.compile_on:
-            self._forward = torch.compile(self.model)
+            self._forward = torch.compile(self._forward)  # a compiled DDP module under torchrun
             self._compile_pending = True  # real compilation happens on the first forward
             logger.info("torch.compile: on, %s (compiles on the first step; falls back to "
                         "eager if the compiler fails)", why)
@@ -225,8 +242,14 @@ class Trainer(NonFiniteGuard):
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-exactly (see :mod:`speedtronic.train.checkpoint`)."""
         train = getattr(self.data, "train", None)
+        rng = capture_rng_state()
+        ranks = None
+        if self.dp is not None:  # a collective: every rank calls state_dict at the same step
+            ranks = self.dp.gather_objects(dp_step.rank_state(train, rng))
         return {
             "format": 1,
+            "world_size": 1 if self.dp is None else self.dp.world_size,
+            "ranks": ranks,  # per rank: data position and RNG streams (None: one process)
             "step": self.step,
             "tokens": self.tokens,
             "samples": self.samples,
@@ -234,7 +257,7 @@ class Trainer(NonFiniteGuard):
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "rng": capture_rng_state(),
+            "rng": rng,
             "data": train.state_dict() if hasattr(train, "state_dict") else None,
             "callbacks": {self._cb_name(cb): cb.state_dict() for cb in self.callbacks
                           if callable(getattr(cb, "state_dict", None))},
@@ -250,6 +273,7 @@ class Trainer(NonFiniteGuard):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint made by :meth:`state_dict`."""
+        own = self._own_rank_state(state)  # first: a world-size change loads nothing
         try:
             self.model.load_state_dict(state["model"])
         except RuntimeError as exc:
@@ -269,8 +293,8 @@ class Trainer(NonFiniteGuard):
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         train = getattr(self.data, "train", None)
-        if state.get("data") is not None and hasattr(train, "load_state_dict"):
-            train.load_state_dict(state["data"])
+        if own.get("data") is not None and hasattr(train, "load_state_dict"):
+            train.load_state_dict(own["data"])
         saved_cb = state.get("callbacks") or {}
         for cb in self.callbacks:
             name = self._cb_name(cb)
@@ -286,7 +310,21 @@ class Trainer(NonFiniteGuard):
         window = state.get("log_window") or {}
         self._restored_window = (float(window.get("loss_sum", 0.0)),
                                  int(window.get("micro_batches", 0)))
-        restore_rng_state(state["rng"])
+        restore_rng_state(own["rng"])
+
+    def _own_rank_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's data position and RNG streams in ``state`` (refused when the checkpoint
+        was written by another number of ranks)."""
+        if self.dp is not None:
+            return dp_step.pick_rank_state(state, self.dp, "the checkpoint")
+        saved = int(state.get("world_size", 1) or 1)
+        if saved != 1:
+            raise SpeedtronicError(
+                f"cannot resume: the checkpoint was written by a run of {saved} ranks (torchrun) "
+                "and this run is one process; each rank's data position and RNG streams are in "
+                f"it. Resume under torchrun with {saved} processes, or start a new run.name "
+                "from its weights (model.init_from)")
+        return {"data": state.get("data"), "rng": state["rng"]}
 
     @staticmethod
     def _cb_name(cb: Any) -> str:
@@ -309,10 +347,18 @@ class Trainer(NonFiniteGuard):
     def save_checkpoint(self, force: bool = False) -> Path | None:
         """Write a checkpoint of the current step (no-op if checkpointing is off, or if this
         step is already saved unless ``force``)."""
-        if self.checkpoints is None or (self._last_saved_step == self.step and not force):
+        writes = self.checkpoints is not None
+        if not (writes or self.saves_on_rank0) or (self._last_saved_step == self.step
+                                                    and not force):
             return None
         self._refuse_nonfinite_state()
-        path = self.checkpoints.save(self.step, self.state_dict())
+        state = self.state_dict()  # under torchrun: gathers every rank's data position and RNG
+        if not writes:  # a rank other than 0: rank 0 writes the file
+            self._last_saved_step = self.step
+            self._last_save_time = time.perf_counter()
+            return None
+        assert self.checkpoints is not None
+        path = self.checkpoints.save(self.step, state)
         self._last_saved_step = self.step
         self._last_save_time = time.perf_counter()
         self.metrics.emit("checkpoint", {"step": self.step, "path": str(path)})
@@ -336,21 +382,26 @@ class Trainer(NonFiniteGuard):
         nb = self.device.type == "cuda"
         return x.to(self.device, non_blocking=nb), y.to(self.device, non_blocking=nb)
 
-    def _micro_step(self, x: torch.Tensor, y: torch.Tensor, rel: float = 1.0) -> torch.Tensor:
+    def _micro_step(self, x: torch.Tensor, y: torch.Tensor, rel: float = 1.0,
+                    scale: torch.Tensor | float | None = None) -> torch.Tensor:
         """Forward + backward of one micro-batch; returns the detached loss (on device).
 
         ``rel``: this micro-batch's counted tokens relative to the step's first (see
         :meth:`fit`); 1.0 backpropagates ``loss / accumulation_steps`` exactly as plain
-        averaging does."""
+        averaging does. ``scale`` (data parallel) replaces ``rel / k``: the micro-batch's share
+        of the step's tokens over all ranks, times the world size."""
         with self.precision.autocast():
             loss = extract_loss(self._forward(x, y))
         k = self.accumulation_steps
-        scaled = loss / k if rel == 1.0 else loss * (rel / k)
+        if scale is not None:
+            scaled = loss * scale
+        else:
+            scaled = loss / k if rel == 1.0 else loss * (rel / k)
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return loss.detach().float()
 
-    def _first_compiled_micro_step(self, x: torch.Tensor, y: torch.Tensor,
-                                   rel: float = 1.0) -> torch.Tensor:
+    def _first_compiled_micro_step(self, x: torch.Tensor, y: torch.Tensor, rel: float = 1.0,
+                                   scale: torch.Tensor | float | None = None) -> torch.Tensor:
         """Run the first compiled forward; on a *compiler* failure, fall back to eager.
 
         Only compiler exceptions are caught: a model bug raises again from the eager re-run, so
@@ -360,7 +411,7 @@ class Trainer(NonFiniteGuard):
         rng = torch.get_rng_state()
         t0 = time.perf_counter()
         try:
-            loss = self._micro_step(x, y, rel)
+            loss = self._micro_step(x, y, rel, scale)
             logger.info("torch.compile: compiled in %.1f s (first forward + backward)",
                         time.perf_counter() - t0)
             return loss
@@ -368,16 +419,19 @@ class Trainer(NonFiniteGuard):
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             logger.warning("torch.compile: off (compiler failed, running eager: %s: %s)",
                            type(exc).__name__, reason[:300])
-            self._forward = self.model
+            self._forward = self._ddp if self._ddp is not None else self.model
             self.optimizer.zero_grad(set_to_none=True)
             torch.set_rng_state(rng)
-            return self._micro_step(x, y, rel)
+            return self._micro_step(x, y, rel, scale)
 
     def evaluate(self) -> float:
         """Mean loss over the fixed held-out batches (the same batches every call)."""
         if self._eval_cache is None:
-            self._eval_cache = [(x.to(self.device), y.to(self.device)) for x, y in
-                                self.data.eval_batches(self.config.run.eval_batches)]
+            batches = list(self.data.eval_batches(self.config.run.eval_batches))
+            self._eval_count = len(batches)
+            if self.dp is not None:  # each rank evaluates its share; the sum is all-reduced
+                batches = batches[self.dp.rank::self.dp.world_size]
+            self._eval_cache = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         was_training = self.model.training
         self.model.eval()
         total = torch.zeros((), device=self.device)
@@ -386,7 +440,9 @@ class Trainer(NonFiniteGuard):
                 with self.precision.autocast():
                     total += extract_loss(self.model(x, y)).float()
         self.model.train(was_training)
-        value = float(total.item()) / max(1, len(self._eval_cache))
+        if self.dp is not None:
+            self.dp.all_reduce_sum(total)
+        value = float(total.item()) / max(1, self._eval_count)
         self.last_eval_loss = value
         self.metrics.emit("eval", {"step": self.step, "eval_loss": value})
         self.metrics.line(f"eval step {self.step} | eval_loss {value:.4f}")
@@ -447,6 +503,8 @@ class Trainer(NonFiniteGuard):
         """Forward + backward of one optimizer step's micro-batches, token-weighted (see
         :mod:`.accumulation`); False when every micro-batch was padding (no gradient).
         """
+        if self.dp is not None:
+            return self._accumulate_step_data_parallel(it)
         k = self.accumulation_steps
         weigh = k > 1
         weights = StepWeights(k)
@@ -480,13 +538,44 @@ class Trainer(NonFiniteGuard):
             self._micro_since_log -= k
         return ran > 0 or not weigh
 
+    def _accumulate_step_data_parallel(self, it: Iterator[Any]) -> bool:
+        """One step's local micro-batches under DDP, weighted by the step's tokens over all
+        ranks (see :mod:`speedtronic.distributed.ddp`); one gradient all-reduce, at the last.
+
+        Every rank runs every micro-batch, padding included, so the collectives line up."""
+        assert self.dp is not None and self._ddp is not None
+        k, world = self.accumulation_steps, self.dp.world_size
+        batches = [next(it) for _ in range(k)]
+        counts = [counted_tokens(y) for _, y in batches]
+        scales = dp_step.step_scales(counts, self.dp)
+        for i, ((x, y), n) in enumerate(zip(batches, counts, strict=True)):
+            self._micro_since_log += 1
+            self.tokens += x.numel()
+            self.samples += x.shape[0]
+            if n == 0:
+                y = dp_step.one_token_labels(y)  # scale 0: runs only to keep DDP in step
+            x, y = self._to_device(x, y)
+            with dp_step.sync_context(self._ddp, sync=i == k - 1):
+                if self._compile_pending:
+                    loss = self._first_compiled_micro_step(x, y, scale=scales.scales[i])
+                else:
+                    loss = self._micro_step(x, y, scale=scales.scales[i])
+            # this rank's share of the step's global mean loss, times k: the log divides the
+            # all-reduced sum by the local micro-batch count
+            self._loss_sum += loss * (scales.scales[i] * (k / world))
+        return scales.has_gradient()
+
     def _log_record(self, interval: _LogInterval, now: float,
                     grad_norm: torch.Tensor | None) -> dict[str, Any]:
         """The ``train_step`` row of the interval ending at this step."""
         dt = max(now - interval.start, 1e-9)
+        world = 1 if self.dp is None else self.dp.world_size
         # The loop's only host sync: one read of (loss, grad norm, lr, the Muon step's fp16
         # guard counters) per log step.
-        reads = [self._loss_sum.detach().float().reshape(())]
+        loss_sum = self._loss_sum.detach().float().reshape(())
+        if self.dp is not None:  # the global mean: every rank added its share
+            loss_sum = self.dp.all_reduce_sum(loss_sum.clone())
+        reads = [loss_sum]
         if grad_norm is not None:
             reads.append(grad_norm.detach().float().reshape(()))
         lr_t = self._lr_used if isinstance(self._lr_used, torch.Tensor) else None
@@ -516,12 +605,16 @@ class Trainer(NonFiniteGuard):
             "lr": lr_value,
             "lr_group": self.optimizer.param_groups[0].get("name"),
             "grad_norm": norm_value,
-            "tokens_per_sec": (self.tokens - interval.tokens) / dt,
-            "samples_per_sec": (self.samples - interval.samples) / dt,
+            # global under torchrun: every rank runs micro-batches of one shape
+            "tokens_per_sec": world * (self.tokens - interval.tokens) / dt,
+            "samples_per_sec": world * (self.samples - interval.samples) / dt,
             "step_ms": 1000.0 * dt / max(1, self.step - interval.steps),
-            "tokens": self.tokens,
+            "tokens": world * self.tokens,
             "memory_bytes": max_memory_bytes(self.device),
         }
+        if self.dp is not None:
+            record["ranks"] = world
+            record["tokens_per_sec_per_rank"] = record["tokens_per_sec"] / world
         if self._mfu is not None:
             self._mfu.add(record)
         return record
@@ -611,10 +704,11 @@ class Trainer(NonFiniteGuard):
                     interval = _LogInterval(time.perf_counter(), self.step, self.tokens,
                                             self.samples)
                 eval_due = bool(eval_every and self.step % eval_every == 0) or last
-                save_due = self.checkpoints is not None and (
-                    self.step % ckpt_every == 0 or last or preemption.requested is not None
-                    or (every_seconds is not None
-                        and time.perf_counter() - self._last_save_time >= every_seconds))
+                signum, time_due = self._agree_on_stops(
+                    preemption.requested, every_seconds is not None
+                    and time.perf_counter() - self._last_save_time >= every_seconds)
+                save_due = (self.checkpoints is not None or self.saves_on_rank0) and (
+                    self.step % ckpt_every == 0 or last or signum is not None or time_due)
                 if (eval_due or save_due) and self.device.type == "cuda":
                     # Training work still queued belongs to the interval; the eval's or save's
                     # own read would wait for it inside the excluded time below.
@@ -631,8 +725,8 @@ class Trainer(NonFiniteGuard):
                 # Evaluations and checkpoints are not training steps: keep them out of the
                 # interval's ms/step, tokens/s and MFU (an eval once put 93 against 77 ms/step).
                 interval.start += time.perf_counter() - t_pause
-                if preemption.requested is not None and not last:
-                    self._stop_for_preemption(preemption.requested)
+                if signum is not None and not last:
+                    self._stop_for_preemption(signum)
         except BaseException as exc:
             self.stopped_by = exc  # callbacks' on_train_end tell an interrupted run from a done one
             raise
@@ -653,6 +747,18 @@ class Trainer(NonFiniteGuard):
             self.save_checkpoint(force=True)
         return self._finish()
 
+    def _agree_on_stops(self, signum: int | None, time_due: bool) -> tuple[int | None, bool]:
+        """Under torchrun, the step boundary's rank-local triggers made common: a signal any
+        rank received, a time-based save any rank's clock calls for. Every rank must save (a
+        collective) and stop at the same step, or the others wait in a collective until the
+        timeout. One host all-reduce of two ints on the gloo control group, only when a
+        signal or checkpoint.every_seconds is configured."""
+        if self.dp is None or not (self.config.train.preemption_signals
+                                   or self.config.checkpoint.every_seconds is not None):
+            return signum, time_due
+        agreed_signal, agreed_time = self.dp.agree_max([signum or 0, int(time_due)])
+        return (agreed_signal or None), bool(agreed_time)
+
     def _stop_for_preemption(self, signum: int) -> None:
         """The step boundary after a preemption signal: the checkpoint is written (the loop's
         save ran this step), the job is requeued if asked, and :class:`RunPreempted` ends
@@ -660,11 +766,13 @@ class Trainer(NonFiniteGuard):
         import signal as _signal
 
         name = _signal.Signals(signum).name
-        if self.checkpoints is None:
+        if self.checkpoints is None and not self.saves_on_rank0:
             where = "checkpointing is off: nothing saved"
         else:
             where = f"checkpoint of step {self.step} saved; --resume continues from it"
-        requeued = self.config.train.requeue and requeue_slurm_job()
+        # one requeue per job: rank 0 asks SLURM
+        requeued = self.config.train.requeue and (self.dp is None or self.dp.is_main) \
+            and requeue_slurm_job()
         self.metrics.emit("preempted", {"step": self.step, "signal": name,
                                         "requeued": requeued})
         raise RunPreempted(signum, f"stopped by {name} at step {self.step} ({where})"
@@ -674,13 +782,15 @@ class Trainer(NonFiniteGuard):
     def _finish(self) -> TrainResult:
         """The ``train_end`` row, the MFU summary line and the result."""
         assert self._mfu is not None  # set by _start_features at the top of fit
-        self.metrics.emit("train_end", {"step": self.step, "tokens": self.tokens,
+        world = 1 if self.dp is None else self.dp.world_size
+        self.metrics.emit("train_end", {"step": self.step, "tokens": world * self.tokens,
                                         "loss": self.last_loss, "eval_loss": self.last_eval_loss,
                                         **self._mfu.summary()})
         line = self._mfu.summary_line()
         if line:
             self.metrics.line(line)
-        return TrainResult(steps=self.step, tokens=self.tokens, final_loss=self.last_loss,
+        return TrainResult(steps=self.step, tokens=world * self.tokens,
+                           final_loss=self.last_loss,
                            final_eval_loss=self.last_eval_loss, run_dir=self.run_dir,
                            metrics_path=self.metrics.path)
 

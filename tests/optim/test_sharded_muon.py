@@ -99,3 +99,35 @@ def test_a_process_group_without_torch_distributed_is_a_clear_error():
 def test_the_sharded_step_and_a_cuda_graph_are_refused_together():
     with pytest.raises(ValueError, match="process_group"):
         Muon([nn.Parameter(torch.randn(4, 4))], cuda_graph=True, process_group=object())
+
+
+_FSDP2_PROBE = r"""
+import os, sys, tempfile
+import torch, torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import fully_shard
+from speedtronic.optim import Muon
+store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+dist.init_process_group("gloo", rank=0, world_size=1, store=store)
+model = nn.Sequential(nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False))
+fully_shard(model)
+assert all(isinstance(p, DTensor) for p in model.parameters())
+try:
+    Muon(list(model.parameters()))
+except ValueError as exc:
+    print("REFUSED:", exc)
+    sys.exit(0)
+sys.exit("Muon accepted DTensor parameters")
+"""
+
+
+def test_fsdp2_dtensor_parameters_are_refused_at_construction(tmp_path):
+    """FSDP2 (fully_shard) gives DTensor parameters, which the step cannot orthogonalize whole:
+    the constructor says so (before, the first step raised from inside _foreach_copy_)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _FSDP2_PROBE], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "DTensor parameter (FSDP2 fully_shard" in proc.stdout

@@ -1,0 +1,168 @@
+"""``torchrun --nproc-per-node 2 ... speedtronic train`` on CPU (gloo), against one process.
+
+Each test starts real torchrun jobs (2 ranks, ~5-10 s each on the 2-core CI machine): parity
+with one process on the global batch, token weighting across ranks with padded and all-padding
+micro-batches (no hang), only rank 0 writing, bitwise resume, and the refusals (a changed
+world size, out-of-order backprop, a global batch that does not divide)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def torchrun(args: list[str], nproc: int = 2, timeout: int = 240,
+             **env: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=_env(**env), cwd=ROOT)
+
+
+def one_process(args: list[str], timeout: int = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, env=_env(), cwd=ROOT)
+
+
+def _ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def engine_config(tmp: Path, name: str, **over: dict) -> Path:
+    """The reference model on a stdlib slice; target batch 8 = 2 ranks x micro 4, or one
+    process accumulating 2 micro-batches of 4."""
+    raw = {
+        "run": {"name": name, "output_dir": str(tmp / "runs"), "max_steps": 6,
+                "eval_every": 3, "eval_batches": 4, "seed": 3, "device": "cpu",
+                "num_threads": 1},
+        "model": {"d_model": 32, "n_layer": 1, "n_head": 2, "max_seq_len": 32},
+        "data": {"micro_batch_size": 4, "target_batch_size": 8, "stdlib_max_bytes": 200_000},
+        "optimizer": {"name": "muon", "grad_clip": 1.0},
+        "scheduler": {"warmup_steps": 2, "max_steps": 6},  # --max-steps 3 keeps this horizon
+        "logging": {"every_steps": 2, "progress_bar": False},
+        "checkpoint": {"every_steps": 3},
+        "shape_validation": {"enabled": False},
+    }
+    for sec, values in over.items():
+        raw.setdefault(sec, {}).update(values)
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _rows(run_dir: Path, event: str) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["event"] == event]
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return torch.load(run_dir / "checkpoints" / latest, weights_only=True)["model"]
+
+
+def test_two_ranks_train_what_one_process_trains_and_only_rank0_writes(tmp_path):
+    cfg = engine_config(tmp_path, "dp")
+    _ok(torchrun(["-m", "speedtronic", "train", "--config", str(cfg)]))
+    ref = engine_config(tmp_path, "one")
+    _ok(one_process(["-m", "speedtronic", "train", "--config", str(ref)]))
+    dp_dir, one_dir = tmp_path / "runs" / "dp", tmp_path / "runs" / "one"
+    dp_steps, one_steps = _rows(dp_dir, "train_step"), _rows(one_dir, "train_step")
+    # one row per log step: rank 1 wrote nothing into the shared run directory
+    assert [r["step"] for r in dp_steps] == [r["step"] for r in one_steps] == [2, 4, 6]
+    for a, b in zip(dp_steps, one_steps, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+        assert a["ranks"] == 2 and a["tokens"] == b["tokens"]  # global counts
+    dp_eval = [r["eval_loss"] for r in _rows(dp_dir, "eval")]
+    one_eval = [r["eval_loss"] for r in _rows(one_dir, "eval")]
+    assert dp_eval == pytest.approx(one_eval, rel=1e-5)
+    wa, wb = _final_weights(dp_dir), _final_weights(one_dir)
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=2e-5, msg=k)
+    assert sorted(p.name for p in (dp_dir / "checkpoints").iterdir()
+                  if p.suffix == ".pt") == ["step_00000003.pt", "step_00000006.pt"]
+
+
+def test_resume_is_bitwise_and_a_changed_world_size_is_refused(tmp_path):
+    full = engine_config(tmp_path, "full")
+    _ok(torchrun(["-m", "speedtronic", "train", "--config", str(full)]))
+    part = engine_config(tmp_path, "part")
+    _ok(torchrun(["-m", "speedtronic", "train", "--config", str(part), "--max-steps", "3"]))
+    part_dir = tmp_path / "runs" / "part"
+    saved = (part_dir / "checkpoints" / "step_00000003.pt").read_bytes()
+    # the checkpoint holds both ranks' data positions: one process may not continue it
+    refused = one_process(["-m", "speedtronic", "train", "--config", str(part), "--resume"])
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "written by a run of 2 ranks" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert (part_dir / "checkpoints" / "step_00000003.pt").read_bytes() == saved
+    _ok(torchrun(["-m", "speedtronic", "train", "--config", str(part), "--resume"]))
+    wa, wb = _final_weights(tmp_path / "runs" / "full"), _final_weights(part_dir)
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
+    state = torch.load(part_dir / "checkpoints" / "step_00000006.pt", weights_only=True)
+    assert state["world_size"] == 2 and len(state["ranks"]) == 2
+    assert state["ranks"][0]["data"] != state["ranks"][1]["data"]  # each rank's own position
+
+
+def test_token_weighting_is_global_and_padding_never_hangs(tmp_path):
+    """Rank 1's first micro-batch is all padding and rank 0's second half padding: the job
+    finishes and trains what one process does with those micro-batches accumulated."""
+    _ok(torchrun([str(HERE / "dp_job.py"), str(tmp_path / "dp")]))
+    _ok(one_process([str(HERE / "dp_job.py"), str(tmp_path / "one")]))
+    r0 = torch.load(tmp_path / "dp" / "weights_rank0.pt", weights_only=True)
+    r1 = torch.load(tmp_path / "dp" / "weights_rank1.pt", weights_only=True)
+    one = torch.load(tmp_path / "one" / "weights_rank0.pt", weights_only=True)
+    for k in one["weights"]:
+        assert torch.equal(r0["weights"][k], r1["weights"][k]), k  # ranks stay identical
+        torch.testing.assert_close(r0["weights"][k], one["weights"][k], rtol=0, atol=2e-5,
+                                   msg=k)
+    assert r0["final_loss"] == pytest.approx(one["final_loss"], rel=1e-5)
+    assert r0["eval_loss"] == pytest.approx(one["eval_loss"], rel=1e-5)
+    assert r0["tokens"] == one["tokens"]
+
+
+def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
+    """Rank 1 raises after step 2 while rank 0 goes on into the next step's collectives:
+    torchrun stops the job at once, exits non-zero and shows rank 1's error (where torchrun
+    cannot see a failure, data_parallel.timeout_s bounds the wait: 60 s in this job)."""
+    proc = torchrun([str(HERE / "dp_job.py"), str(tmp_path / "dp")], timeout=180,
+                    DP_JOB_FAIL_RANK="1")
+    assert proc.returncode != 0
+    assert "planted failure on rank 1" in proc.stdout + proc.stderr
+    assert not (tmp_path / "dp" / "weights_rank0.pt").exists()
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"root": {"ooo_backprop": True}}, "ooo_backprop: true cannot run under torchrun"),
+    ({"data": {"target_batch_size": 4}}, "must be a multiple of 8"),
+])
+def test_what_ddp_cannot_run_is_refused_on_every_rank(tmp_path, over, message):
+    root = over.pop("root", {})
+    cfg = engine_config(tmp_path, "bad", **over)
+    if root:
+        raw = yaml.safe_load(cfg.read_text())
+        raw.update(root)
+        cfg.write_text(yaml.safe_dump(raw))
+    proc = torchrun(["-m", "speedtronic", "train", "--config", str(cfg)])
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if "speedtronic: error:" in line]
+    assert len(errors) == 2 and all(message in line for line in errors), proc.stderr[-3000:]
+    assert not (tmp_path / "runs" / "bad" / "metrics.jsonl").exists()
