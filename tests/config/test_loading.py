@@ -198,7 +198,8 @@ def _float_fields() -> list[tuple[str, str, str]]:
 
 
 _NO_LIMIT = {"distributed.start_timeout", "distributed.shutdown_timeout",
-             "distributed.final_sync_timeout", "distributed.master_idle_timeout"}
+             "distributed.final_sync_timeout", "distributed.master_idle_timeout",
+             "distributed.unapplied_wait"}
 
 
 def test_every_float_field_refuses_inf_except_the_no_limit_waits():
