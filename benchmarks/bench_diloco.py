@@ -143,20 +143,24 @@ def replace_batch(cfg, batch: int):
     return cfg
 
 
-def _diloco_setup(cfg, tmp: Path, horizons: list[int], **dist):
+def _diloco_setup(cfg, tmp: Path, horizons: list[int], workers: int = M,
+                  tokens_per_step: int = 16 * 64, **dist):
+    """A store, ``workers`` nodes with their Worker callbacks and a master holding the lease
+    (bench_diloco_async.py builds its schedule on the same setup)."""
     d = replace(cfg.distributed, enabled=True, store=f"file://{tmp}", inner_steps=H,
                 poll_interval=1e6, lease_ttl=1e7, start_timeout=60, keep_versions=3,
-                expected_workers=M, max_staleness=100, **dist)
+                expected_workers=workers, max_staleness=100, **dist)
     d.validate()
-    nodes = [Node(cfg, i, M, horizons[i]) for i in range(M)]
+    nodes = [Node(cfg, i, workers, horizons[i]) for i in range(workers)]
     master = Master(open_store(d.store), d, "master",
                     lambda: {k: p.detach().clone() for k, p in nodes[0].model.named_parameters()})
     assert master.acquire_lease(threading.Event(), timeout=10)
     master.load_or_bootstrap()
-    workers = [Worker(d, node_id=f"w{i}", tokens_per_step=16 * 64) for i in range(M)]
-    for w, n in zip(workers, nodes, strict=True):
+    callbacks = [Worker(d, node_id=f"w{i}", tokens_per_step=tokens_per_step)
+                 for i in range(workers)]
+    for w, n in zip(callbacks, nodes, strict=True):
         w.on_train_start(n)
-    return d, nodes, master, workers
+    return d, nodes, master, callbacks
 
 
 def _finish(nodes, workers, master, evals, wall: float, extra: dict | None = None) -> dict:

@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -46,12 +45,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_diloco import Node, evaluate, make_cfg, replace_batch  # noqa: E402
+from bench_diloco import Node, _diloco_setup, evaluate, make_cfg, replace_batch  # noqa: E402
 
 from speedtronic.data import build_data  # noqa: E402
-from speedtronic.diloco.master import Master  # noqa: E402
 from speedtronic.diloco.node import Worker  # noqa: E402
-from speedtronic.diloco.store import open_store  # noqa: E402
 
 H = 20
 OUTER_LR, OUTER_MOMENTUM = 0.5, 0.5  # the tuned lock-step settings (bench_diloco.md)
@@ -69,20 +66,11 @@ def bench_cfg(seed: int):
 
 
 def _setup(cfg, tmp: Path, M: int, horizons: list[int], **dist):
-    d = replace(cfg.distributed, enabled=True, store=f"file://{tmp}", inner_steps=H,
-                poll_interval=1e6, master_poll_interval=1e6, lease_ttl=1e7, start_timeout=60,
-                keep_versions=3, expected_workers=M, max_staleness=100, outer_lr=OUTER_LR,
-                outer_momentum=OUTER_MOMENTUM, reset_inner_optimizer=False,
-                unapplied_wait=0.0, max_unapplied=16, **dist)
-    d.validate()
-    nodes = [Node(cfg, i, M, horizons[i]) for i in range(M)]
-    master = Master(open_store(d.store), d, "master",
-                    lambda: {k: p.detach().clone() for k, p in nodes[0].model.named_parameters()})
-    assert master.acquire_lease(threading.Event(), timeout=10)
-    master.load_or_bootstrap()
-    workers = [Worker(d, node_id=f"w{i}", tokens_per_step=BATCH * 64) for i in range(M)]
-    for w, n in zip(workers, nodes, strict=True):
-        w.on_train_start(n)
+    # polls and listings never fire on their own: the event loop calls them
+    _, nodes, master, workers = _diloco_setup(
+        cfg, tmp, horizons, workers=M, tokens_per_step=BATCH * 64, master_poll_interval=1e6,
+        outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, reset_inner_optimizer=False,
+        unapplied_wait=0.0, max_unapplied=16, **dist)
     return nodes, master, workers
 
 

@@ -30,8 +30,8 @@ from torch import nn
 from ..config import ConfigError, SpeedtronicConfig
 from .process_group import DataParallel
 
-__all__ = ["check_supported", "local_accumulation_steps", "wrap_model", "StepScales",
-           "step_scales", "one_token_labels", "rank_state", "pick_rank_state"]
+__all__ = ["check_supported", "local_accumulation_steps", "wrap_model", "sync_context",
+           "StepScales", "step_scales", "one_token_labels", "rank_state", "pick_rank_state"]
 
 
 def check_supported(cfg: SpeedtronicConfig, dp: DataParallel) -> None:

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/: the shared fixtures
+from _engine_fixtures import _Cycle  # noqa: E402
+
 WORLD = 2
 B, T, VOCAB = 2, 8, 64
 
@@ -36,32 +39,11 @@ def global_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-class Stream:
-    """Resumable iterator over a list of micro-batches."""
-
-    def __init__(self, batches: list) -> None:
-        self.batches, self.pos = batches, 0
-
-    def __iter__(self) -> Stream:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        b = self.batches[self.pos % len(self.batches)]
-        self.pos += 1
-        return b
-
-    def state_dict(self) -> dict[str, int]:
-        return {"pos": self.pos}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.pos = state["pos"]
-
-
 class Data:
     """This rank's training stream; the same held-out batches on every rank."""
 
     def __init__(self, batches: list, held_out: list) -> None:
-        self.train = Stream(batches)
+        self.train = _Cycle(batches)  # resumable: its position is checkpointed
         self.eval = held_out
 
     def eval_batches(self, n: int) -> list:
