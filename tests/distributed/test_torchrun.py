@@ -166,3 +166,20 @@ def test_what_ddp_cannot_run_is_refused_on_every_rank(tmp_path, over, message):
     errors = [line for line in proc.stderr.splitlines() if "speedtronic: error:" in line]
     assert len(errors) == 2 and all(message in line for line in errors), proc.stderr[-3000:]
     assert not (tmp_path / "runs" / "bad" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("framework", ["lightning", "accelerate"])
+def test_our_optimizer_under_lightning_and_accelerate_data_parallelism(tmp_path, framework):
+    """Hybrid Muon as the optimizer of Lightning's DDP strategy and of accelerate, 2 ranks on
+    different data: both ranks end with the same weights, and the weights moved."""
+    pytest.importorskip("lightning" if framework == "lightning" else "accelerate")
+    _ok(torchrun([str(HERE / "frameworks_job.py"), framework, str(tmp_path)]))
+    w0 = torch.load(tmp_path / f"{framework}_rank0.pt", weights_only=True)
+    w1 = torch.load(tmp_path / f"{framework}_rank1.pt", weights_only=True)
+    sys.path.insert(0, str(HERE))
+    from frameworks_job import model
+
+    start = model().state_dict()
+    for k in w0:
+        assert torch.equal(w0[k], w1[k]), k
+    assert any(not torch.equal(w0[k], start[k]) for k in w0)
