@@ -1,6 +1,7 @@
-"""The sharded Muon step (``process_group=``) on 2 CPU processes over gloo: each rank
-orthogonalizes half of every shape group, and the parameters come out bitwise equal on both
-ranks and to the replicated step, for the plain, Muon+ and cautious steps."""
+"""The sharded Muon step (``process_group=``) on 2 and 3 CPU processes over gloo: each rank
+orthogonalizes its contiguous ceil(b / W) share of every shape group, and the parameters come
+out bitwise equal on every rank and to the replicated step, for the plain, Muon+ and cautious
+steps."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from torch import nn
 
 from speedtronic.optim import Muon
 
-WORLD, STEPS = 2, 3
+STEPS = 3
 # odd counts: a rank gets ceil(b / 2) slots, the other the rest (padding in the gather)
 SHAPES = [(16, 16)] * 5 + [(48, 16)] * 3 + [(16, 48)] * 2
 VARIANTS = {"plain": {}, "muon_plus": {"muon_plus": True}, "cautious": {"cautious": True}}
@@ -61,10 +62,10 @@ def _run(kw: dict, group) -> tuple[list[torch.Tensor], int]:
     return [p.detach().clone() for p in params], counted[0]
 
 
-def _rank(rank: int, init_file: str, out: str) -> None:
+def _rank(rank: int, world: int, init_file: str, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=WORLD)
+                            world_size=world)
     try:
         results = {name: _run(kw, dist.group.WORLD) for name, kw in VARIANTS.items()}
         torch.save(results, f"{out}.{rank}")
@@ -72,21 +73,31 @@ def _rank(rank: int, init_file: str, out: str) -> None:
         dist.destroy_process_group()
 
 
+def _share(b: int, world: int, rank: int) -> int:
+    """Matrices of a group of ``b`` that ``rank`` orthogonalizes: contiguous ceil(b / W) slots."""
+    per = math.ceil(b / world)
+    return max(0, min(per, b - rank * per))
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")
-def test_sharded_step_is_bitwise_the_replicated_step_with_half_the_newton_schulz(tmp_path):
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_step_is_bitwise_the_replicated_step_with_1_over_w_of_the_newton_schulz(
+        tmp_path, world):
     out = str(tmp_path / "params")
-    mp.spawn(_rank, args=(str(tmp_path / "init"), out), nprocs=WORLD, join=True)
-    ranks = [torch.load(f"{out}.{r}") for r in range(WORLD)]
+    mp.spawn(_rank, args=(world, str(tmp_path / "init"), out), nprocs=world, join=True)
+    ranks = [torch.load(f"{out}.{r}") for r in range(world)]
     per_group = [5, 3 + 2]  # (16, 16) x 5; (16, 48) x 5 with the tall ones transposed
     for name, kw in VARIANTS.items():
         replicated, all_matrices = _run(kw, None)
         assert all_matrices == sum(per_group) * STEPS
-        for params, _ in (ranks[0][name], ranks[1][name]):
-            for a, b in zip(params, replicated, strict=True):
+        for rank_result in ranks:
+            for a, b in zip(rank_result[name][0], replicated, strict=True):
                 assert torch.equal(a, b), name
-        # rank 0 takes ceil(b / 2) of each group, rank 1 the rest: half the work each
-        assert ranks[0][name][1] == sum(math.ceil(b / 2) for b in per_group) * STEPS
-        assert ranks[1][name][1] == sum(b // 2 for b in per_group) * STEPS
+        counts = [rank_result[name][1] for rank_result in ranks]
+        assert counts == [sum(_share(b, world, r) for b in per_group) * STEPS
+                          for r in range(world)]
+        # 1/W of the work each, within one matrix per group
+        assert max(counts) - min(counts) <= len(per_group) * STEPS
 
 
 def test_a_process_group_without_torch_distributed_is_a_clear_error():
