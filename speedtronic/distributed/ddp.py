@@ -121,7 +121,8 @@ def step_scales(counts: Sequence[int | None], dp: DataParallel) -> StepScales:
     if any(n is None for n in counts):  # labels on the device or not ids: plain averaging
         return StepScales([1.0 / k] * k, None, None)
     local = int(sum(counts))  # type: ignore[arg-type]
-    total = torch.tensor(float(local), device=dp.device)  # fp32: exact below 2**24 tokens
+    # a fill kernel, not a host-to-device copy; fp32 counts exactly up to 2**24 tokens a step
+    total = torch.full((), float(local), dtype=torch.float32, device=dp.device)
     dp.all_reduce_sum(total)  # queued on the stream like a kernel; read only if local == 0
     inv = dp.world_size / total.clamp_min(1.0)
     return StepScales([inv * float(n) for n in counts], local, total)  # type: ignore[arg-type]
