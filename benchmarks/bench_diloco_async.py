@@ -231,6 +231,8 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
                                                   "worker_ratio": 0.25},
         "consistent base + lookahead 0.25, master poll 0.05 round": {
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25},
+        "consistent base + lookahead 0.5, master poll 0.05 round": {
+            "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.5},
         "no carry, master poll 0.05 round": {"carry": False, "master_ratio": 0.05,
                                               "worker_ratio": 0.25},
         "push-pull (timeout 0.5 round), master poll 0.05": {
