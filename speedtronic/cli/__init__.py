@@ -120,8 +120,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     def fmt(x: float | None) -> str:
         return "n/a" if x is None else f"{x:.4f}"
 
-    print(f"done: steps={result.steps} tokens={result.tokens} loss={fmt(result.final_loss)} "
-          f"eval_loss={fmt(result.final_eval_loss)} run_dir={result.run_dir}", flush=True)
+    from ..distributed import launched_rank
+
+    if launched_rank() == 0:  # under torchrun: one line for the job, from rank 0
+        print(f"done: steps={result.steps} tokens={result.tokens} loss={fmt(result.final_loss)} "
+              f"eval_loss={fmt(result.final_eval_loss)} run_dir={result.run_dir}", flush=True)
     return 0
 
 

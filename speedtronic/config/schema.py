@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -55,6 +56,15 @@ def _check(ok: bool, key: str, message: str) -> None:
 
 # Field metadata of the few floats where YAML ``.inf`` has a meaning: a wait without a limit.
 _INF_IS_NO_LIMIT = {"inf_is_no_limit": True}
+
+
+def _torchrun_world_size() -> int:
+    """``WORLD_SIZE`` as torchrun sets it; 1 outside torchrun (or when it is not a number: the
+    data-parallel setup reports that)."""
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def _check_finite(section: Any, prefix: str = "") -> None:
@@ -264,9 +274,11 @@ class DataConfig:
     block_size: int | None = None
     """Tokens per sample. None = ``model.max_seq_len``."""
     micro_batch_size: int = 8
-    """Samples per forward/backward pass."""
+    """Samples per forward/backward pass (per process under torchrun)."""
     target_batch_size: int | None = None
-    """Samples per optimizer step (a multiple of ``micro_batch_size``); None = one micro-batch."""
+    """Samples per optimizer step over all processes (a multiple of ``micro_batch_size`` times
+    the torchrun world size); None = one micro-batch per process (``micro_batch_size`` x
+    ``WORLD_SIZE`` under torchrun), and the resolved value is what config.yaml records."""
     num_workers: int = 0
     """DataLoader worker processes for user map-style datasets."""
     pin_memory: bool | None = None
@@ -825,8 +837,8 @@ class SpeedtronicConfig:
         """Fill cross-section defaults, then validate every section. Returns self."""
         if self.data.block_size is None:
             self.data.block_size = self.model.max_seq_len
-        if self.data.target_batch_size is None:
-            self.data.target_batch_size = self.data.micro_batch_size
+        if self.data.target_batch_size is None:  # one micro-batch per torchrun process
+            self.data.target_batch_size = self.data.micro_batch_size * _torchrun_world_size()
         if self.data.seed is None:
             self.data.seed = self.run.seed
         if self.model.vocab_size is None and self.data.tokenizer is None \

@@ -21,6 +21,7 @@ mean loss over no token would be NaN, and 0 * NaN is NaN).
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,11 +66,17 @@ def local_accumulation_steps(cfg: SpeedtronicConfig, world: int) -> int:
     if target % per_step:
         options = sorted({per_step * max(1, target // per_step),
                           per_step * (target // per_step + 1)})
+        keep = ""
+        if target % world == 0:  # a smaller micro-batch keeps this global batch
+            per_rank = target // world
+            micro = max(m for m in range(1, min(d.micro_batch_size, per_rank) + 1)
+                        if per_rank % m == 0)
+            keep = f", or data.micro_batch_size: {micro} (keeps the global batch of {target})"
         raise ConfigError(
             f"data.target_batch_size: {target} is the global batch (samples per step over all "
             f"ranks); with {world} ranks of data.micro_batch_size {d.micro_batch_size} it must "
-            f"be a multiple of {per_step}: set it to {' or '.join(map(str, options))}, or "
-            "lower data.micro_batch_size")
+            f"be a multiple of {per_step}: set data.target_batch_size: "
+            f"{' or '.join(map(str, options))}{keep}")
     return target // per_step
 
 
@@ -82,7 +89,12 @@ def wrap_model(model: nn.Module, dp: DataParallel, cfg: SpeedtronicConfig) -> nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [dp.local_rank] if dp.device.type == "cuda" else None
-    return DDP(model, device_ids=ids, broadcast_buffers=False,
+    # torch 2.13 renamed the per-forward buffer broadcast (and warns on the old name); 2.11,
+    # the H200's, only has the old one. Buffers are still broadcast once, at construction.
+    params = inspect.signature(DDP.__init__).parameters
+    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in params
+                      else {"broadcast_buffers": False})
+    return DDP(model, device_ids=ids, **no_buffer_sync,
                find_unused_parameters=cfg.data_parallel.find_unused_parameters,
                bucket_cap_mb=cfg.data_parallel.bucket_cap_mb, gradient_as_bucket_view=True)
 

@@ -253,6 +253,9 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
         if not dp.is_main:  # one copy of the build's decision lines: rank 0's
             quiet = max(getattr(logging, cfg.logging.level), logging.WARNING)
             logging.getLogger("speedtronic").setLevel(quiet)
+        logger.info("data parallel: global batch %d = %d ranks x %d micro-batch(es) of %d "
+                    "samples", cfg.data.target_batch_size, dp.world_size,
+                    ddp.local_accumulation_steps(cfg, dp.world_size), cfg.data.micro_batch_size)
     malloc_line = host_memory.apply_for_device(dev.type)  # None unless the CLI asked
     if malloc_line is not None:
         logger.info(malloc_line)
