@@ -13,9 +13,10 @@ Two groups:
 * a gloo *control* group carries the few host-side agreements a step can need (is a time-based
   checkpoint due, did any rank receive SIGTERM, each rank's data position for a checkpoint).
   Rank-local decisions must never pick different code paths on different ranks (rank 0 saving
-  at step s while rank 1 steps on hangs both until the timeout); on loopback one such agreement
-  is a ~0.1 ms host round trip, against the 1-10 ms an NCCL all-reduce read back would cost in
-  a device sync.
+  at step s while rank 1 steps on hangs both until the timeout). One such agreement (an
+  all-reduce of two ints) took a median 0.27 ms on loopback (2 gloo ranks on the 2-vCPU CI
+  machine, p90 0.7 ms), and it never waits for the GPU, where reading an NCCL result back
+  would wait for the whole queued step.
 """
 
 from __future__ import annotations
