@@ -1,7 +1,8 @@
 """The sharded Muon step (``process_group=``) on 2 and 3 CPU processes over gloo: each rank
-orthogonalizes its contiguous ceil(b / W) share of every shape group, and the parameters come
-out bitwise equal on every rank and to the replicated step, for the plain, Muon+ and cautious
-steps."""
+orthogonalizes its contiguous ceil(b / W) share of every shape group (counted in matrices and
+in FLOPs with torch's FlopCounterMode: the ranks' FLOPs add up to the replicated step's, none
+done twice), and the parameters come out bitwise equal on every rank and to the replicated
+step, for the plain, Muon+ and cautious steps."""
 
 from __future__ import annotations
 
@@ -32,8 +33,11 @@ def _grads(step: int) -> list[torch.Tensor]:
     return [torch.randn(s, generator=g) for s in SHAPES]
 
 
-def _run(kw: dict, group) -> tuple[list[torch.Tensor], int]:
-    """Final parameters and how many matrices this process orthogonalized."""
+def _run(kw: dict, group) -> tuple[list[torch.Tensor], int, int]:
+    """Final parameters, how many matrices this process orthogonalized, and the FLOPs its
+    steps dispatched (torch's FlopCounterMode: the matrix products)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     import speedtronic.optim.muon_step as muon_step
 
     counted = [0]
@@ -53,13 +57,30 @@ def _run(kw: dict, group) -> tuple[list[torch.Tensor], int]:
     try:
         params = _params()
         opt = Muon(params, lr=0.02, weight_decay=0.01, process_group=group, **kw)
-        for step in range(STEPS):
-            for p, g in zip(params, _grads(step), strict=True):
-                p.grad = g
-            opt.step()
+        flops = FlopCounterMode(display=False)
+        with flops:
+            for step in range(STEPS):
+                for p, g in zip(params, _grads(step), strict=True):
+                    p.grad = g
+                opt.step()
     finally:
         muon_step.ops.kernel_or_fallback = original
-    return [p.detach().clone() for p in params], counted[0]
+    return [p.detach().clone() for p in params], counted[0], flops.get_total_flops()
+
+
+def _step_flops(shape: tuple[int, int], kw: dict) -> int:
+    """FLOPs of one replicated Muon step on one matrix of ``shape`` (the standard iteration
+    for squares, the Gram iteration from aspect 2 on: whichever the step picks)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    p = nn.Parameter(torch.randn(shape))
+    p.grad = torch.randn(shape)
+    opt = Muon([p], lr=0.02, weight_decay=0.01, **kw)
+    opt.step()  # the first step builds banks and state
+    counter = FlopCounterMode(display=False)
+    with counter:
+        opt.step()
+    return counter.get_total_flops()
 
 
 def _rank(rank: int, world: int, init_file: str, out: str) -> None:
@@ -88,11 +109,17 @@ def test_sharded_step_is_bitwise_the_replicated_step_with_1_over_w_of_the_newton
     ranks = [torch.load(f"{out}.{r}") for r in range(world)]
     per_group = [5, 3 + 2]  # (16, 16) x 5; (16, 48) x 5 with the tall ones transposed
     for name, kw in VARIANTS.items():
-        replicated, all_matrices = _run(kw, None)
+        replicated, all_matrices, _ = _run(kw, None)
         assert all_matrices == sum(per_group) * STEPS
         for rank_result in ranks:
             for a, b in zip(rank_result[name][0], replicated, strict=True):
                 assert torch.equal(a, b), name
+        # FLOPs by formula: this rank's share of each group, nothing orthogonalized twice
+        groups = [(5, _step_flops((16, 16), kw)), (5, _step_flops((16, 48), kw))]
+        flops = [rank_result[name][2] for rank_result in ranks]
+        assert flops == [STEPS * sum(_share(b, world, r) * f for b, f in groups)
+                         for r in range(world)], name
+        assert sum(flops) == _run(kw, None)[2] == STEPS * sum(b * f for b, f in groups)
         counts = [rank_result[name][1] for rank_result in ranks]
         assert counts == [sum(_share(b, world, r) for b in per_group) * STEPS
                           for r in range(world)]
