@@ -44,12 +44,10 @@ def check_supported(cfg: SpeedtronicConfig, dp: DataParallel) -> None:
             "its final callback, so weight gradients the out-of-order scheduler defers to side "
             "streams would be reduced as zeros (14 of 20 were, measured with gloo). Set "
             "ooo_backprop: false for data-parallel runs")
-    if cfg.distributed.enabled:
-        raise ConfigError(
-            "distributed.enabled (DiLoCo) under torchrun is not built yet: a DiLoCo worker is "
-            "one process today (hierarchical DiLoCo, where a torchrun group acts as one worker, "
-            "is planned; docs/scaling.md). Run each DiLoCo worker as one process, or drop "
-            "distributed.enabled for plain data parallelism")
+    if cfg.distributed.enabled:  # hierarchical DiLoCo: this torchrun group is one worker
+        from .hierarchical import check_hierarchical
+
+        check_hierarchical(cfg)
     if cfg.optimizer.cuda_graph != "off" and cfg.data_parallel.shard_muon:
         raise ConfigError(
             f"optimizer.cuda_graph: {cfg.optimizer.cuda_graph} with data_parallel.shard_muon: "

@@ -143,8 +143,10 @@ def _build_data(cfg: SpeedtronicConfig, device: torch.device,
     # torchrun ranks: rank r takes every world-th sample, so one step's micro-batches over all
     # ranks are the samples one process would take (speedtronic.distributed.ddp).
     rank, world = (d.shard, d.num_shards) if d.enabled else (0, 1)
-    if dp is not None:
-        rank, world = dp.rank, dp.world_size
+    if dp is not None:  # a DiLoCo worker group splits its shard again, rank by rank: rank r
+        # takes every (n W)-th sample from shard + n r, so the group's ranks together read
+        # exactly shard `shard` of n (what one process would), each every W-th sample of it
+        rank, world = rank + world * dp.rank, world * dp.world_size
     return build_data(cfg, rank=rank, world=world, device=device)
 
 
@@ -287,7 +289,15 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
         # Imported only for DiLoCo runs: single-node runs never load the store back ends.
         from ..diloco import build_callbacks
 
-        callbacks.extend(build_callbacks(cfg))
+        # Under torchrun the group is one worker: rank 0 talks to the store, a relay on every
+        # rank keeps the others on its weights (speedtronic.distributed.hierarchical).
+        diloco = build_callbacks(cfg) if dp is None or dp.is_main else []
+        callbacks.extend(diloco)
+        if dp is not None:
+            from ..distributed.hierarchical import GroupRelay
+
+            worker = next((cb for cb in diloco if hasattr(cb, "m")), None)
+            callbacks.append(GroupRelay(dp, worker))
     ckpt_dir = run_dir / cfg.checkpoint.directory
     # The trainer is built before the run directory is touched; its default metrics logger
     # opens no file until a first record, and build_trainer attaches the real one (with hooks).

@@ -175,6 +175,8 @@ class Trainer(NonFiniteGuard):
         self._resume_eval = False   # a resumed checkpoint had that eval still to run
         self._skipped_seen: dict[tuple[int, int], int] = {}  # fp16 guard hits already reported
         self._replaced: str | None = None
+        self.replacements = 0
+        """How many times a callback replaced the weights (hierarchical DiLoCo relays them)."""
         # The open log interval: the summed micro-batch losses (fp32 on device) and their count
         # since the last logged step. Checkpointed, so a run resumed between two log steps logs
         # the same mean loss there as an uninterrupted one.
@@ -343,6 +345,7 @@ class Trainer(NonFiniteGuard):
         new weights and checkpoints them, so the run's last eval and checkpoint are of what it
         ends with."""
         self._replaced = reason
+        self.replacements += 1
 
     def save_checkpoint(self, force: bool = False) -> Path | None:
         """Write a checkpoint of the current step (no-op if checkpointing is off, or if this
