@@ -105,9 +105,14 @@ class DataParallel:
         dist.barrier(group=self.control)
 
     def close(self) -> None:
-        """Leave the process group (idempotent)."""
+        """Leave the process group (idempotent), all ranks together: a rank that tore its
+        gloo connections down while rank 0 was still writing the last checkpoint was once
+        aborted at exit ("terminate called without an active exception", CI)."""
         if dist.is_initialized():
-            dist.destroy_process_group()
+            try:
+                dist.barrier(group=self.control)
+            finally:
+                dist.destroy_process_group()
 
 
 def init_data_parallel(device: torch.device, timeout_s: float) -> DataParallel | None:
