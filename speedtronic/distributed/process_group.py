@@ -110,7 +110,7 @@ class DataParallel:
         aborted at exit ("terminate called without an active exception", CI)."""
         if dist.is_initialized():
             try:
-                dist.barrier(group=self.control)
+                self.barrier()
             finally:
                 dist.destroy_process_group()
 

@@ -136,6 +136,8 @@ class Trainer(NonFiniteGuard):
         self.tokens = 0
         self.samples = 0
         self.dp = data_parallel
+        self.world_size = 1 if data_parallel is None else data_parallel.world_size
+        """Processes in the job; ``tokens`` and ``samples`` count this rank's share."""
         self.accumulation_steps = (config.accumulation_steps if data_parallel is None else
                                    dp_step.local_accumulation_steps(config,
                                                                     data_parallel.world_size))
@@ -250,7 +252,7 @@ class Trainer(NonFiniteGuard):
             ranks = self.dp.gather_objects(dp_step.rank_state(train, rng))
         return {
             "format": 1,
-            "world_size": 1 if self.dp is None else self.dp.world_size,
+            "world_size": self.world_size,
             "ranks": ranks,  # per rank: data position and RNG streams (None: one process)
             "step": self.step,
             "tokens": self.tokens,
@@ -547,7 +549,7 @@ class Trainer(NonFiniteGuard):
 
         Every rank runs every micro-batch, padding included, so the collectives line up."""
         assert self.dp is not None and self._ddp is not None
-        k, world = self.accumulation_steps, self.dp.world_size
+        k, world = self.accumulation_steps, self.world_size
         batches = [next(it) for _ in range(k)]
         counts = [counted_tokens(y) for _, y in batches]
         scales = dp_step.step_scales(counts, self.dp)
@@ -572,7 +574,7 @@ class Trainer(NonFiniteGuard):
                     grad_norm: torch.Tensor | None) -> dict[str, Any]:
         """The ``train_step`` row of the interval ending at this step."""
         dt = max(now - interval.start, 1e-9)
-        world = 1 if self.dp is None else self.dp.world_size
+        world = self.world_size
         # The loop's only host sync: one read of (loss, grad norm, lr, the Muon step's fp16
         # guard counters) per log step.
         loss_sum = self._loss_sum.detach().float().reshape(())
@@ -785,7 +787,7 @@ class Trainer(NonFiniteGuard):
     def _finish(self) -> TrainResult:
         """The ``train_end`` row, the MFU summary line and the result."""
         assert self._mfu is not None  # set by _start_features at the top of fit
-        world = 1 if self.dp is None else self.dp.world_size
+        world = self.world_size
         self.metrics.emit("train_end", {"step": self.step, "tokens": world * self.tokens,
                                         "loss": self.last_loss, "eval_loss": self.last_eval_loss,
                                         **self._mfu.summary()})
