@@ -39,7 +39,7 @@ def _write(path: str | None, data: dict) -> None:
 def worker(a: argparse.Namespace) -> None:
     cfg = make_cfg(a.store, inner_steps=a.h, compression=a.codec,
                    final_sync_timeout=a.final_sync, poll_interval=a.poll,
-                   max_unapplied=a.max_unapplied)
+                   max_unapplied=a.max_unapplied, unapplied_wait=a.unapplied_wait)
     model = TinyModel(seed=0)
     trainer = FakeTrainer(model)
     cb = Worker(cfg, node_id=a.node)
@@ -101,6 +101,7 @@ def main() -> None:
     p.add_argument("--delete", action="store_true")
     p.add_argument("--max-object-mb", type=float, default=None)
     p.add_argument("--max-unapplied", type=int, default=4)
+    p.add_argument("--unapplied-wait", type=float, default=30.0)
     a = p.parse_args()
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.INFO,

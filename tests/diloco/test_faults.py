@@ -308,9 +308,11 @@ def test_store_outage_training_continues_and_recovers(cluster, backend, tmp_path
     flag = tmp_path / "outage"
     env = {} if proxy else {"SPEEDTRONIC_DILOCO_OUTAGE_FILE": str(flag)}
     # max_unapplied 2: the third round finished while the store is gone merges into the one
-    # queued before it (memory stays bounded); the first two stay separate deltas.
+    # queued before it (memory stays bounded); the first two stay separate deltas. A short
+    # unapplied_wait: once the store is back the master may still be in its retry backoff, and
+    # a 30 s wait per boundary (the default) once used up the 90 s budget in a loaded CI run.
     args = ("--steps", "60", "--h", "5", "--step-time", "0.01", "--final-sync", "60",
-            "--max-unapplied", "2")
+            "--max-unapplied", "2", "--unapplied-wait", "2")
     m = cluster.start("master", "master", "--expect", "w0", env=env)
     w0 = cluster.start("worker", "w0", *args, "--stop-at", "10", env=env)
     assert wait_for(lambda: cluster.frozen(w0), TIMEOUT)
