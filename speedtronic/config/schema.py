@@ -784,6 +784,75 @@ class DataParallelConfig:
                f"must be > 0 MiB, got {self.bucket_cap_mb}")
 
 
+@dataclass
+class TorchftConfig:
+    """Fault-tolerant replica groups on torchft (``pip install 'speedtronic[ft]'``): each group
+    is one ``speedtronic train`` process; a torchft Lighthouse admits the groups alive at each
+    step (``ddp``) or round (``diloco``), a group that dies is dropped and one that (re)starts
+    is healed from a live peer over HTTP. docs/scaling.md#torchft has the commands."""
+
+    mode: Literal["off", "ddp", "diloco"] = "off"
+    """``ddp``: gradients averaged over the live groups every step, a step committed only when
+    every group in the quorum finished it. ``diloco``: synchronous DiLoCo, ``inner_steps``
+    local steps, then the groups' pseudo-gradients are averaged for one outer Nesterov step."""
+    lighthouse: str | None = None
+    """The Lighthouse's address, e.g. ``http://10.0.0.1:29510``; null = ``$TORCHFT_LIGHTHOUSE``."""
+    replica_group: int | None = None
+    """This group's id, 0..replica_groups-1 (its data shard and run sub-directory); null =
+    ``$REPLICA_GROUP_ID``."""
+    replica_groups: int = 2
+    """Groups the job is started with: the number of data shards, and the bound for
+    ``min_replica_size``."""
+    min_replica_size: int = 1
+    """Fewest groups that may commit a step. A group alone with fewer live peers never commits
+    (torchft raises nothing): here it stops after ``max_commit_failures`` with an error."""
+    max_commit_failures: int = 50
+    """Consecutive steps that may fail to commit before the run ends with an error."""
+    timeout_s: float = 60.0
+    """Seconds a gradient all-reduce, a commit vote or a healing transfer may take."""
+    quorum_timeout_s: float = 300.0
+    """Seconds a group waits for a quorum (the Lighthouse's ``--min_replicas`` groups)."""
+    manager_port: int = 0
+    """Port of this group's torchft Manager server (0 = any free port). It listens on every
+    interface (torchft binds ``[::]``); the healing HTTP server does too."""
+    hostname: str | None = None
+    """Address the other groups reach this one at (its Manager and healing server); null = this
+    machine's host name. Tests use 127.0.0.1."""
+    inner_steps: int = 100
+    """``diloco``: local optimizer steps between outer steps."""
+    outer_lr: float = 0.7
+    """``diloco``: the outer Nesterov-SGD learning rate (DiLoCo's 0.7)."""
+    outer_momentum: float = 0.9
+    """``diloco``: the outer Nesterov momentum."""
+
+    def validate(self, p: str = "torchft") -> None:
+        if self.mode == "off":
+            return
+        _check(self.replica_groups >= 1, f"{p}.replica_groups",
+               f"must be >= 1, got {self.replica_groups}")
+        _check(1 <= self.min_replica_size <= self.replica_groups, f"{p}.min_replica_size",
+               f"must be in 1..replica_groups={self.replica_groups}, got "
+               f"{self.min_replica_size}: with fewer groups than that alive no step can ever "
+               "commit")
+        _check(self.replica_group is not None, f"{p}.replica_group",
+               "is required with torchft.mode on (or set REPLICA_GROUP_ID), e.g. 0 for the "
+               "first group")
+        assert self.replica_group is not None
+        _check(0 <= self.replica_group < self.replica_groups, f"{p}.replica_group",
+               f"must be in [0, replica_groups={self.replica_groups}), got "
+               f"{self.replica_group}")
+        _check(self.lighthouse is not None, f"{p}.lighthouse",
+               "is required with torchft.mode on (or set TORCHFT_LIGHTHOUSE), e.g. "
+               "http://127.0.0.1:29510 (start it with: torchft_lighthouse --min_replicas 1 "
+               "--bind [::]:29510)")
+        _check(self.max_commit_failures >= 1, f"{p}.max_commit_failures", "must be >= 1")
+        for key in ("timeout_s", "quorum_timeout_s", "outer_lr"):
+            _check(getattr(self, key) > 0, f"{p}.{key}", "must be > 0")
+        _check(0 <= self.manager_port < 65536, f"{p}.manager_port", "must be in 0..65535")
+        _check(self.inner_steps >= 1, f"{p}.inner_steps", "must be >= 1")
+        _check(0.0 <= self.outer_momentum < 1.0, f"{p}.outer_momentum", "must be in [0, 1)")
+
+
 _SECTIONS: dict[str, type] = {
     "run": RunConfig,
     "model": ModelConfig,
@@ -796,6 +865,7 @@ _SECTIONS: dict[str, type] = {
     "logging": LoggingConfig,
     "distributed": DistributedConfig,
     "data_parallel": DataParallelConfig,
+    "torchft": TorchftConfig,
     "shape_validation": ShapeValidationConfig,
 }
 
@@ -815,6 +885,7 @@ class SpeedtronicConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+    torchft: TorchftConfig = field(default_factory=TorchftConfig)
     shape_validation: ShapeValidationConfig = field(default_factory=ShapeValidationConfig)
     compile: bool | Literal["auto"] = "auto"
     """Compile the model with ``torch.compile`` (falls back to eager, with the reason logged).
@@ -847,6 +918,7 @@ class SpeedtronicConfig:
         if self.scheduler.max_steps is None:
             self.scheduler.max_steps = self.run.max_steps
         self._name_diloco_run()
+        self._torchft_from_env()
         if self.gradient_checkpointing or self.model.gradient_checkpointing:
             self.gradient_checkpointing = self.model.gradient_checkpointing = True
         _check_finite(self)  # first: range rules below read inf as a valid large value
@@ -880,6 +952,20 @@ class SpeedtronicConfig:
         else:
             self.run.name = f"diloco-{self.distributed.role}-{node}"
 
+    def _torchft_from_env(self) -> None:
+        """torchft's launch conventions fill what the config leaves null: the group id from
+        ``REPLICA_GROUP_ID``, the Lighthouse from ``TORCHFT_LIGHTHOUSE``."""
+        ft = self.torchft
+        if ft.mode == "off":
+            return
+        if ft.replica_group is None and os.environ.get("REPLICA_GROUP_ID", "").strip():
+            raw = os.environ["REPLICA_GROUP_ID"].strip()
+            _check(raw.isdigit(), "torchft.replica_group",
+                   f"REPLICA_GROUP_ID={raw!r} is not a group number (0, 1, ...)")
+            ft.replica_group = int(raw)
+        if ft.lighthouse is None and os.environ.get("TORCHFT_LIGHTHOUSE"):
+            ft.lighthouse = os.environ["TORCHFT_LIGHTHOUSE"]
+
     @property
     def accumulation_steps(self) -> int:
         """Micro-batches per optimizer step."""
@@ -888,8 +974,12 @@ class SpeedtronicConfig:
 
     @property
     def run_dir(self) -> Path:
-        """``run.output_dir / run.name``."""
-        return Path(self.run.output_dir) / self.run.name
+        """``run.output_dir / run.name`` (``.../replica_group_<g>`` for a torchft group: the
+        groups of one job may share a folder and a config)."""
+        base = Path(self.run.output_dir) / self.run.name
+        if self.torchft.mode != "off" and self.torchft.replica_group is not None:
+            return base / f"replica_group_{self.torchft.replica_group}"
+        return base
 
     def to_dict(self, redact: bool = True) -> dict[str, Any]:
         """A JSON/YAML-safe nested dict; with ``redact``, secrets are replaced by ``<redacted>``."""

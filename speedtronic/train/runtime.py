@@ -143,6 +143,8 @@ def _build_data(cfg: SpeedtronicConfig, device: torch.device,
     # torchrun ranks: rank r takes every world-th sample, so one step's micro-batches over all
     # ranks are the samples one process would take (speedtronic.distributed.ddp).
     rank, world = (d.shard, d.num_shards) if d.enabled else (0, 1)
+    if cfg.torchft.mode != "off":  # each torchft replica group reads its own shard
+        rank, world = cfg.torchft.replica_group or 0, cfg.torchft.replica_groups
     if dp is not None:  # a DiLoCo worker group splits its shard again, rank by rank: rank r
         # takes every (n W)-th sample from shard + n r, so the group's ranks together read
         # exactly shard `shard` of n (what one process would), each every W-th sample of it
@@ -246,6 +248,10 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.run.seed)
     dev = resolve_device(device if device is not None else cfg.run.device)
+    if cfg.torchft.mode != "off":  # before torchrun's group: a torchft group is one process
+        from ..distributed import torchft_groups
+
+        torchft_groups.check_supported(cfg)
     dp = init_data_parallel(dev, cfg.data_parallel.timeout_s)
     if dp is not None:
         from ..distributed import ddp
@@ -304,6 +310,13 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
     trainer = Trainer(model, optimizer, data, cfg, device=dev, precision=plan,
                       scheduler=scheduler, checkpoints=None, callbacks=callbacks, run_dir=run_dir,
                       data_parallel=dp)
+    if cfg.torchft.mode != "off":  # before the resume: the checkpoint holds its state
+        from ..distributed.torchft_groups import ReplicaGroups
+
+        groups = ReplicaGroups(cfg, trainer)
+        trainer.callbacks.append(groups)
+        if groups.mode == "ddp":
+            trainer.replicas = groups
     if resume:
         resume_trainer(trainer, ckpt_dir)
     return trainer

@@ -145,6 +145,10 @@ class Trainer(NonFiniteGuard):
         # "module." prefix, so checkpoints load in a one-process run and back).
         self._ddp = (dp_step.wrap_model(model, data_parallel, config)
                      if data_parallel is not None else None)
+        self.replicas: Any = None
+        """torchft ``ddp`` replica groups (:class:`~speedtronic.distributed.torchft_groups.
+        ReplicaGroups`; set by the runtime): a quorum started before each step, gradients
+        averaged over the live groups and a commit vote before the update."""
         self.saves_on_rank0 = False
         """True on a data-parallel rank other than 0 of a checkpointing run: it takes part in
         every save (its data position and RNG go into rank 0's file) but writes nothing."""
@@ -684,10 +688,17 @@ class Trainer(NonFiniteGuard):
                 trial = self._ooo_trial
                 if trial is not None:
                     trial.begin_step()
-                if self._skip_nonfinite:  # restored if this step's update is dropped
-                    self._loss_before_step = self._loss_sum.clone()
+                if self._skip_nonfinite or self.replicas is not None:  # restored if this
+                    self._loss_before_step = self._loss_sum.clone()  # step's update is dropped
                     self._micro_before_step = self._micro_since_log
+                if self.replicas is not None:
+                    self.replicas.begin_step()
                 has_gradient = self._accumulate_step(it)
+                if self.replicas is not None:  # may heal this group: self.step can move
+                    if not self.replicas.commit(self.params):
+                        self._drop_uncommitted_step()
+                        continue
+                    has_gradient = True  # the live groups' average
                 last = self.step + 1 == target
                 log_now = (self.step + 1) % log_every == 0 or last
                 grad_norm = self._clip_and_step(need_norm=log_now, update=has_gradient)
@@ -751,6 +762,14 @@ class Trainer(NonFiniteGuard):
             self.evaluate()
             self.save_checkpoint(force=True)
         return self._finish()
+
+    def _drop_uncommitted_step(self) -> None:
+        """A torchft step the quorum did not commit: no update, no schedule move, not counted,
+        not logged (the next batches retry it)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._grad_factor = 1.0
+        self._loss_sum.copy_(self._loss_before_step)
+        self._micro_since_log = self._micro_before_step
 
     def _agree_on_stops(self, signum: int | None, time_due: bool) -> tuple[int | None, bool]:
         """Under torchrun, the step boundary's rank-local triggers made common: a signal any

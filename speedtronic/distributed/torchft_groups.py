@@ -1,0 +1,272 @@
+"""Fault-tolerant replica groups on torchft: ``torchft.mode: ddp`` and ``torchft.mode: diloco``.
+
+A *replica group* is one ``speedtronic train`` process holding a full replica. A torchft
+Lighthouse (``torchft_lighthouse``, one per job) decides at each step which groups are alive
+(the *quorum*); every group runs a torchft ``Manager`` that joins the quorum, reconfigures the
+cross-group process group when it changes, and *heals* a group that is behind (restarted, or
+new) by fetching a live peer's state over HTTP before it takes part again.
+
+* ``ddp``: every step, the quorum is started before the forward (asynchronously: it overlaps
+  the micro-batches), the accumulated gradients are averaged over the live groups in one
+  flat all-reduce per dtype after backward, and the update is applied only if every group of
+  the quorum votes to commit. A step that does not commit is dropped: no update, no schedule
+  move, no step counted (the next batch retries it).
+* ``diloco``: synchronous DiLoCo (torchft's ``local_sgd.DiLoCo``): ``inner_steps`` local
+  steps of our optimizer, then the groups' pseudo-gradients are averaged and one outer
+  Nesterov-SGD step is taken; a round that does not commit is discarded (weights back to the
+  last global).
+
+What is healed: model weights, optimizer and schedule state, the GradScaler and the step
+counter (and, under ``diloco``, the last global and the outer momentum). What is not: the data
+position. A healed group goes on with its own shard from where its process is (a restarted one
+from its checkpoint, or from the start), so some samples can be seen twice or not at all
+across a failure; torchft's own trainers behave the same.
+
+What listens where: the Manager server and the healing HTTP server bind every interface
+(torchft binds ``[::]``; ``torchft.manager_port`` picks the Manager's port), the group's
+TCPStore too; ``torchft.hostname`` is the address advertised to the other groups. Keep the
+job on a private network. Tests run everything on 127.0.0.1.
+
+The trainer asks this module through :meth:`ReplicaGroups.begin_step` and
+:meth:`ReplicaGroups.commit` (``ddp``) or not at all (``diloco`` hooks the optimizer's step);
+the checkpoint holds the Manager's step (:meth:`ReplicaGroups.state_dict`).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import ConfigError, SpeedtronicConfig
+from ..errors import SpeedtronicError
+from .process_group import torchrun_world_size
+
+logger = logging.getLogger("speedtronic.torchft")
+
+__all__ = ["ReplicaGroups", "check_supported", "require_torchft"]
+
+_STATE_KEY = "speedtronic"
+
+
+def require_torchft() -> Any:
+    """Import torchft (quietly: its Rust side logs every quorum at INFO unless ``RUST_LOG`` says
+    otherwise) or fail with how to install it."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft
+    except ImportError as exc:
+        raise ConfigError(f"torchft.mode needs the torchft package ({exc}): pip install "
+                          "'speedtronic[ft]' (torchft 0.2), or set torchft.mode: off") from None
+    for name in ("torchft_quorums", "torchft_commits", "torchft_errors", "torchft"):
+        if logging.getLogger(name).level == logging.NOTSET:
+            logging.getLogger(name).setLevel(logging.WARNING)
+    return torchft
+
+
+def check_supported(cfg: SpeedtronicConfig) -> None:
+    """Refuse, before anything is built, what does not run correctly with torchft groups."""
+    ft = cfg.torchft
+    mode = f"torchft.mode: {ft.mode}"
+    if torchrun_world_size() > 1:
+        raise ConfigError(f"{mode} under torchrun (WORLD_SIZE={torchrun_world_size()}): a replica "
+                          "group of several ranks is not built yet; start each group as one "
+                          "process (speedtronic train), or use torchrun without torchft")
+    if cfg.distributed.enabled:
+        raise ConfigError(f"{mode} with distributed.enabled: true: torchft groups and "
+                          "object-store DiLoCo are two ways to combine replicas; pick one "
+                          "(torchft.mode: diloco is DiLoCo inside a cluster)")
+    if cfg.ooo_backprop:
+        raise ConfigError(f"{mode} with ooo_backprop: true: gradients are averaged across "
+                          "groups once backward ends, and deferred weight gradients would "
+                          "still be in flight; set ooo_backprop: false")
+    if cfg.optimizer.cuda_graph != "off":
+        raise ConfigError(f"{mode} with optimizer.cuda_graph: {cfg.optimizer.cuda_graph}: a "
+                          "replayed graph skips the commit vote and the DiLoCo hooks; set "
+                          "optimizer.cuda_graph: off")
+    if ft.mode == "diloco" and cfg.run.max_steps < ft.inner_steps:
+        logger.warning("torchft.inner_steps=%d exceeds run.max_steps=%d: the groups never "
+                       "synchronize", ft.inner_steps, cfg.run.max_steps)
+    if ft.min_replica_size == ft.replica_groups and ft.replica_groups > 1:
+        logger.warning("torchft.min_replica_size=%d equals torchft.replica_groups: while any "
+                       "group is down no step commits (after %d tries the run stops with an "
+                       "error); set min_replica_size below %d to train through a failure",
+                       ft.min_replica_size, ft.max_commit_failures, ft.replica_groups)
+    require_torchft()
+
+
+class ReplicaGroups:
+    """This process's torchft Manager and what the trainer needs from it.
+
+    Built by :func:`speedtronic.train.runtime` after the trainer (the healing state reads the
+    trainer's step) and before a resume (the checkpoint restores the Manager's step). It is one
+    of the trainer's callbacks (checkpoint state, the DiLoCo round count, shutdown) and, under
+    ``ddp``, the trainer's ``replicas`` (the per-step calls)."""
+
+    name = "torchft"
+
+    def __init__(self, cfg: SpeedtronicConfig, trainer: Any) -> None:
+        torchft = require_torchft()
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        ft = cfg.torchft
+        assert ft.replica_group is not None and ft.lighthouse is not None  # validated
+        self.cfg = ft
+        self.mode = ft.mode
+        self.trainer = trainer
+        self.group = ft.replica_group
+        self.commit_failures = 0
+        """Consecutive steps (ddp) or rounds (diloco) that did not commit."""
+        self.heals = 0
+        """Times this group loaded a live peer's state."""
+        self.participants = 0
+        """Groups in the last quorum."""
+        timeout = datetime.timedelta(seconds=ft.timeout_s)
+        host = ft.hostname or socket.gethostname()
+        # The Manager needs a TCPStore of its group; torchrun would host one, a lone process
+        # hosts its own (port 0: any free one). Other groups reach it at `host`.
+        self._store = torch.distributed.TCPStore(host, 0, is_master=True,
+                                                 wait_for_workers=False, timeout=timeout)
+        on_cuda = trainer.device.type == "cuda"
+        pg = ProcessGroupNCCL(timeout=timeout) if on_cuda else ProcessGroupGloo(timeout=timeout)
+        self.manager = torchft.Manager(
+            pg=pg, load_state_dict=self._load_peer_state, state_dict=self._peer_state,
+            min_replica_size=ft.min_replica_size,
+            # ddp: the quorum overlaps the forward; DiLoCo needs it synchronous (torchft
+            # refuses otherwise) and asks for it only at a round's end.
+            use_async_quorum=ft.mode == "ddp",
+            timeout=timeout, quorum_timeout=datetime.timedelta(seconds=ft.quorum_timeout_s),
+            connect_timeout=timeout, rank=0, world_size=1, store_addr=host,
+            store_port=self._store.port, lighthouse_addr=ft.lighthouse,
+            replica_id=f"speedtronic_{self.group}", port=ft.manager_port, hostname=host,
+            # every group builds the same initial weights from run.seed: no transfer at step 0
+            init_sync=False)
+        self._diloco: Any = None
+        if ft.mode == "diloco":
+            from torchft.local_sgd import DiLoCo
+
+            model = trainer.model
+            self._outer = torch.optim.SGD(model.parameters(), lr=ft.outer_lr,
+                                          momentum=ft.outer_momentum, nesterov=True)
+            self._diloco = DiLoCo(self.manager, [model], trainer.optimizer, self._outer,
+                                  sync_every=ft.inner_steps)
+            self._diloco.__enter__()  # hooks the optimizer's step
+            self._round_start = self.manager.current_step()
+        logger.info("torchft: replica group %d of %d (%s), lighthouse %s, min_replica_size %d, "
+                    "%s", self.group, ft.replica_groups, ft.mode, ft.lighthouse,
+                    ft.min_replica_size, "gloo" if not on_cuda else "nccl")
+
+    # -- healing state (called by torchft: sent from a live peer, loaded by a healing group) --
+    def _peer_state(self) -> dict[str, Any]:
+        t = self.trainer
+        return {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
+                "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
+                "scaler": t.scaler.state_dict() if t.scaler is not None else None,
+                "step": t.step}
+
+    def _load_peer_state(self, state: dict[str, Any]) -> None:
+        t = self.trainer
+        t0 = time.perf_counter()
+        behind = state["step"] - t.step
+        t.model.load_state_dict(state["model"])
+        t.optimizer.load_state_dict(state["optimizer"])
+        if t.scheduler is not None and state["scheduler"] is not None:
+            t.scheduler.load_state_dict(state["scheduler"])
+        if t.scaler is not None and state["scaler"] is not None:
+            t.scaler.load_state_dict(state["scaler"])
+        t.step = state["step"]
+        self.heals += 1
+        logger.warning("torchft: replica group %d healed from a live peer at step %d (%+d "
+                       "steps; loaded in %.3f s)", self.group, t.step, behind,
+                       time.perf_counter() - t0)
+        t.metrics.emit("torchft_heal", {"step": t.step, "behind": behind, "group": self.group})
+
+    # -- ddp: the trainer's per-step calls ------------------------------------------------------
+    def begin_step(self) -> None:
+        """Start this step's quorum (asynchronous under ``ddp``: it overlaps the forward)."""
+        if self.mode == "ddp":
+            self.manager.start_quorum()
+
+    def commit(self, params: list[nn.Parameter]) -> bool:
+        """Average the step's gradients over the live groups, then vote; True = apply it.
+
+        One flat all-reduce per gradient dtype (a parameter without a gradient sends zeros, so
+        every group sends the same buffers). A group being healed sends zeros too and torchft
+        divides by the groups that count; it then loads its peer's state here, before the
+        update, and applies the same averaged gradient: it leaves the step bitwise equal."""
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            by_dtype.setdefault(p.grad.dtype, []).append(p)
+        for group in by_dtype.values():
+            grads = [p.grad for p in group]
+            flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+            self.manager.allreduce(flat).wait()
+            sizes = [g.numel() for g in grads]  # type: ignore[union-attr]
+            torch._foreach_copy_(grads, [f.view_as(g) for f, g in  # type: ignore[arg-type]
+                                         zip(flat.split(sizes), grads, strict=True)])
+        committed = self.manager.should_commit()
+        self.participants = self.manager.num_participants()
+        self._count(committed, "step")
+        return committed
+
+    # -- diloco: after each inner step ----------------------------------------------------------
+    def after_optimizer_step(self, trainer: Any, step: int) -> None:
+        """Count a DiLoCo round that did not commit (its work is discarded by torchft)."""
+        if self._diloco is None or step % self.cfg.inner_steps:
+            return
+        now = self.manager.current_step()
+        self.participants = self.manager.num_participants()
+        self._count(now > self._round_start, "round")
+        self._round_start = now
+
+    def _count(self, committed: bool, what: str) -> None:
+        if committed:
+            self.commit_failures = 0
+            return
+        self.commit_failures += 1
+        ft = self.cfg
+        logger.warning("torchft: %s %d not committed (%d group(s) in the quorum, "
+                       "min_replica_size %d; %d in a row)", what, self.trainer.step + 1,
+                       self.participants, ft.min_replica_size, self.commit_failures)
+        if self.commit_failures >= ft.max_commit_failures:
+            raise SpeedtronicError(
+                f"torchft: {self.commit_failures} {what}s in a row did not commit: the quorum "
+                f"holds {self.participants} replica group(s) and torchft.min_replica_size is "
+                f"{ft.min_replica_size} (or a collective kept failing). Restart the missing "
+                "groups, or lower torchft.min_replica_size to train on with fewer")
+
+    # -- checkpoint ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The Manager's step count (and, under diloco, the last global and outer momentum)."""
+        out: dict[str, Any] = {"manager": self.manager.state_dict()}
+        if self._diloco is not None:  # torchft registers these with its Manager
+            out["diloco"] = {k: fn() for k, fn in self.manager._user_state_dicts.items()
+                             if k != "default"}
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.manager.load_state_dict(state["manager"])
+        for key, value in state.get("diloco", {}).items():
+            self.manager._load_state_dict_fns[key](value)
+        if self._diloco is not None:
+            self._round_start = self.manager.current_step()
+
+    def on_train_end(self, trainer: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Leave the job: stop the Manager's servers (idempotent)."""
+        if self._diloco is not None:
+            self._diloco.__exit__(None, None, None)
+            self._diloco = None
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None  # type: ignore[assignment]
