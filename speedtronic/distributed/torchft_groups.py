@@ -180,7 +180,7 @@ class ReplicaGroups:
             t.scheduler.load_state_dict(state["scheduler"])
         if t.scaler is not None and state["scaler"] is not None:
             t.scaler.load_state_dict(state["scaler"])
-        t.step = state["step"]
+        t.jump_to_step(state["step"])
         self.heals += 1
         logger.warning("torchft: replica group %d healed from a live peer at step %d (%+d "
                        "steps; loaded in %.3f s)", self.group, t.step, behind,
@@ -208,14 +208,30 @@ class ReplicaGroups:
         for group in by_dtype.values():
             grads = [p.grad for p in group]
             flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
-            self.manager.allreduce(flat).wait()
+            try:  # waits for the quorum: a Lighthouse that never forms one raises here
+                self.manager.allreduce(flat).wait()
+            except Exception as exc:  # noqa: BLE001 - torchft raises plain exceptions
+                raise SpeedtronicError(
+                    f"torchft: no quorum for step {self.trainer.step + 1} ({type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:300] if str(exc) else ''}); is the Lighthouse "
+                    f"at {self.cfg.lighthouse} running and reachable, with --min_replicas "
+                    "groups started? (torchft.quorum_timeout_s bounds the wait)") from exc
             sizes = [g.numel() for g in grads]  # type: ignore[union-attr]
             torch._foreach_copy_(grads, [f.view_as(g) for f, g in  # type: ignore[arg-type]
                                          zip(flat.split(sizes), grads, strict=True)])
         committed = self.manager.should_commit()
-        self.participants = self.manager.num_participants()
+        self._saw_quorum(self.manager.num_participants(), self.trainer.step + 1)
         self._count(committed, "step")
         return committed
+
+    def _saw_quorum(self, participants: int, step: int) -> None:
+        """Log a change in how many groups train together (a group lost, one healed back)."""
+        if participants != self.participants:
+            logger.info("torchft: step %d: %d replica group(s) in the quorum (was %d)", step,
+                        participants, self.participants)
+            self.trainer.metrics.emit("torchft_quorum", {"step": step,
+                                                         "participants": participants})
+        self.participants = participants
 
     # -- diloco: after each inner step ----------------------------------------------------------
     def after_optimizer_step(self, trainer: Any, step: int) -> None:
@@ -223,7 +239,7 @@ class ReplicaGroups:
         if self._diloco is None or step % self.cfg.inner_steps:
             return
         now = self.manager.current_step()
-        self.participants = self.manager.num_participants()
+        self._saw_quorum(self.manager.num_participants(), step)
         self._count(now > self._round_start, "round")
         self._round_start = now
 
@@ -233,9 +249,13 @@ class ReplicaGroups:
             return
         self.commit_failures += 1
         ft = self.cfg
+        step = self.trainer.step + (1 if what == "step" else 0)
         logger.warning("torchft: %s %d not committed (%d group(s) in the quorum, "
-                       "min_replica_size %d; %d in a row)", what, self.trainer.step + 1,
+                       "min_replica_size %d; %d in a row)", what, step,
                        self.participants, ft.min_replica_size, self.commit_failures)
+        self.trainer.metrics.emit("torchft_uncommitted", {
+            "step": step, "what": what, "participants": self.participants,
+            "in_a_row": self.commit_failures})
         if self.commit_failures >= ft.max_commit_failures:
             raise SpeedtronicError(
                 f"torchft: {self.commit_failures} {what}s in a row did not commit: the quorum "

@@ -175,6 +175,7 @@ class Trainer(NonFiniteGuard):
         self._loss_before_step = torch.zeros(())  # set each step in skip mode (see fit)
         self._micro_before_step = 0
         self._interval_first_step = 0  # the step the open log interval started after
+        self._step_jump = 0  # steps jump_to_step added in the open step
         self.skipped_steps = 0
         """Steps whose update ``train.on_nonfinite: skip`` dropped (cumulative in this fit)."""
         self._eval_pending = False  # set while a checkpoint is written ahead of its step's eval
@@ -702,6 +703,9 @@ class Trainer(NonFiniteGuard):
                 last = self.step + 1 == target
                 log_now = (self.step + 1) % log_every == 0 or last
                 grad_norm = self._clip_and_step(need_norm=log_now, update=has_gradient)
+                if self._step_jump:  # healed this step (jump_to_step)
+                    interval.steps += self._step_jump
+                    self._step_jump = 0
                 # skip mode drops bad steps itself (their loss leaves _loss_sum)
                 self._count_finite_step(None if self._skip_nonfinite else grad_norm)
                 if trial is not None and trial.end_step() is not None:
@@ -762,6 +766,14 @@ class Trainer(NonFiniteGuard):
             self.evaluate()
             self.save_checkpoint(force=True)
         return self._finish()
+
+    def jump_to_step(self, step: int) -> None:
+        """Continue from ``step``: another replica's state was just loaded (torchft healing).
+        The open log interval keeps counting this process's own steps only."""
+        delta = step - self.step
+        self.step = step
+        self._interval_first_step += delta
+        self._step_jump += delta
 
     def _drop_uncommitted_step(self) -> None:
         """A torchft step the quorum did not commit: no update, no schedule move, not counted,

@@ -1,0 +1,73 @@
+"""One torchft replica group for tests/distributed/test_torchft.py: ``speedtronic train`` of the
+given config, with the test's fault and pacing hooks.
+
+    python ft_job.py CONFIG [--resume] [--die-at N] [--wait-at N --gate FILE] [--announce FILE]
+
+``--die-at N`` kills this process (SIGKILL: no cleanup, as a lost machine) after step N;
+``--wait-at N --gate FILE`` holds this group after step N until FILE exists (the test's
+condition for "the restarted group is up", not a timed pause); ``--announce FILE`` creates
+FILE once this group's torchft Manager is running (it heartbeats from then on);
+``--wait-start FILE`` holds the first step until FILE exists (both groups in the first quorum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+sys.path.insert(0, str(ROOT))
+
+from speedtronic.train.runtime import train_from_config  # noqa: E402
+
+
+class Faults:
+    name = "faults"
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def on_train_start(self, trainer) -> None:
+        if self.args.announce:
+            Path(self.args.announce).write_text(str(trainer.step))
+        if self.args.wait_start:
+            _wait_for(Path(self.args.wait_start))
+
+    def after_optimizer_step(self, trainer, step: int) -> None:
+        a = self.args
+        if a.die_at is not None and step >= a.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if a.wait_at is not None and step == a.wait_at:
+            _wait_for(Path(a.gate))
+
+
+def _wait_for(path: Path) -> None:
+    """Hold until ``path`` exists (a condition another process sets, polled)."""
+    deadline = time.monotonic() + 120
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{path} never appeared")
+        time.sleep(0.02)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("config")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--die-at", type=int)
+    p.add_argument("--wait-at", type=int)
+    p.add_argument("--gate")
+    p.add_argument("--announce")
+    p.add_argument("--wait-start")
+    args = p.parse_args()
+    result = train_from_config(args.config, resume=args.resume, callbacks=[Faults(args)],
+                               plot=False)
+    print(f"done: steps={result.steps}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,234 @@
+"""torchft replica groups (``torchft.mode: ddp | diloco``) on CPU over gloo, on loopback.
+
+Each process test starts a Lighthouse in this process and 1-2 ``speedtronic train`` groups
+(~3-6 s each on the 2-core CI machine): two groups agree bitwise under ddp and under DiLoCo, a
+killed group is survived and a restarted one heals to its peer's step and ends bitwise equal,
+and a group that can never commit stops with an error instead of looping silently. The config
+rules run without torchft."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from speedtronic.config import ConfigError, load_config
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+
+def _raw(tmp: Path, name: str, group: int, **over: dict) -> dict:
+    raw = {
+        "run": {"name": name, "output_dir": str(tmp / "runs"), "max_steps": 12,
+                "eval_every": 6, "eval_batches": 2, "seed": 3, "device": "cpu",
+                "num_threads": 1},
+        "model": {"d_model": 32, "n_layer": 1, "n_head": 2, "max_seq_len": 32},
+        "data": {"micro_batch_size": 4, "target_batch_size": 8, "stdlib_max_bytes": 200_000},
+        "optimizer": {"name": "muon", "grad_clip": 1.0},
+        "scheduler": {"warmup_steps": 2},
+        "logging": {"every_steps": 2, "progress_bar": False},
+        "checkpoint": {"every_steps": 4},
+        "shape_validation": {"enabled": False},
+        "torchft": {"mode": "ddp", "replica_group": group, "replica_groups": 2,
+                    "hostname": "127.0.0.1", "timeout_s": 20, "quorum_timeout_s": 60},
+    }
+    for sec, values in over.items():
+        raw.setdefault(sec, {}).update(values)
+    return raw
+
+
+def _write(tmp: Path, raw: dict) -> Path:
+    path = tmp / f"{raw['run']['name']}-{raw['torchft'].get('replica_group', 'env')}.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def _run_dir(tmp: Path, name: str, group: int) -> Path:
+    return tmp / "runs" / name / f"replica_group_{group}"
+
+
+def _rows(run_dir: Path, event: str) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["event"] == event]
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return torch.load(run_dir / "checkpoints" / latest, weights_only=True)["model"]
+
+
+# ---- config rules (no torchft needed) -------------------------------------------------------
+def test_min_replica_size_above_the_groups_is_refused_with_the_key(tmp_path):
+    raw = _raw(tmp_path, "cfg", 0, torchft={"min_replica_size": 3, "lighthouse": "http://h:1"})
+    with pytest.raises(ConfigError, match=r"torchft\.min_replica_size.*1\.\.replica_groups=2"):
+        load_config(_write(tmp_path, raw))
+
+
+def test_group_and_lighthouse_come_from_torchft_env_vars(tmp_path, monkeypatch):
+    raw = _raw(tmp_path, "cfg", 0)
+    raw["torchft"].pop("replica_group")
+    path = _write(tmp_path, raw)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    with pytest.raises(ConfigError, match=r"torchft\.replica_group.*REPLICA_GROUP_ID"):
+        load_config(path)
+    monkeypatch.setenv("REPLICA_GROUP_ID", "1")
+    with pytest.raises(ConfigError, match=r"torchft\.lighthouse.*torchft_lighthouse"):
+        load_config(path)
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://10.0.0.1:29510")
+    cfg = load_config(path)
+    assert (cfg.torchft.replica_group, cfg.torchft.lighthouse) == (1, "http://10.0.0.1:29510")
+    assert cfg.run_dir == tmp_path / "runs" / "cfg" / "replica_group_1"  # groups never share
+
+
+@pytest.mark.parametrize("over, message", [
+    ({"distributed": {"enabled": True, "store": "file:///tmp/x"}}, "pick one"),
+    ({"ooo_backprop": True}, "ooo_backprop: false"),
+])
+def test_combinations_that_cannot_work_are_refused(tmp_path, over, message):
+    from speedtronic.distributed.torchft_groups import check_supported
+
+    raw = _raw(tmp_path, "cfg", 0, torchft={"lighthouse": "http://h:1"})
+    for key, value in over.items():
+        if isinstance(value, dict):
+            raw.setdefault(key, {}).update(value)
+        else:
+            raw[key] = value
+    cfg = load_config(_write(tmp_path, raw))
+    with pytest.raises(ConfigError, match=message):
+        check_supported(cfg)
+
+
+def test_a_torchrun_group_is_refused_until_built(tmp_path, monkeypatch):
+    from speedtronic.distributed.torchft_groups import check_supported
+
+    cfg = load_config(_write(tmp_path, _raw(tmp_path, "cfg", 0,
+                                            torchft={"lighthouse": "http://h:1"})))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="one process"):
+        check_supported(cfg)
+
+
+# ---- processes on loopback -------------------------------------------------------------------
+# the Lighthouse in this process would log every quorum at INFO
+os.environ.setdefault("RUST_LOG", "warn")
+torchft = pytest.importorskip("torchft", reason="torchft is not installed: pip install "
+                              "'speedtronic[ft]' (CI installs it with the dev extra)")
+
+
+class Lighthouse:
+    """A torchft Lighthouse on 127.0.0.1 (a free port) in the test process."""
+
+    def __init__(self, min_replicas: int = 1, heartbeat_timeout_ms: int = 1000) -> None:
+        from torchft._torchft import LighthouseServer
+
+        self.server = LighthouseServer(bind="127.0.0.1:0", min_replicas=min_replicas,
+                                       join_timeout_ms=20_000,
+                                       heartbeat_timeout_ms=heartbeat_timeout_ms)
+        port = self.server.address().rsplit(":", 1)[1]
+        self.address = f"http://127.0.0.1:{port}"  # it advertises the host name
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+@pytest.fixture
+def lighthouse():
+    lh = Lighthouse()
+    yield lh
+    lh.close()
+
+
+def _env(lh: Lighthouse) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               TORCHFT_LIGHTHOUSE=lh.address, RUST_LOG="warn")
+    env.pop("WORLD_SIZE", None)
+    env.pop("REPLICA_GROUP_ID", None)
+    return env
+
+
+def _start(args: list[str], lh: Lighthouse) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_env(lh), cwd=ROOT)
+
+
+def _train(cfg: Path, lh: Lighthouse) -> subprocess.Popen:
+    return _start(["-m", "speedtronic", "train", "--config", str(cfg)], lh)
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 240) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+@pytest.mark.parametrize("mode", ["ddp", "diloco"])
+def test_two_groups_end_bitwise_equal_on_different_shards(tmp_path, mode):
+    # evals at the DiLoCo round ends (steps 4, 8, 12), where the groups hold one global
+    over = {"torchft": {"mode": mode, "inner_steps": 4}, "run": {"eval_every": 4}}
+    lighthouse = Lighthouse(min_replicas=2)  # both start together: no healing in this test
+    try:
+        procs = [_train(_write(tmp_path, _raw(tmp_path, mode, g, **over)), lighthouse)
+                 for g in (0, 1)]
+        for proc in procs:
+            _finish(proc)
+    finally:
+        lighthouse.close()
+    dirs = [_run_dir(tmp_path, mode, g) for g in (0, 1)]
+    w0, w1 = (_final_weights(d) for d in dirs)
+    assert w0.keys() == w1.keys()
+    for key in w0:
+        assert torch.equal(w0[key], w1[key]), key
+    # each group trained on its own shard: their training losses differ, the model is one
+    losses = [[r["loss"] for r in _rows(d, "train_step")] for d in dirs]
+    assert losses[0] != losses[1]
+    evals = [[r["eval_loss"] for r in _rows(d, "eval")] for d in dirs]
+    assert len(evals[0]) == 4 and evals[0] == evals[1] and evals[0][-1] < evals[0][0]
+
+
+def test_a_killed_group_is_survived_and_a_restarted_one_heals(tmp_path, lighthouse):
+    name = "heal"
+    cfgs = [_write(tmp_path, _raw(tmp_path, name, g, run={"max_steps": 30})) for g in (0, 1)]
+    gate, up = tmp_path / "restarted", tmp_path / "doomed-up"
+    job = str(HERE / "ft_job.py")
+    survivor = _start([job, str(cfgs[0]), "--wait-start", str(up), "--wait-at", "20",
+                       "--gate", str(gate)], lighthouse)
+    doomed = _start([job, str(cfgs[1]), "--announce", str(up), "--die-at", "6"], lighthouse)
+    out, _ = doomed.communicate(timeout=240)
+    assert doomed.returncode == -9, out[-3000:]  # SIGKILL after step 6: no cleanup at all
+    restarted = _start([job, str(cfgs[1]), "--resume", "--announce", str(gate)], lighthouse)
+    _finish(survivor)
+    out1 = _finish(restarted)
+    g0, g1 = _run_dir(tmp_path, name, 0), _run_dir(tmp_path, name, 1)
+    # the survivor trained on alone (steps 7..20 with one group), then waited for the restart
+    assert [r["step"] for r in _rows(g0, "train_step")][-1] == 30
+    # the restarted group resumed its last checkpoint, then healed from the survivor at 20
+    # (the first quorum may already have healed the doomed group forward: joins race)
+    heals = _rows(g1, "torchft_heal")
+    assert heals[-1]["step"] == 20 and heals[-1]["behind"] >= 12, out1[-3000:]
+    resumed = _rows(g1, "train_start")[-1]["step"]
+    assert resumed in (4, 8) and heals[-1]["behind"] == 20 - resumed
+    w0, w1 = _final_weights(g0), _final_weights(g1)
+    for key in w0:
+        assert torch.equal(w0[key], w1[key]), key
+    # the survivor trained alone after group 1 died (the Lighthouse dropped it when its
+    # heartbeat stopped), and with both again from the step after the healing one (in the
+    # healing step itself only the groups already at step 20 count)
+    quorum = [(r["step"], r["participants"]) for r in _rows(g0, "torchft_quorum")]
+    assert quorum[-2][1] == 1 and quorum[-1] == (22, 2), quorum
+
+
+def test_a_group_that_can_never_commit_stops_with_an_error(tmp_path, lighthouse):
+    raw = _raw(tmp_path, "alone", 0, torchft={"min_replica_size": 2, "max_commit_failures": 3})
+    proc = _train(_write(tmp_path, raw), lighthouse)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode != 0
+    assert "3 steps in a row did not commit" in out and "min_replica_size is 2" in out, out
+    assert "Traceback" not in out
