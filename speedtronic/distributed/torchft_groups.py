@@ -39,6 +39,7 @@ import logging
 import os
 import socket
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -67,7 +68,21 @@ def require_torchft() -> Any:
     for name in ("torchft_quorums", "torchft_commits", "torchft_errors", "torchft"):
         if logging.getLogger(name).level == logging.NOTSET:
             logging.getLogger(name).setLevel(logging.WARNING)
+    if not any(isinstance(f, _NoFlightRecorderNotice)
+               for f in logging.getLogger("torchft.manager").filters):
+        logging.getLogger("torchft.manager").addFilter(_NoFlightRecorderNotice())
+    # A healing transfer loads tensors from a read-only buffer, and torch warns once about it;
+    # the loaded state is copied into our own tensors (load_state_dict), never written there.
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
     return torchft
+
+
+class _NoFlightRecorderNotice(logging.Filter):
+    """Drops torchft's warning, at every quorum change, that it cannot reset NCCL's flight
+    recorder: it says nothing about training (gloo has no flight recorder at all)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "flight recorder" not in record.getMessage()
 
 
 def check_supported(cfg: SpeedtronicConfig) -> None:
