@@ -150,18 +150,14 @@ class ReplicaGroups:
                                                  wait_for_workers=False, timeout=timeout)
         on_cuda = trainer.device.type == "cuda"
         pg = ProcessGroupNCCL(timeout=timeout) if on_cuda else ProcessGroupGloo(timeout=timeout)
-        self.manager = torchft.Manager(
-            pg=pg, load_state_dict=self._load_peer_state, state_dict=self._peer_state,
-            min_replica_size=ft.min_replica_size,
-            # ddp: the quorum overlaps the forward; DiLoCo needs it synchronous (torchft
-            # refuses otherwise) and asks for it only at a round's end.
-            use_async_quorum=ft.mode == "ddp",
-            timeout=timeout, quorum_timeout=datetime.timedelta(seconds=ft.quorum_timeout_s),
-            connect_timeout=timeout, rank=0, world_size=1, store_addr=host,
-            store_port=self._store.port, lighthouse_addr=ft.lighthouse,
-            replica_id=f"speedtronic_{self.group}", port=ft.manager_port, hostname=host,
-            # every group builds the same initial weights from run.seed: no transfer at step 0
-            init_sync=False)
+        try:
+            self.manager = self._build_manager(torchft, pg, host, timeout)
+        except Exception as exc:  # noqa: BLE001 - torchft raises RuntimeError from Rust
+            raise SpeedtronicError(
+                f"torchft: cannot join the job through the Lighthouse at {ft.lighthouse} "
+                f"({str(exc).splitlines()[0][:300]}); start it first (torchft_lighthouse "
+                "--min_replicas 1 --bind [::]:29510) and check torchft.lighthouse / "
+                "TORCHFT_LIGHTHOUSE") from None
         self._diloco: Any = None
         if ft.mode == "diloco":
             from torchft.local_sgd import DiLoCo
@@ -176,6 +172,22 @@ class ReplicaGroups:
         logger.info("torchft: replica group %d of %d (%s), lighthouse %s, min_replica_size %d, "
                     "%s", self.group, ft.replica_groups, ft.mode, ft.lighthouse,
                     ft.min_replica_size, "gloo" if not on_cuda else "nccl")
+
+    def _build_manager(self, torchft: Any, pg: Any, host: str,
+                       timeout: datetime.timedelta) -> Any:
+        ft = self.cfg
+        return torchft.Manager(
+            pg=pg, load_state_dict=self._load_peer_state, state_dict=self._peer_state,
+            min_replica_size=ft.min_replica_size,
+            # ddp: the quorum overlaps the forward; DiLoCo needs it synchronous (torchft
+            # refuses otherwise) and asks for it only at a round's end.
+            use_async_quorum=ft.mode == "ddp",
+            timeout=timeout, quorum_timeout=datetime.timedelta(seconds=ft.quorum_timeout_s),
+            connect_timeout=timeout, rank=0, world_size=1, store_addr=host,
+            store_port=self._store.port, lighthouse_addr=ft.lighthouse,
+            replica_id=f"speedtronic_{self.group}", port=ft.manager_port, hostname=host,
+            # every group builds the same initial weights from run.seed: no transfer at step 0
+            init_sync=False)
 
     # -- healing state (called by torchft: sent from a live peer, loaded by a healing group) --
     def _peer_state(self) -> dict[str, Any]:

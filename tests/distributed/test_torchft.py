@@ -241,3 +241,16 @@ def test_a_group_that_can_never_commit_stops_with_an_error(tmp_path, lighthouse)
     assert proc.returncode != 0
     assert "3 steps in a row did not commit" in out and "min_replica_size is 2" in out, out
     assert "Traceback" not in out
+
+
+def test_an_unreachable_lighthouse_is_a_clear_error(tmp_path):
+    raw = _raw(tmp_path, "nolh", 0, torchft={"lighthouse": "http://127.0.0.1:9",
+                                             "timeout_s": 2})
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RUST_LOG="warn")
+    env.pop("TORCHFT_LIGHTHOUSE", None)
+    proc = subprocess.run([sys.executable, "-m", "speedtronic", "train", "--config",
+                           str(_write(tmp_path, raw))], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "Lighthouse at http://127.0.0.1:9" in out and "Traceback" not in out, out[-3000:]
