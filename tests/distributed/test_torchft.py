@@ -8,7 +8,6 @@ rules run without torchft."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,6 +18,8 @@ import torch
 import yaml
 
 from speedtronic.config import ConfigError, load_config
+
+from .test_torchrun import _final_weights, _rows  # metrics rows, the last checkpoint's weights
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
@@ -52,16 +53,6 @@ def _write(tmp: Path, raw: dict) -> Path:
 
 def _run_dir(tmp: Path, name: str, group: int) -> Path:
     return tmp / "runs" / name / f"replica_group_{group}"
-
-
-def _rows(run_dir: Path, event: str) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if r["event"] == event]
-
-
-def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return torch.load(run_dir / "checkpoints" / latest, weights_only=True)["model"]
 
 
 # ---- config rules (no torchft needed) -------------------------------------------------------
