@@ -158,6 +158,7 @@ class ReplicaGroups:
                 f"({str(exc).splitlines()[0][:300]}); start it first (torchft_lighthouse "
                 "--min_replicas 1 --bind [::]:29510) and check torchft.lighthouse / "
                 "TORCHFT_LIGHTHOUSE") from None
+        self._flat: dict[torch.dtype, torch.Tensor] = {}  # ddp: gradient all-reduce buffers
         self._diloco: Any = None
         if ft.mode == "diloco":
             from torchft.local_sgd import DiLoCo
@@ -232,9 +233,14 @@ class ReplicaGroups:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             by_dtype.setdefault(p.grad.dtype, []).append(p)
-        for group in by_dtype.values():
+        for dtype, group in by_dtype.items():
             grads = [p.grad for p in group]
-            flat = torch.cat([g.reshape(-1) for g in grads])  # type: ignore[union-attr]
+            # one flat buffer per dtype, allocated once: the same size every step
+            flat = self._flat.get(dtype)
+            if flat is None:
+                flat = self._flat[dtype] = torch.empty(sum(g.numel() for g in grads),
+                                                       dtype=dtype, device=grads[0].device)
+            torch.cat([g.reshape(-1) for g in grads], out=flat)  # type: ignore[union-attr]
             try:  # waits for the quorum: a Lighthouse that never forms one raises here
                 self.manager.allreduce(flat).wait()
             except Exception as exc:  # noqa: BLE001 - torchft raises plain exceptions
