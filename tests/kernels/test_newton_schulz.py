@@ -52,6 +52,9 @@ CASES = {
     "rank_deficient": lambda: rank_deficient(16, 64, 3),
     "one_row": lambda: gaussian(1, 40),
     "one_column": lambda: gaussian(40, 1),
+    # m >= SYM_BLOCK_MIN_ROWS: the CPU path's blocked symmetric products
+    "power_law_blocked": lambda: power_law(ns.SYM_BLOCK_MIN_ROWS + 6, 2 * ns.SYM_BLOCK_MIN_ROWS,
+                                           batch=1),
 }
 
 
@@ -147,3 +150,32 @@ def test_auto_dtype_is_fp16_on_cuda_and_fp32_on_cpu():
 def test_bad_method_is_a_clear_error():
     with pytest.raises(ValueError, match="method must be one of auto, standard, gram"):
         ops.newton_schulz(torch.randn(4, 8), 5, list(ops.QUINTIC), 1e-7, None, "fast")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("m", [ns.SYM_BLOCK_MIN_ROWS, ns.SYM_BLOCK_MIN_ROWS + 37])
+def test_blocked_symmetric_product_equals_the_full_gemm(dtype, m):
+    # The CPU path computes X X^T and A A on the block-lower triangle and mirrors it: the result
+    # must be the full product (to rounding), including uneven blocks, with every entry written.
+    X = gaussian(2, m, m + 50, seed=3).to(dtype)
+    out = ns._sym_bmm(X, X)
+    assert out.shape == (2, m, m) and out.dtype == dtype
+    torch.testing.assert_close(out, out.mT, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, torch.bmm(X, X.mT), rtol=1e-5, atol=1e-3)
+    A = out / out.norm(dim=(-2, -1), keepdim=True)
+    torch.testing.assert_close(ns._sym_bmm(A, A), torch.bmm(A, A), rtol=1e-5, atol=1e-6)
+
+
+def test_small_and_16_bit_products_are_one_plain_gemm():
+    # Below the threshold (and in 16 bits, where a strided bmm output is slower on CPU) the
+    # product is one bmm: the op count of small shapes stays what the launch budget assumes.
+    from speedtronic.kernels.counting import DispatchCounter
+
+    for X in (gaussian(2, ns.SYM_BLOCK_MIN_ROWS - 1, 300).float(),
+              gaussian(2, ns.SYM_BLOCK_MIN_ROWS, 300).to(torch.bfloat16)):
+        with DispatchCounter() as counter:
+            ns._sym_bmm(X, X)
+        assert counter.by_name == {"bmm": 1}
+    with DispatchCounter() as counter:
+        ns._sym_bmm(*(2 * [gaussian(2, ns.SYM_BLOCK_MIN_ROWS, 300).float()]))
+    assert counter.by_name["bmm"] == 4
