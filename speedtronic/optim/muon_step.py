@@ -15,12 +15,14 @@ group owns persistent banks, allocated once and reused every step:
 * ``grads``: ``(chunk, m, n)`` fp32, the step's gradients gathered in the bank's orientation;
 * ``work``: ``(chunk, m, n)`` in the Newton-Schulz dtype when that is not fp32.
 
-Per group and chunk the step is: gather (1 op, +1 for the transposed part), momentum ``lerp_``
-(1), Nesterov ``lerp_`` (1), Frobenius norm + clamp + divide (3), one batched Newton-Schulz,
-[fp16 guard: 5], [Muon+: 1-2 op calls], [cautious: 5-7], then per part scale (1) and
-``_foreach_mul_`` + ``_foreach_add_`` over the parameters (2). Hyper-parameters ``lr``,
-``weight_decay`` and ``momentum`` are 0-d device tensors (floats are converted once), so an LR
-schedule never recompiles a compiled step and a captured CUDA graph reads the current value.
+Per param group: ``1 - lr wd`` (1 ``addcmul``) and the decoupled decay (1 ``_foreach_mul_``).
+Per group and chunk: gather (1 op, +2 for the transposed part), momentum ``lerp`` (1), Nesterov
+``lerp_`` (1), Frobenius norm + clamp + divide (3), one batched Newton-Schulz, [Muon+: 1-2 op
+calls], [cautious: 5-7], then per part scale (1) and ``_foreach_add_`` (1). The 16-bit guard
+runs once per step over every group's result: a sum and a ``masked_fill_`` per group, plus 3.
+Hyper-parameters ``lr``, ``weight_decay`` and ``momentum`` are 0-d device tensors (floats are
+converted once), so an LR schedule never recompiles a compiled step and a captured CUDA graph
+reads the current value.
 
 The chunk size comes from a byte budget for the step's workspaces (:func:`default_budget_bytes`):
 one chunk per group unless the budget says otherwise.
@@ -121,9 +123,17 @@ class _Group:
     momentum: Tensor           # (b, m, n) fp32
     grads: Tensor | None = None  # (chunk, m, n) fp32, allocated on first use
     work: Tensor | None = None   # (chunk, m, n) compute dtype, when not fp32
-    nonfinite: Tensor | None = None  # () int64: fp16 NS hits so far
+    guard_slot: int | None = None    # 16-bit NS: its first chunk's slot in the device's guard
     gathered: Tensor | None = None   # sharded NS: the all-gather buffer (W * per, m, n)
     slot_pg: Tensor | None = None    # (b,) int64: index into pgs per slot, when len(pgs) > 1
+
+
+@dataclass
+class _Guard:
+    """The 16-bit Newton-Schulz guard of one device: one slot per guarded chunk."""
+
+    sums: Tensor               # (K,) fp32: this step's sum of each chunk's NS result
+    hits: Tensor               # (K,) int64: steps whose chunk result was not finite
 
 
 @dataclass
@@ -137,16 +147,21 @@ class StepCache:
     signature: tuple | None = None
     groups: list[_Group] = field(default_factory=list)
     views: list[tuple[dict, Tensor]] = field(default_factory=list)  # (state, planted view)
+    guards: dict[str, _Guard] = field(default_factory=dict)  # per device, 16-bit NS only
+    ones: dict[str, Tensor] = field(default_factory=dict)    # per device: a 0-d fp32 one
 
     def nonfinite_counts(self) -> list[tuple[tuple[int, int], int]]:
         """``(shape, steps with a non-finite fp16 result)`` per group with a hit (reads the
-        device counters: one host sync, so call it where the trainer already reads values)."""
+        device counters: one host sync per device, so call it where the trainer already reads
+        values)."""
+        hits = {device: guard.hits.tolist() for device, guard in self.guards.items()}
         out = []
         for g in self.groups:
-            if g.nonfinite is not None:
-                hits = int(g.nonfinite)
-                if hits:
-                    out.append((g.shape, hits))
+            if g.guard_slot is not None:
+                chunks = math.ceil(g.momentum.shape[0] / g.chunk)
+                count = sum(hits[str(g.device)][g.guard_slot:g.guard_slot + chunks])
+                if count:
+                    out.append((g.shape, count))
         return out
 
 
@@ -265,6 +280,17 @@ def _build(cache: StepCache, entries: list[StepEntry], groups: list[dict[str, An
         if len(pgs) > 1:
             grp.slot_pg = torch.tensor([pgs.index(e.pg) for _, _, e in items], device=device)
         cache.groups.append(grp)
+    cache.ones = {str(grp.device): torch.ones((), dtype=torch.float32, device=grp.device)
+                  for grp in cache.groups}
+    slots: dict[str, int] = {}
+    for grp in cache.groups:
+        if grp.compute in (torch.float16, torch.bfloat16):
+            device = str(grp.device)
+            grp.guard_slot = slots.get(device, 0)
+            slots[device] = grp.guard_slot + math.ceil(grp.momentum.shape[0] / grp.chunk)
+    cache.guards = {device: _Guard(torch.zeros(k, dtype=torch.float32, device=device),
+                                   torch.zeros(k, dtype=torch.int64, device=device))
+                    for device, k in slots.items()}
     cache.signature = _signature(entries, groups)
 
 
@@ -303,15 +329,29 @@ def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]],
             if index not in hyper:
                 pg = groups[index]
                 lr, wd, mu = (hyper_tensor(pg, k, g.device) for k in HYPER_KEYS)
-                hyper[index] = {"lr": lr, "decay": 1.0 - lr * wd, "mu": mu, "w": 1.0 - mu}
+                # 1 - lr wd in one op (was mul + rsub); the momentum lerp takes mu itself
+                decay = torch.addcmul(cache.ones[str(g.device)], lr, wd, value=-1.0)
+                hyper[index] = {"lr": lr, "decay": decay, "mu": mu}
     # Decoupled weight decay first, one multi-tensor op per param group over all its matrices:
     # p (1 - lr wd) - lr s O  ==  (p (1 - lr wd)) - lr s O, and O does not depend on p.
     for index in hyper:
         works = [entries[i].work for g in cache.groups for part in g.parts if part.pg == index
                  for i in part.entries]
         torch._foreach_mul_(works, hyper[index]["decay"])
+    # One chunk per group (the default budget on any GPU that fits the model): every group's
+    # Newton-Schulz first, then one 16-bit guard over all of them (2K + 3 ops for K groups
+    # instead of 5K), then the updates. With chunks, each chunk is finished before the next
+    # one reuses the group's gradient bank.
+    together = all(g.chunk >= g.momentum.shape[0] for g in cache.groups)
+    pending: list[_Chunk] = []
     for g in cache.groups:
-        _group_step(g, groups[g.pgs[0]], hyper, cache.shard)
+        for chunk in _orthogonalized_chunks(g, groups[g.pgs[0]], hyper, cache.shard):
+            if together:
+                pending.append(chunk)
+            else:
+                _finish(cache, [chunk], groups, hyper)
+    if pending:
+        _finish(cache, pending, groups, hyper)
 
 
 def _per_slot(g: _Group, hyper: dict[int, dict[str, Tensor]], key: str) -> Tensor:
@@ -322,21 +362,31 @@ def _per_slot(g: _Group, hyper: dict[int, dict[str, Tensor]], key: str) -> Tenso
     return torch.stack([hyper[i][key] for i in g.pgs])[g.slot_pg].view(-1, 1, 1)
 
 
-def _group_step(g: _Group, group: dict[str, Any], hyper: dict[int, dict[str, Tensor]],
-                shard: Any = None) -> None:
+class _Chunk(NamedTuple):
+    """One Newton-Schulz batch of a group, orthogonalized, waiting for its update."""
+
+    g: _Group
+    start: int
+    stop: int
+    pieces: list             # (part, first slot, stop slot) of the parts it covers
+    G: Tensor                # (c, m, n) fp32: its gradients (the cautious mask reads them)
+    orth: Tensor             # (c, m, n) compute dtype
+
+
+def _orthogonalized_chunks(g: _Group, group: dict[str, Any], hyper: dict[int, dict[str, Tensor]],
+                           shard: Any = None):
+    """Yield the group's chunks, orthogonalized; the caller finishes each before the next."""
     m, n = g.shape
     b = g.momentum.shape[0]
     if g.grads is None or g.grads.shape[0] < min(b, g.chunk):
         g.grads = torch.empty((min(b, g.chunk), m, n), dtype=torch.float32, device=g.device)
         if g.compute != torch.float32:
             g.work = torch.empty((min(b, g.chunk), m, n), dtype=g.compute, device=g.device)
-    guard = g.compute in (torch.float16, torch.bfloat16)
-    if guard and g.nonfinite is None:
-        g.nonfinite = torch.zeros((), dtype=torch.int64, device=g.device)
     flat = ops.resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
-    w_all, mu_all = _per_slot(g, hyper, "w"), _per_slot(g, hyper, "mu")
+    mu_all = _per_slot(g, hyper, "mu")
     newton_schulz = ops.kernel_or_fallback("newton_schulz", g.device, [])
     steps, eps = int(group["ns_steps"]), float(group["eps"])
+    cautious = bool(group["cautious"])  # the mask needs G after NS: no writing over it
 
     def orthogonalize(X: Tensor) -> Tensor:  # (c, m, n) normalized, compute dtype
         return newton_schulz(X, steps, flat, eps, g.compute, "auto", True)
@@ -352,15 +402,14 @@ def _group_step(g: _Group, group: dict[str, Any], hyper: dict[int, dict[str, Ten
             else:
                 torch.stack(grads, out=G[s - start:e - start])
         M = g.momentum[start:stop]                                     # (c, m, n) fp32
-        w, mu = ((t[start:stop] if t.dim() else t) for t in (w_all, mu_all))
-        M.lerp_(G, w)                                                  # M <- mu M + (1-mu) G
-        cautious = bool(group["cautious"])  # the mask needs G after NS: no writing over it
+        mu = mu_all[start:stop] if mu_all.dim() else mu_all
+        torch.lerp(G, M, mu, out=M)                                    # M <- mu M + (1-mu) G
         if group["nesterov"]:                                          # U = G + mu (M - G)
             U = torch.lerp(G, M, mu) if cautious else G.lerp_(M, mu)
         else:
             U = M
         norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True)  # (c, 1, 1)
-        norm = norm.clamp_(min=float(group["eps"]))
+        norm = norm.clamp_(min=eps)
         if g.work is not None:
             X = torch.div(U, norm, out=g.work[:stop - start])          # (c, m, n) compute
         elif U is M or (U is G and cautious):
@@ -372,15 +421,41 @@ def _group_step(g: _Group, group: dict[str, Any], hyper: dict[int, dict[str, Ten
         else:  # this rank's share, then all of them (optim/sharded.py)
             g.gathered = sharded_orthogonalize(X, shard, orthogonalize, g.gathered)
             orth = g.gathered[:stop - start]                           # (c, m, n)
-        if guard:
-            # A 16-bit NS result is finite iff its fp32 sum is (|entries| < 4: no overflow),
-            # and x * 0 is NaN exactly for a non-finite x: 3 small ops instead of isfinite's 5.
-            bad = (orth.sum(dtype=torch.float32) * 0).isnan()
-            g.nonfinite.add_(bad)
-            orth = orth.masked_fill_(bad, 0)  # policy: skip this chunk's update (decay stays)
+        yield _Chunk(g, start, stop, pieces, G, orth)
+
+
+def _guard(cache: StepCache, chunks: list[_Chunk]) -> None:
+    """16-bit NS results: a chunk whose result is not finite gets no update this step (its
+    weight decay stays), and its slot's hit count grows; no host sync."""
+    by_device: dict[str, list[_Chunk]] = {}
+    for c in chunks:
+        if c.g.guard_slot is not None:
+            by_device.setdefault(str(c.g.device), []).append(c)
+    for device, guarded in by_device.items():
+        guard = cache.guards[device]
+        slots = [c.g.guard_slot + c.start // c.g.chunk for c in guarded]
+        for c, slot in zip(guarded, slots, strict=True):
+            torch.sum(c.orth, dim=tuple(range(c.orth.dim())), dtype=torch.float32,
+                      out=guard.sums[slot])
+        lo, hi = min(slots), max(slots) + 1  # contiguous: all slots, or one chunk's
+        # A 16-bit result is finite iff its fp32 sum is (|entries| < 4: no overflow), and
+        # x * 0 is NaN exactly for a non-finite x: 2 small ops instead of isfinite's 4.
+        bad = guard.sums[lo:hi].mul(0).isnan()                        # (hi - lo,) bool
+        guard.hits[lo:hi].add_(bad)
+        for c, slot in zip(guarded, slots, strict=True):
+            c.orth.masked_fill_(bad[slot - lo], 0)
+
+
+def _finish(cache: StepCache, chunks: list[_Chunk], groups: list[dict[str, Any]],
+            hyper: dict[int, dict[str, Tensor]]) -> None:
+    """Guard, Muon+ / cautious, and the parameter updates of orthogonalized chunks."""
+    _guard(cache, chunks)
+    for g, start, _, pieces, G, orth in chunks:
+        group = groups[g.pgs[0]]
+        m, n = g.shape
         if group["muon_plus"]:
             orth = _muon_plus(orth, pieces, start, float(group["norm_eps"]))
-        if cautious:
+        if group["cautious"]:
             orth = orth.float()
             mask = (orth * G) > 0
             if group["cautious_rescale"]:

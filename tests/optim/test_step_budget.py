@@ -27,11 +27,13 @@ NS_STEPS = 5
 # per shape group: gather 1 (+2 for a transposed part), momentum lerp 1, Nesterov lerp 1,
 # norm + clamp + divide 3, update 2 per part (scale into the param dtype, _foreach_add_);
 # Newton-Schulz at most 7 ops per iteration (Gram: poly 3, a*I 1, Q 1, R update 2) + 3
-# (first Gram product, restart, last product); per param group 4 (lr*wd, 1-., 1-mu, decay).
+# (first Gram product, restart, last product); per param group 2 (1 - lr*wd, decay).
+# The 16-bit guard, once for all K groups of a step: a sum and a masked_fill_ per group, plus
+# x * 0, isnan and the hit-count add_ for all of them.
 NS_OPS_PER_ITERATION = 7
 NS_OPS_FIXED = 3
-PER_PARAM_GROUP = 4
-FP16_GUARD = 5            # fp32 sum, x * 0, isnan, count add_, masked_fill_
+PER_PARAM_GROUP = 2
+GUARD_PER_GROUP, GUARD_FIXED = 2, 3
 
 
 def _expected_groups(shapes: list[tuple[int, int]]) -> dict[tuple[int, int], tuple[int, int]]:
@@ -45,12 +47,12 @@ def _expected_groups(shapes: list[tuple[int, int]]) -> dict[tuple[int, int], tup
 
 
 def design_budget(shapes: list[tuple[int, int]], fp16: bool = False) -> int:
-    total = PER_PARAM_GROUP
+    total = PER_PARAM_GROUP + (GUARD_FIXED if fp16 else 0)
     for (_, parts) in _expected_groups(shapes).values():
         gather = 1 + (2 if parts > 1 else 0)
         total += gather + 2 + 3 + 2 * parts
         total += NS_OPS_PER_ITERATION * NS_STEPS + NS_OPS_FIXED
-        total += FP16_GUARD if fp16 else 0
+        total += GUARD_PER_GROUP if fp16 else 0
     return total
 
 
@@ -231,6 +233,32 @@ def test_a_non_finite_fp16_result_skips_that_update_without_a_sync():
     assert opt.nonfinite_counts() == [((8, 8), 1)]  # read where the trainer reads (a sync)
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_the_guard_skips_only_the_non_finite_chunk_and_counts_it_per_group(chunked):
+    # One 16-bit NS batch per group (the guard runs once over all groups) or, with a budget of
+    # 2 matrices, chunk by chunk: either way only the chunk with the inf is skipped.
+    torch.manual_seed(0)
+    square = [nn.Parameter(torch.randn(8, 8)) for _ in range(4)]
+    wide = nn.Parameter(torch.randn(8, 16))
+    budget = 2 * workspace_bytes_per_matrix(8, 8, torch.float16) if chunked else None
+    opt = Muon([*square, wide], lr=0.1, weight_decay=0.0, ns_dtype="fp16",
+               workspace_budget=budget)
+    for p in (*square, wide):
+        p.grad = torch.randn_like(p)
+    opt.step()
+    square[3].grad = torch.full_like(square[3], float("inf"))
+    before = [p.detach().clone() for p in (*square, wide)]
+    for _ in range(2):
+        with DispatchCounter() as c:
+            opt.step()
+        assert c.host_syncs == 0
+    moved = [not torch.equal(p, b) for p, b in zip((*square, wide), before, strict=True)]
+    # the inf sits in the momentum from now on: its batch (all four squares, or squares 2-3
+    # when chunked) is skipped at both steps, and the other group moves
+    assert moved == ([True, True, False, False, True] if chunked else [False] * 4 + [True])
+    assert opt.nonfinite_counts() == [((8, 8), 2)]
+
+
 def test_workspace_bytes_follow_the_budget():
     per = workspace_bytes_per_matrix(16, 16, torch.float32)
     opt, _ = _opt([(16, 16)] * 10, 1, workspace_budget=4 * per)
@@ -275,9 +303,9 @@ CUDA_NS_PER_ITERATION = 7
 
 
 def design_cuda_budget(shapes: list[tuple[int, int]]) -> int:
-    total = PER_PARAM_GROUP
+    total = PER_PARAM_GROUP + GUARD_FIXED
     for (_, parts) in _expected_groups(shapes).values():
-        total += (1 + (2 if parts > 1 else 0)) + 2 + 3 + 2 * parts + FP16_GUARD
+        total += (1 + (2 if parts > 1 else 0)) + 2 + 3 + 2 * parts + GUARD_PER_GROUP
         total += CUDA_NS_PER_ITERATION * NS_STEPS + NS_OPS_FIXED
     return total
 
