@@ -150,10 +150,21 @@ class StepCache:
     guards: dict[str, _Guard] = field(default_factory=dict)  # per device, 16-bit NS only
     ones: dict[str, Tensor] = field(default_factory=dict)    # per device: a 0-d fp32 one
 
+    def guard_counters(self) -> list[tuple[tuple[int, int], Tensor]]:
+        """``(shape, 0-d int64 device tensor)``: the 16-bit guard's hit count of each guarded
+        group, for a caller that reads it together with other device values (no sync here)."""
+        out = []
+        for g in self.groups:
+            if g.guard_slot is not None:
+                chunks = math.ceil(g.momentum.shape[0] / g.chunk)
+                hits = self.guards[str(g.device)].hits[g.guard_slot:g.guard_slot + chunks]
+                out.append((g.shape, hits.sum()))
+        return out
+
     def nonfinite_counts(self) -> list[tuple[tuple[int, int], int]]:
-        """``(shape, steps with a non-finite fp16 result)`` per group with a hit (reads the
-        device counters: one host sync per device, so call it where the trainer already reads
-        values)."""
+        """``(shape, non-finite 16-bit results: steps x chunks hit)`` per group with a hit
+        (reads the device counters: one host sync per device, so call it where the trainer
+        already reads values)."""
         hits = {device: guard.hits.tolist() for device, guard in self.guards.items()}
         out = []
         for g in self.groups:

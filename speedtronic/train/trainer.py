@@ -90,7 +90,7 @@ def _guard_counters(optimizer: Any) -> list[tuple[tuple[int, int], torch.Tensor]
     cache = getattr(optimizer, "__dict__", {}).get("_muon_cache")
     if cache is None:
         return []
-    return [(g.shape, g.nonfinite) for g in cache.groups if g.nonfinite is not None]
+    return cache.guard_counters()
 
 
 class Trainer(NonFiniteGuard):
