@@ -446,8 +446,13 @@ def _guard(cache: StepCache, chunks: list[_Chunk]) -> None:
         guard = cache.guards[device]
         slots = [c.g.guard_slot + c.start // c.g.chunk for c in guarded]
         for c, slot in zip(guarded, slots, strict=True):
-            torch.sum(c.orth, dim=tuple(range(c.orth.dim())), dtype=torch.float32,
-                      out=guard.sums[slot])
+            if c.orth.dtype == torch.bfloat16:
+                # bf16 has fp32's range, so its own sum cannot overflow; on CPU a bf16 sum into
+                # fp32 was 30x slower than a bf16 sum (48 x 768^2: 79 vs 2.4 ms)
+                guard.sums[slot].copy_(c.orth.sum())
+            else:  # fp16: summed in fp32 (an fp16 sum of finite entries could overflow)
+                torch.sum(c.orth, dim=tuple(range(c.orth.dim())), dtype=torch.float32,
+                          out=guard.sums[slot])
         lo, hi = min(slots), max(slots) + 1  # contiguous: all slots, or one chunk's
         # A 16-bit result is finite iff its fp32 sum is (|entries| < 4: no overflow), and
         # x * 0 is NaN exactly for a non-finite x: 2 small ops instead of isfinite's 4.
