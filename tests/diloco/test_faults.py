@@ -285,7 +285,10 @@ def test_bad_and_stale_deltas_are_quarantined(cluster):
     # A 1 MB object limit: the tiny model's legitimate deltas are a few KB.
     m = cluster.start("master", "master", "--expect", "w0,bad", "--max-staleness", "1",
                       "--max-object-mb", "1")
-    w0 = cluster.start("worker", "w0", *WORKER)
+    # A short unapplied_wait: with max_staleness=1 some of w0's deltas are rejected as stale,
+    # and each boundary that waits the default 30 s for them to apply once used up the 90 s
+    # budget on a loaded CI machine (the test passes alone in ~20 s).
+    w0 = cluster.start("worker", "w0", *WORKER, "--unapplied-wait", "2")
     assert wait_for(lambda: _pointer_version(cluster.url) >= 2, TIMEOUT)
     store = open_store(cluster.url)
     bad = _bad_deltas(store, _pointer_version(cluster.url))
