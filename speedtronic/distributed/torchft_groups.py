@@ -168,11 +168,33 @@ class ReplicaGroups:
                                           momentum=ft.outer_momentum, nesterov=True)
             self._diloco = DiLoCo(self.manager, [model], trainer.optimizer, self._outer,
                                   sync_every=ft.inner_steps)
-            self._diloco.__enter__()  # hooks the optimizer's step
+            self._diloco._step_post_hook = self._explained(self._diloco._step_post_hook)
+            self._diloco.__enter__()  # hooks the optimizer's step (the wrapped hook above)
             self._round_start = self.manager.current_step()
         logger.info("torchft: replica group %d of %d (%s), lighthouse %s, min_replica_size %d, "
                     "%s", self.group, ft.replica_groups, ft.mode, ft.lighthouse,
                     ft.min_replica_size, "gloo" if not on_cuda else "nccl")
+
+    def _no_quorum(self, exc: BaseException, what: str) -> SpeedtronicError:
+        return SpeedtronicError(
+            f"torchft: no quorum for {what} ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:300] if str(exc) else ''}); is the Lighthouse at "
+            f"{self.cfg.lighthouse} running and reachable, with --min_replicas groups started? "
+            "(torchft.quorum_timeout_s bounds the wait)")
+
+    def _explained(self, hook: Any) -> Any:
+        """DiLoCo's optimizer hook, with torchft's raw quorum failure (a timeout from its Rust
+        client, raised inside ``optimizer.step()``) turned into the error a user can act on.
+        Failed collectives do not raise: torchft reports them as a round that did not commit."""
+
+        def step_post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+            try:
+                hook(optimizer, args, kwargs)
+            except Exception as exc:  # noqa: BLE001 - torchft raises plain exceptions
+                raise self._no_quorum(exc, f"the DiLoCo round at step {self.trainer.step + 1}"
+                                      ) from exc
+
+        return step_post_hook
 
     def _build_manager(self, torchft: Any, pg: Any, host: str,
                        timeout: datetime.timedelta) -> Any:
@@ -244,11 +266,7 @@ class ReplicaGroups:
             try:  # waits for the quorum: a Lighthouse that never forms one raises here
                 self.manager.allreduce(flat).wait()
             except Exception as exc:  # noqa: BLE001 - torchft raises plain exceptions
-                raise SpeedtronicError(
-                    f"torchft: no quorum for step {self.trainer.step + 1} ({type(exc).__name__}: "
-                    f"{str(exc).splitlines()[0][:300] if str(exc) else ''}); is the Lighthouse "
-                    f"at {self.cfg.lighthouse} running and reachable, with --min_replicas "
-                    "groups started? (torchft.quorum_timeout_s bounds the wait)") from exc
+                raise self._no_quorum(exc, f"step {self.trainer.step + 1}") from exc
             sizes = [g.numel() for g in grads]  # type: ignore[union-attr]
             torch._foreach_copy_(grads, [f.view_as(g) for f, g in  # type: ignore[arg-type]
                                          zip(flat.split(sizes), grads, strict=True)])

@@ -245,3 +245,22 @@ def test_an_unreachable_lighthouse_is_a_clear_error(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2, out[-3000:]
     assert "Lighthouse at http://127.0.0.1:9" in out and "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["ddp", "diloco"])
+def test_a_quorum_that_never_forms_is_a_clear_error_in_both_modes(tmp_path, mode):
+    # The Lighthouse waits for 2 groups and only one comes: the quorum times out, inside the
+    # step (ddp) or inside optimizer.step()'s DiLoCo hook (diloco); either way the user reads
+    # what to check, not torchft's raw timeout.
+    lh = Lighthouse(min_replicas=2)
+    try:
+        raw = _raw(tmp_path, f"noquorum-{mode}", 0,
+                   torchft={"mode": mode, "inner_steps": 2, "quorum_timeout_s": 3,
+                            "timeout_s": 5})
+        proc = _train(_write(tmp_path, raw), lh)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        lh.close()
+    assert proc.returncode != 0, out[-3000:]
+    assert "torchft: no quorum for" in out and "Traceback" not in out, out[-3000:]
+    assert ("DiLoCo round" in out) == (mode == "diloco"), out[-3000:]
