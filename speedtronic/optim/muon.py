@@ -35,6 +35,7 @@ from ._state import (
     fill_group_defaults,
     run_closure,
 )
+from .dtensor_step import dtensor_muon_step, is_dtensor
 from .muon_step import (
     NS_DTYPES,
     StepCache,
@@ -114,10 +115,17 @@ def parse_layout(layout: str) -> tuple[str, int]:
                      "'split:K' or 'transposed_split:K'")
 
 
-def _is_dtensor(p: Tensor) -> bool:
-    """A ``torch.distributed.tensor.DTensor`` (checked by type name: importing that module
-    took 1.5 s on the 2-vCPU CI machine, and most runs never shard)."""
-    return any(c.__name__ == "DTensor" for c in type(p).__mro__)
+def _check_dtensor(p: Tensor, kind: str) -> None:
+    """FSDP2 (``fully_shard``) parameters: plain 2-D matrices sharded by rows, nothing else
+    (see :mod:`.dtensor_step`)."""
+    from torch.distributed.tensor import Shard
+
+    if kind != "matrix" or p.ndim != 2:
+        raise ValueError(f"Muon on a DTensor parameter (FSDP2) takes plain 2-D matrices with "
+                         f"layout 'matrix'; got shape {tuple(p.shape)}, layout {kind!r}")
+    if any(isinstance(pl, Shard) and pl.dim != 0 for pl in p.placements):
+        raise ValueError(f"Muon on a DTensor parameter: only row sharding (Shard(0), what "
+                         f"fully_shard does) is supported, got placements {p.placements}")
 
 
 def _check_group(group: dict[str, Any]) -> None:
@@ -141,13 +149,8 @@ def _check_group(group: dict[str, Any]) -> None:
         group["ns_coefficients"] = list(group["ns_coefficients"])
     kind, k = parse_layout(group.get("layout", "matrix"))
     for p in group["params"]:
-        if _is_dtensor(p):
-            raise ValueError(
-                "Muon got a DTensor parameter (FSDP2 fully_shard or tensor parallelism): its "
-                "step orthogonalizes whole matrices and does not gather shards yet (torch "
-                "failed inside it with 'mixed torch.Tensor and DTensor'). Use data parallelism "
-                "(torchrun speedtronic train, or DDP) until sharded parameters are supported "
-                "(issue #30); AdamW-only groups are not affected")
+        if is_dtensor(p):
+            _check_dtensor(p, kind)
         if kind == "flatten" and p.ndim >= 2:
             continue
         if p.ndim != 2:
@@ -177,7 +180,7 @@ def _step_entries(state: dict, groups: Sequence[dict[str, Any]],
         kind, k = parse_layout(group.get("layout", "matrix"))
         for p in group["params"]:
             g = p.grad
-            if g is None:
+            if g is None or is_dtensor(p):  # DTensor (FSDP2) parameters: dtensor_step.py
                 continue
             if torch.is_complex(p) or torch.is_complex(g):
                 raise RuntimeError(f"Muon does not support complex parameters (shape "
@@ -235,6 +238,16 @@ def muon_step(state: dict, groups: Sequence[dict[str, Any]],
     group is one gather, one batched ``newton_schulz`` call and one update pass (see
     :mod:`.muon_step`). Pass the optimizer's ``cache`` to keep the banks between steps;
     without one they are rebuilt (correct, but each call copies the momentum once more)."""
+    sharded = [[p for p in g["params"] if is_dtensor(p)] for g in groups]
+    if any(sharded):  # FSDP2: those matrices take the DTensor step, the rest the lean one
+        if cache is not None and cache.shard is not None:
+            raise ValueError("Muon: process_group= (the sharded data-parallel step) and "
+                             "DTensor (FSDP2) parameters cannot be combined: FSDP2 already "
+                             "shards the parameters; drop process_group")
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise ValueError("Muon: DTensor (FSDP2) parameters cannot run inside a CUDA graph "
+                             "(their step all-gathers); set cuda_graph=False")
+        dtensor_muon_step(state, list(groups), sharded)
     writebacks: list[tuple[Tensor, Tensor]] = []
     entries = _step_entries(state, groups, writebacks)
     lean_muon_step(cache if cache is not None else StepCache(), list(groups), entries)
