@@ -10,11 +10,11 @@ Newton-Schulz needs each matrix whole; FSDP2 hands every rank a row shard of it.
 4. each rank keeps its own rows of the result (``redistribute`` from replicated to the
    parameter's placement slices locally, no communication) and updates its shard in place.
 
-Every rank orthogonalizes every matrix, as ``torch.optim.Muon`` does under FSDP2: correct and
-simple, W times the Newton-Schulz work of the sharded data-parallel step (``process_group=``),
-which gives each rank 1/W of the matrices. Doing the same here (each rank orthogonalizes the
-matrices it owns, then a broadcast) is the next step. Communication per step: one fp32
-all-gather of every Muon matrix, 4 bytes x its size (8 with the cautious mask).
+After the gather every rank holds the same whole matrices, so the Newton-Schulz is split as in
+the sharded data-parallel step (:mod:`.sharded`): each rank orthogonalizes ``ceil(b / W)`` of a
+shape group's ``b`` matrices and a second all-gather shares the results (``torch.optim.Muon``
+under FSDP2 runs every matrix on every rank: W times the NS work). Communication per step: two
+fp32 all-gathers of every Muon matrix, 8 bytes x its size (12 with the cautious mask).
 
 The momentum buffer is a DTensor with the parameter's placement, so ``state_dict()`` holds it
 sharded the way distributed checkpointing expects.
@@ -22,6 +22,7 @@ sharded the way distributed checkpointing expects.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from torch import Tensor
 
 from ..kernels import ops
 from .muon_step import NS_DTYPES, adjusted_lr_scale, hyper_tensor
+from .sharded import ShardSpec, sharded_orthogonalize
 
 __all__ = ["dtensor_muon_step", "is_dtensor"]
 
@@ -54,6 +56,23 @@ def _my_rows(full: Tensor, like: Any) -> Tensor:
     mesh = like.device_mesh
     replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
     return replicated.redistribute(mesh, like.placements).to_local()
+
+
+def _ns_split(like: Any) -> ShardSpec | None:
+    """The ranks that hold ``like``'s rows (the mesh dimension it is sharded over), which all
+    see the same gathered matrices; None on one rank."""
+    from torch.distributed.tensor import Shard
+
+    dims = [i for i, pl in enumerate(like.placements) if isinstance(pl, Shard)]
+    if not dims:
+        return None
+    spec = ShardSpec(like.device_mesh.get_group(dims[0]))
+    return spec if spec.world > 1 else None
+
+
+def _orthogonalize(newton_schulz: Any, steps: int, coefficients: list[float], eps: float,
+                   compute: torch.dtype | None, X: Tensor) -> Tensor:
+    return newton_schulz(X, steps, coefficients, eps, compute, "auto", False).float()
 
 
 def dtensor_muon_step(state: dict, groups: list[dict[str, Any]],
@@ -83,8 +102,11 @@ def dtensor_muon_step(state: dict, groups: list[dict[str, Any]],
         muon_plus = ops.kernel_or_fallback("muon_plus_normalize", device, [torch.float32])
         for shape, items in by_shape.items():
             U = torch.stack([u for _, u, _ in items])                # (b, m, n) fp32
-            orth = newton_schulz(U, int(group["ns_steps"]), coefficients, eps, compute, "auto",
-                                 False).float()                      # (b, m, n)
+            orthogonalize = functools.partial(_orthogonalize, newton_schulz,
+                                              int(group["ns_steps"]), coefficients, eps, compute)
+            split = _ns_split(items[0][0])
+            orth = (orthogonalize(U) if split is None else
+                    sharded_orthogonalize(U, split, orthogonalize, None)[:len(items)])
             if group["muon_plus"]:
                 orth = muon_plus(orth, float(group["norm_eps"]))
             if group["cautious"]:

@@ -148,8 +148,9 @@ class _Net(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.inp = nn.Linear(8, 12)
-        self.hidden = nn.ModuleList([nn.Linear(12, 12, bias=False), nn.Linear(12, 5),
-                                     nn.Linear(5, 24, bias=False), nn.Linear(24, 12)])
+        self.hidden = nn.ModuleList([nn.Linear(12, 12, bias=False), nn.Linear(12, 12),
+                                     nn.Linear(12, 5), nn.Linear(5, 24, bias=False),
+                                     nn.Linear(24, 12)])
         self.norm = nn.LayerNorm(12)
         self.out = nn.Linear(12, 3)
 
@@ -164,10 +165,31 @@ FSDP_VARIANTS = {"plain": {}, "muon_plus": {"muon_plus": True},
                  "cautious": {"cautious": True}, "no_nesterov": {"muon_nesterov": False}}
 
 
-def _fsdp_train(kw: dict, shard: bool) -> tuple[list[torch.Tensor], dict]:
+def _fsdp_train(kw: dict, shard: bool) -> tuple[list[torch.Tensor], dict, int]:
     from speedtronic.config import OptimizerConfig
-    from speedtronic.optim import build_optimizer
+    from speedtronic.optim import build_optimizer, dtensor_step
 
+    counted = [0]
+    original = dtensor_step.ops.kernel_or_fallback
+
+    def counting(name, device, dtypes):
+        fn = original(name, device, dtypes)
+        if name != "newton_schulz":
+            return fn
+
+        def ns(X, *args):
+            counted[0] += X.shape[0]
+            return fn(X, *args)
+        return ns
+
+    dtensor_step.ops.kernel_or_fallback = counting
+    try:
+        return _fsdp_steps(kw, shard, build_optimizer, OptimizerConfig) + (counted[0],)
+    finally:
+        dtensor_step.ops.kernel_or_fallback = original
+
+
+def _fsdp_steps(kw, shard, build_optimizer, OptimizerConfig):
     torch.manual_seed(0)
     model = _Net()
     if shard:
@@ -181,9 +203,9 @@ def _fsdp_train(kw: dict, shard: bool) -> tuple[list[torch.Tensor], dict]:
         opt.step()
         opt.zero_grad()
     params = [p.full_tensor() if shard else p.detach().clone() for p in model.parameters()]
-    kinds = {type(st["momentum_buffer"]).__name__ for st in opt.state.values()
-             if "momentum_buffer" in st}
-    return [p.detach() for p in params], {"momentum": kinds}
+    buffers = [st["momentum_buffer"] for st in opt.state.values() if "momentum_buffer" in st]
+    return [p.detach() for p in params], {"momentum": {type(b).__name__ for b in buffers},
+                                          "muon_matrices": len(buffers)}
 
 
 def _fsdp_rank(rank: int, world: int, init_file: str, out: str) -> None:
@@ -207,12 +229,16 @@ def test_fsdp2_dtensor_parameters_get_the_single_process_update(tmp_path):
     mp.spawn(_fsdp_rank, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
     ranks = [torch.load(f"{out}.{r}", weights_only=False) for r in range(2)]
     for name, kw in FSDP_VARIANTS.items():
-        expected, _ = _fsdp_train(kw, False)
+        expected, _, _ = _fsdp_train(kw, False)
         for result in ranks:
-            got, info = result[name]
+            got, info, _ = result[name]
             assert info["momentum"] == {"DTensor"}, name
             for a, b in zip(got, expected, strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=2e-6, msg=name)
+        # Newton-Schulz split like the sharded step: the two 12x12 matrices one per rank, each
+        # one-matrix shape group on rank 0; none orthogonalized twice
+        counts = [result[name][2] for result in ranks]
+        assert counts[1] == STEPS and sum(counts) == info["muon_matrices"] * STEPS, counts
     # the options are not silently dropped: their updates differ
     assert not torch.allclose(ranks[0]["plain"][0][1], ranks[0]["muon_plus"][0][1])
 
