@@ -276,11 +276,9 @@ def ns_standard(X: Tensor, coeffs: Sequence[tuple[float, ...]], transpose_out: b
             X = torch.bmm(X.mT, B) if out_t else torch.bmm(B, X)
         elif out_t:
             X = torch.baddbmm(X.mT, X.mT, B, beta=a)              # (b, n, m)
-        elif X.device.type == "cpu":
-            # bf16 on CPU: baddbmm copies X into its output first; the GEMM plus an add was
-            # 8-13% faster (1 thread: 12 x 768^2 34.4 -> 29.9 ms, 6 x 768x3072 64.0 -> 59.6 ms)
-            X = torch.bmm(B, X).add_(X, alpha=a)                  # (b, m, n)
         else:
+            # Not bmm + add_(X, alpha=a) on CPU, though 8-13% faster there in bf16: the add
+            # rounds alpha to bf16 (3.4445 -> 3.4375) and the NS error went 1.1e-2 -> 2.0e-2.
             X = torch.baddbmm(X, B, X, beta=a)                    # (b, m, n)
     return X
 

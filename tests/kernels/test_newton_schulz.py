@@ -179,3 +179,18 @@ def test_small_and_16_bit_products_are_one_plain_gemm():
     with DispatchCounter() as counter:
         ns._sym_bmm(*(2 * [gaussian(2, ns.SYM_BLOCK_MIN_ROWS, 300).float()]))
     assert counter.by_name["bmm"] == 4
+
+
+@pytest.mark.parametrize("shape", [(4, 64, 64), (2, 64, 192), (2, 256, 256)])
+def test_bf16_is_as_accurate_as_torch_muons_bf16_iteration(shape):
+    # Equal precision means equal error: our bf16 NS may not be worse than torch.optim.Muon's
+    # (addmm with beta, one rounding per product). A bmm + add_(X, alpha=a) once rounded a
+    # itself to bf16 (3.4445 -> 3.4375) and doubled the error.
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    G = gaussian(*shape, seed=5)
+    ref = reference(G, "quintic", 5)
+    theirs = torch.stack([_zeropower_via_newtonschulz(g.float(), ns.QUINTIC, 5, 1e-7)
+                          for g in G])
+    ours = ns.orthogonalize(G.float(), 5, ns.QUINTIC, 1e-7, torch.bfloat16)
+    assert rel(ours, ref) <= 1.1 * rel(theirs, ref), (rel(ours, ref), rel(theirs, ref))
