@@ -349,14 +349,17 @@ def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]],
         works = [entries[i].work for g in cache.groups for part in g.parts if part.pg == index
                  for i in part.entries]
         torch._foreach_mul_(works, hyper[index]["decay"])
-    # One chunk per group (the default budget on any GPU that fits the model): every group's
-    # Newton-Schulz first, then one 16-bit guard over all of them (2K + 3 ops for K groups
-    # instead of 5K), then the updates. With chunks, each chunk is finished before the next
-    # one reuses the group's gradient bank.
-    together = all(g.chunk >= g.momentum.shape[0] for g in cache.groups)
+    # 16-bit NS with one chunk per group (the default budget on any GPU that fits the model):
+    # every group's Newton-Schulz first, then one guard over all of them (2K + 3 ops for K
+    # groups instead of 5K), then the updates; it holds every group's NS result at once (on
+    # GPT-2 small, fp16: 57 + 113 MB). Unguarded (fp32) steps and chunked groups finish each
+    # chunk right away: nothing to batch, and the next chunk reuses the gradient bank.
+    together = (bool(cache.guards)
+                and all(g.chunk >= g.momentum.shape[0] for g in cache.groups))
     pending: list[_Chunk] = []
     for g in cache.groups:
-        for chunk in _orthogonalized_chunks(g, groups[g.pgs[0]], hyper, cache.shard):
+        for start in range(0, g.momentum.shape[0], g.chunk):
+            chunk = _orthogonalized_chunk(g, groups[g.pgs[0]], hyper, cache.shard, start)
             if together:
                 pending.append(chunk)
             else:
@@ -384,9 +387,10 @@ class _Chunk(NamedTuple):
     orth: Tensor             # (c, m, n) compute dtype
 
 
-def _orthogonalized_chunks(g: _Group, group: dict[str, Any], hyper: dict[int, dict[str, Tensor]],
-                           shard: Any = None):
-    """Yield the group's chunks, orthogonalized; the caller finishes each before the next."""
+def _orthogonalized_chunk(g: _Group, group: dict[str, Any], hyper: dict[int, dict[str, Tensor]],
+                          shard: Any, start: int) -> _Chunk:
+    """The group's chunk from slot ``start``, orthogonalized (a function, not a generator:
+    Dynamo broke the compiled step's graph at a generator resumed between updates)."""
     m, n = g.shape
     b = g.momentum.shape[0]
     if g.grads is None or g.grads.shape[0] < min(b, g.chunk):
@@ -401,38 +405,37 @@ def _orthogonalized_chunks(g: _Group, group: dict[str, Any], hyper: dict[int, di
 
     def orthogonalize(X: Tensor) -> Tensor:  # (c, m, n) normalized, compute dtype
         return newton_schulz(X, steps, flat, eps, g.compute, "auto", True)
-    for start in range(0, b, g.chunk):
-        stop = min(b, start + g.chunk)
-        G = g.grads[:stop - start]                                     # (c, m, n) fp32
-        pieces = [(pt, max(pt.start, start), min(pt.stop, stop)) for pt in g.parts
-                  if pt.start < stop and pt.stop > start]
-        for pt, s, e in pieces:  # gather this chunk's gradients in the bank orientation
-            grads = pt.grads[s - pt.start:e - pt.start]
-            if pt.transposed:
-                G[s - start:e - start].copy_(torch.stack(grads).mT)   # (k, n, m) -> (k, m, n)
-            else:
-                torch.stack(grads, out=G[s - start:e - start])
-        M = g.momentum[start:stop]                                     # (c, m, n) fp32
-        mu = mu_all[start:stop] if mu_all.dim() else mu_all
-        torch.lerp(G, M, mu, out=M)                                    # M <- mu M + (1-mu) G
-        if group["nesterov"]:                                          # U = G + mu (M - G)
-            U = torch.lerp(G, M, mu) if cautious else G.lerp_(M, mu)
+    stop = min(b, start + g.chunk)
+    G = g.grads[:stop - start]                                     # (c, m, n) fp32
+    pieces = [(pt, max(pt.start, start), min(pt.stop, stop)) for pt in g.parts
+              if pt.start < stop and pt.stop > start]
+    for pt, s, e in pieces:  # gather this chunk's gradients in the bank orientation
+        grads = pt.grads[s - pt.start:e - pt.start]
+        if pt.transposed:
+            G[s - start:e - start].copy_(torch.stack(grads).mT)   # (k, n, m) -> (k, m, n)
         else:
-            U = M
-        norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True)  # (c, 1, 1)
-        norm = norm.clamp_(min=eps)
-        if g.work is not None:
-            X = torch.div(U, norm, out=g.work[:stop - start])          # (c, m, n) compute
-        elif U is M or (U is G and cautious):
-            X = U / norm                                               # M must survive
-        else:
-            X = U.div_(norm)
-        if shard is None:
-            orth = orthogonalize(X)                                    # (c, m, n)
-        else:  # this rank's share, then all of them (optim/sharded.py)
-            g.gathered = sharded_orthogonalize(X, shard, orthogonalize, g.gathered)
-            orth = g.gathered[:stop - start]                           # (c, m, n)
-        yield _Chunk(g, start, stop, pieces, G, orth)
+            torch.stack(grads, out=G[s - start:e - start])
+    M = g.momentum[start:stop]                                     # (c, m, n) fp32
+    mu = mu_all[start:stop] if mu_all.dim() else mu_all
+    torch.lerp(G, M, mu, out=M)                                    # M <- mu M + (1-mu) G
+    if group["nesterov"]:                                          # U = G + mu (M - G)
+        U = torch.lerp(G, M, mu) if cautious else G.lerp_(M, mu)
+    else:
+        U = M
+    norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True)  # (c, 1, 1)
+    norm = norm.clamp_(min=eps)
+    if g.work is not None:
+        X = torch.div(U, norm, out=g.work[:stop - start])          # (c, m, n) compute
+    elif U is M or (U is G and cautious):
+        X = U / norm                                               # M must survive
+    else:
+        X = U.div_(norm)
+    if shard is None:
+        orth = orthogonalize(X)                                    # (c, m, n)
+    else:  # this rank's share, then all of them (optim/sharded.py)
+        g.gathered = sharded_orthogonalize(X, shard, orthogonalize, g.gathered)
+        orth = g.gathered[:stop - start]                           # (c, m, n)
+    return _Chunk(g, start, stop, pieces, G, orth)
 
 
 def _guard(cache: StepCache, chunks: list[_Chunk]) -> None:
