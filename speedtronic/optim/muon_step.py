@@ -364,6 +364,7 @@ def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]],
                 pending.append(chunk)
             else:
                 _finish(cache, [chunk], groups, hyper)
+                del chunk  # its NS result must not outlive the update (+113 MB on GPT-2 small)
     if pending:
         _finish(cache, pending, groups, hyper)
 
