@@ -6,6 +6,7 @@ step, for the plain, Muon+ and cautious steps."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 
@@ -33,15 +34,14 @@ def _grads(step: int) -> list[torch.Tensor]:
     return [torch.randn(s, generator=g) for s in SHAPES]
 
 
-def _run(kw: dict, group) -> tuple[list[torch.Tensor], int, int]:
-    """Final parameters, how many matrices this process orthogonalized, and the FLOPs its
-    steps dispatched (torch's FlopCounterMode: the matrix products)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
-    import speedtronic.optim.muon_step as muon_step
+@contextlib.contextmanager
+def _counting_newton_schulz():
+    """Count the matrices the step's ``newton_schulz`` calls orthogonalize: yields ``[count]``
+    (the lean step and the DTensor step both take the op through ``kernel_or_fallback``)."""
+    from speedtronic.kernels import ops
 
     counted = [0]
-    original = muon_step.ops.kernel_or_fallback
+    original = ops.kernel_or_fallback
 
     def counting(name, device, dtypes):
         fn = original(name, device, dtypes)
@@ -53,8 +53,19 @@ def _run(kw: dict, group) -> tuple[list[torch.Tensor], int, int]:
             return fn(X, *args)
         return ns
 
-    muon_step.ops.kernel_or_fallback = counting
+    ops.kernel_or_fallback = counting
     try:
+        yield counted
+    finally:
+        ops.kernel_or_fallback = original
+
+
+def _run(kw: dict, group) -> tuple[list[torch.Tensor], int, int]:
+    """Final parameters, how many matrices this process orthogonalized, and the FLOPs its
+    steps dispatched (torch's FlopCounterMode: the matrix products)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with _counting_newton_schulz() as counted:
         params = _params()
         opt = Muon(params, lr=0.02, weight_decay=0.01, process_group=group, **kw)
         flops = FlopCounterMode(display=False)
@@ -63,8 +74,6 @@ def _run(kw: dict, group) -> tuple[list[torch.Tensor], int, int]:
                 for p, g in zip(params, _grads(step), strict=True):
                     p.grad = g
                 opt.step()
-    finally:
-        muon_step.ops.kernel_or_fallback = original
     return [p.detach().clone() for p in params], counted[0], flops.get_total_flops()
 
 
@@ -166,30 +175,16 @@ FSDP_VARIANTS = {"plain": {}, "muon_plus": {"muon_plus": True},
 
 
 def _fsdp_train(kw: dict, shard: bool) -> tuple[list[torch.Tensor], dict, int]:
+    """Final parameters, momentum info and matrices orthogonalized, after STEPS steps."""
+    with _counting_newton_schulz() as counted:
+        params, info = _fsdp_steps(kw, shard)
+    return params, info, counted[0]
+
+
+def _fsdp_steps(kw: dict, shard: bool) -> tuple[list[torch.Tensor], dict]:
     from speedtronic.config import OptimizerConfig
-    from speedtronic.optim import build_optimizer, dtensor_step
+    from speedtronic.optim import build_optimizer
 
-    counted = [0]
-    original = dtensor_step.ops.kernel_or_fallback
-
-    def counting(name, device, dtypes):
-        fn = original(name, device, dtypes)
-        if name != "newton_schulz":
-            return fn
-
-        def ns(X, *args):
-            counted[0] += X.shape[0]
-            return fn(X, *args)
-        return ns
-
-    dtensor_step.ops.kernel_or_fallback = counting
-    try:
-        return _fsdp_steps(kw, shard, build_optimizer, OptimizerConfig) + (counted[0],)
-    finally:
-        dtensor_step.ops.kernel_or_fallback = original
-
-
-def _fsdp_steps(kw, shard, build_optimizer, OptimizerConfig):
     torch.manual_seed(0)
     model = _Net()
     if shard:
