@@ -220,8 +220,8 @@ _SYM_BLOCKS = 4
 
 
 def _sym_bmm(X: Tensor, Y: Tensor) -> Tensor:
-    """``X Y^T`` for ``X, Y (b, m, k)`` whose product is known to be symmetric (``X X^T``, or
-    ``P Q`` for commuting symmetric ``P, Q`` passed as ``Y = Q``)."""
+    """``X Y^T`` for ``X, Y (b, m, k)`` when entry ``(i, j)`` and ``(j, i)`` are the same dot
+    product (``X X^T``; ``A A = A A^T`` for a symmetric ``A``), so mirroring loses nothing."""
     b, m, _ = X.shape
     if X.device.type != "cpu" or m < SYM_BLOCK_MIN_ROWS or X.dtype in TOLERANCE_16BIT:
         return torch.bmm(X, Y.mT)  # 16-bit CPU: bmm into a strided out is 2x slower, not faster
