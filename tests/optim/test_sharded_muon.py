@@ -243,3 +243,52 @@ def test_a_dtensor_that_is_not_a_row_sharded_matrix_is_refused():
 
     with pytest.raises(ValueError, match="layout 'matrix'"):
         _check_dtensor(torch.randn(4, 4), "split")
+
+
+def _fsdp_resume_rank(rank: int, world: int, init_file: str, out: str) -> None:
+    import copy
+
+    from torch.distributed.fsdp import fully_shard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        def make():
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(8, 12, bias=False), nn.Linear(12, 5, bias=False))
+            fully_shard(model)
+            return model, Muon(list(model.parameters()), lr=0.05, weight_decay=0.1)
+
+        def step(model, opt, seed):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(seed))
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        a, opt_a = make()
+        for seed in range(2):
+            step(a, opt_a, seed)
+        b, opt_b = make()  # a fresh process's objects, loaded from a's state
+        with torch.no_grad():
+            for pb, pa in zip(b.parameters(), a.parameters(), strict=True):
+                pb.copy_(pa)
+        opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+        step(a, opt_a, 5)
+        step(b, opt_b, 5)
+        torch.save({"equal": [torch.equal(pa.full_tensor(), pb.full_tensor()) for pa, pb in
+                              zip(a.parameters(), b.parameters(), strict=True)],
+                    "momentum": {type(st["momentum_buffer"]).__name__
+                                 for st in opt_b.state.values()}}, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")
+def test_fsdp2_optimizer_state_round_trips_and_resumes_bitwise(tmp_path):
+    out = str(tmp_path / "resume")
+    mp.spawn(_fsdp_resume_rank, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
+    for rank in range(2):
+        result = torch.load(f"{out}.{rank}", weights_only=False)
+        assert result["momentum"] == {"DTensor"}
+        assert all(result["equal"]), result
