@@ -176,7 +176,11 @@ def test_a_preempted_diloco_node_saves_uploads_whole_objects_and_resumes(tmp_pat
     raw["distributed"] = {"enabled": True, "role": "master", "node_id": "m0",
                           "store": f"file://{tmp_path / 'store'}", "inner_steps": 3,
                           "poll_interval": 0.2, "lease_ttl": 5, "expected_workers": 1,
-                          "master_idle_timeout": 2, "shutdown_timeout": 30}
+                          "master_idle_timeout": 2, "shutdown_timeout": 30,
+                          # keep applied deltas: the check below reads them, and on a loaded CI
+                          # machine the master thread once applied (and deleted) them all
+                          # before the SIGTERM landed
+                          "delete_processed": False}
     cfg = tmp_path / "m.yaml"
     cfg.write_text(yaml.safe_dump(raw))
     proc = launch_cli(tmp_path, cfg, 5, SIG="SIGTERM")
