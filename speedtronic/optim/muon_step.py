@@ -127,6 +127,11 @@ class _Group:
     gathered: Tensor | None = None   # sharded NS: the all-gather buffer (W * per, m, n)
     slot_pg: Tensor | None = None    # (b,) int64: index into pgs per slot, when len(pgs) > 1
 
+    @property
+    def chunks(self) -> int:
+        """Newton-Schulz batches per step."""
+        return math.ceil(self.momentum.shape[0] / self.chunk)
+
 
 @dataclass
 class _Guard:
@@ -153,27 +158,20 @@ class StepCache:
     def guard_counters(self) -> list[tuple[tuple[int, int], Tensor]]:
         """``(shape, 0-d int64 device tensor)``: the 16-bit guard's hit count of each guarded
         group, for a caller that reads it together with other device values (no sync here)."""
-        out = []
-        for g in self.groups:
-            if g.guard_slot is not None:
-                chunks = math.ceil(g.momentum.shape[0] / g.chunk)
-                hits = self.guards[str(g.device)].hits[g.guard_slot:g.guard_slot + chunks]
-                out.append((g.shape, hits.sum()))
-        return out
+        return [(g.shape, self.guards[str(g.device)].hits[g.guard_slot:g.guard_slot
+                                                          + g.chunks].sum())
+                for g in self.groups if g.guard_slot is not None]
 
     def nonfinite_counts(self) -> list[tuple[tuple[int, int], int]]:
         """``(shape, non-finite 16-bit results: steps x chunks hit)`` per group with a hit
-        (reads the device counters: one host sync per device, so call it where the trainer
-        already reads values)."""
-        hits = {device: guard.hits.tolist() for device, guard in self.guards.items()}
-        out = []
-        for g in self.groups:
-            if g.guard_slot is not None:
-                chunks = math.ceil(g.momentum.shape[0] / g.chunk)
-                count = sum(hits[str(g.device)][g.guard_slot:g.guard_slot + chunks])
-                if count:
-                    out.append((g.shape, count))
-        return out
+        (reads the device counters in one host sync, so call it where the trainer already
+        reads values)."""
+        counters = self.guard_counters()
+        if not counters:
+            return []
+        device = counters[0][1].device  # one read (a .to() on the same device is free)
+        values = torch.stack([t.to(device) for _, t in counters]).tolist()
+        return [(shape, v) for (shape, _), v in zip(counters, values, strict=True) if v]
 
 
 def hyper_tensor(group: dict[str, Any], key: str, device: torch.device) -> Tensor:
@@ -298,7 +296,7 @@ def _build(cache: StepCache, entries: list[StepEntry], groups: list[dict[str, An
         if grp.compute in (torch.float16, torch.bfloat16):
             device = str(grp.device)
             grp.guard_slot = slots.get(device, 0)
-            slots[device] = grp.guard_slot + math.ceil(grp.momentum.shape[0] / grp.chunk)
+            slots[device] = grp.guard_slot + grp.chunks
     cache.guards = {device: _Guard(torch.zeros(k, dtype=torch.float32, device=device),
                                    torch.zeros(k, dtype=torch.int64, device=device))
                     for device, k in slots.items()}
@@ -354,12 +352,12 @@ def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]],
     # groups instead of 5K), then the updates; it holds every group's NS result at once (on
     # GPT-2 small, fp16: 57 + 113 MB). Unguarded (fp32) steps and chunked groups finish each
     # chunk right away: nothing to batch, and the next chunk reuses the gradient bank.
-    together = (bool(cache.guards)
-                and all(g.chunk >= g.momentum.shape[0] for g in cache.groups))
+    together = bool(cache.guards) and all(g.chunks == 1 for g in cache.groups)
     pending: list[_Chunk] = []
     for g in cache.groups:
+        mu_all = _per_slot(g, hyper, "mu")  # once per group: 2 ops when param groups mix
         for start in range(0, g.momentum.shape[0], g.chunk):
-            chunk = _orthogonalized_chunk(g, groups[g.pgs[0]], hyper, cache.shard, start)
+            chunk = _orthogonalized_chunk(g, groups[g.pgs[0]], mu_all, cache.shard, start)
             if together:
                 pending.append(chunk)
             else:
@@ -388,8 +386,8 @@ class _Chunk(NamedTuple):
     orth: Tensor             # (c, m, n) compute dtype
 
 
-def _orthogonalized_chunk(g: _Group, group: dict[str, Any], hyper: dict[int, dict[str, Tensor]],
-                          shard: Any, start: int) -> _Chunk:
+def _orthogonalized_chunk(g: _Group, group: dict[str, Any], mu_all: Tensor, shard: Any,
+                          start: int) -> _Chunk:
     """The group's chunk from slot ``start``, orthogonalized (a function, not a generator:
     Dynamo broke the compiled step's graph at a generator resumed between updates)."""
     m, n = g.shape
@@ -399,7 +397,6 @@ def _orthogonalized_chunk(g: _Group, group: dict[str, Any], hyper: dict[int, dic
         if g.compute != torch.float32:
             g.work = torch.empty((min(b, g.chunk), m, n), dtype=g.compute, device=g.device)
     flat = ops.resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
-    mu_all = _per_slot(g, hyper, "mu")
     newton_schulz = ops.kernel_or_fallback("newton_schulz", g.device, [])
     steps, eps = int(group["ns_steps"]), float(group["eps"])
     cautious = bool(group["cautious"])  # the mask needs G after NS: no writing over it
