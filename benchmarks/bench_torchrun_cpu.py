@@ -46,6 +46,7 @@ def _env(threads: int) -> dict[str, str]:
 
 
 def engine_config(tmp: Path, name: str, steps: int, threads: int) -> Path:
+    """The bench job; a name starting with ``zero`` turns on ``data_parallel.zero1``."""
     raw = {
         "run": {"name": name, "output_dir": str(tmp), "max_steps": steps, "eval_every": 0,
                 "seed": 0, "device": "cpu", "num_threads": threads},
@@ -56,6 +57,7 @@ def engine_config(tmp: Path, name: str, steps: int, threads: int) -> Path:
         "checkpoint": {"enabled": False},
         "shape_validation": {"enabled": False},
         "compile": False,
+        "data_parallel": {"zero1": name.startswith("zero")},
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -86,15 +88,20 @@ def muon_step_worker(steps: int, out: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     g = torch.Generator().manual_seed(0)
-    times: dict[str, list[float]] = {"replicated": [], "sharded": []}
-    opts = {}
+    times: dict[str, list[float]] = {"replicated": [], "sharded": [], "zero1": []}
+    opts: dict = {}
     for mode in times:
         params = [nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in MUON_SHAPES]
         for p in params:
             p.grad = torch.randn(p.shape, generator=g)
-        opts[mode] = Muon(params, lr=0.02, process_group=dist.group.WORLD
-                          if mode == "sharded" else None)
+        if mode == "zero1":  # what data_parallel.zero1 builds (torch's ZeRO-1, our Muon inside)
+            opts[mode] = ZeroRedundancyOptimizer(params, optimizer_class=Muon, lr=0.02)
+        else:
+            opts[mode] = Muon(params, lr=0.02, process_group=dist.group.WORLD
+                              if mode == "sharded" else None)
     for i in range(steps + 3):
         for mode, opt in opts.items():
             dist.barrier()
@@ -103,7 +110,12 @@ def muon_step_worker(steps: int, out: str) -> None:
             dt = time.perf_counter() - t0
             if i >= 3:  # the first steps build banks and state
                 times[mode].append(dt)
-    medians = {m: statistics.median(v) for m, v in times.items()}
+    medians: dict = {m: statistics.median(v) for m, v in times.items()}
+    for mode, opt in opts.items():  # optimizer state this rank holds
+        local = getattr(opt, "optim", opt)
+        medians[f"{mode}_state_bytes"] = sum(t.numel() * t.element_size()
+                                             for st in local.state.values()
+                                             for t in st.values() if torch.is_tensor(t))
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, medians)
     if dist.get_rank() == 0:
@@ -134,8 +146,9 @@ def main() -> None:
     from bench_data import cpu_flags
 
     rows: dict[str, list[float]] = {"1 process, 2 threads": [], "1 process, 1 thread": [],
-                                    "torchrun 2 ranks, 1 thread each": []}
-    plan = [("one2", 2, 1), ("one1", 1, 1), ("dp2", 1, 2)]
+                                    "torchrun 2 ranks, 1 thread each": [],
+                                    "torchrun 2 ranks, 1 thread each, zero1": []}
+    plan = [("one2", 2, 1), ("one1", 1, 1), ("dp2", 1, 2), ("zero2", 1, 2)]
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for (name, threads, nproc), row in zip(plan, rows, strict=True):
@@ -163,11 +176,15 @@ def main() -> None:
         lines.append(f"| {name} | {med:.0f} | {med / base:.2f}x |")
     lines += ["", "Muon step per rank, 2 gloo ranks, 1 thread each ("
               f"{meta['muon_shapes']}), median of {args.steps} interleaved steps:", "",
-              "| rank | replicated (ms) | sharded (ms) | sharded / replicated |",
-              "|---|---:|---:|---:|"]
+              "| rank | replicated (ms) | sharded (ms) | sharded / replicated | zero1 (ms) | "
+              "zero1 / replicated | state MiB: replicated / sharded / zero1 |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
     for rank, m in enumerate(muon):
+        mib = " / ".join(f"{m[f'{k}_state_bytes'] / 2**20:.1f}"
+                         for k in ("replicated", "sharded", "zero1"))
         lines.append(f"| {rank} | {1e3 * m['replicated']:.1f} | {1e3 * m['sharded']:.1f} | "
-                     f"{m['sharded'] / m['replicated']:.2f} |")
+                     f"{m['sharded'] / m['replicated']:.2f} | {1e3 * m['zero1']:.1f} | "
+                     f"{m['zero1'] / m['replicated']:.2f} | {mib} |")
     (RESULTS / "torchrun_cpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

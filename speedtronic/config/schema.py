@@ -771,6 +771,14 @@ class DataParallelConfig:
     (bitwise equal to every rank doing all of them). Newton-Schulz FLOPs per rank drop to
     1/world; the all-gather adds (world-1)/world of the Muon parameters' bytes on top of DDP's
     gradient all-reduce."""
+    zero1: bool = False
+    """ZeRO stage 1 (torch's ``ZeroRedundancyOptimizer``): each rank keeps the optimizer state
+    of about 1/world of the parameters, steps only those (its Newton-Schulz too, so
+    ``shard_muon`` is implied) and broadcasts them after the step. Saves ~(world-1)/world of
+    the optimizer state (Muon: 4 bytes per matrix element, AdamW: 8 per element) per rank and
+    costs one parameter broadcast per step, about half of DDP's all-reduce traffic again:
+    for a model whose state does not fit, not for speed. Checkpoints keep the plain format
+    (a run resumes with it on or off). speedtronic/distributed/zero.py has the details."""
     find_unused_parameters: bool = False
     """DDP's search for parameters a forward did not use (costs a graph walk per step; turn on
     only for models with such parameters: DDP then says so in its error)."""

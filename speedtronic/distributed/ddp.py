@@ -48,6 +48,9 @@ def check_supported(cfg: SpeedtronicConfig, dp: DataParallel) -> None:
         from .hierarchical import check_hierarchical
 
         check_hierarchical(cfg)
+    from .zero import check_zero1
+
+    check_zero1(cfg)
     if cfg.optimizer.cuda_graph != "off" and cfg.data_parallel.shard_muon:
         raise ConfigError(
             f"optimizer.cuda_graph: {cfg.optimizer.cuda_graph} with data_parallel.shard_muon: "

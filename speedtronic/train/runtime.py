@@ -110,7 +110,12 @@ def _warn_about_schedule(cfg: SpeedtronicConfig, horizon: int) -> None:
 def build_optimizer(model: nn.Module, cfg: SpeedtronicConfig,
                     dp: DataParallel | None = None) -> torch.optim.Optimizer:
     """One optimizer over every trainable parameter (``speedtronic.optim.build_optimizer``);
-    under torchrun with ``data_parallel.shard_muon`` each rank orthogonalizes its share."""
+    under torchrun with ``data_parallel.shard_muon`` each rank orthogonalizes its share, with
+    ``data_parallel.zero1`` each rank keeps the state of and steps its share (ZeRO-1)."""
+    if dp is not None and cfg.data_parallel.zero1:  # each rank steps its share of everything
+        from ..distributed.zero import zero1_optimizer
+
+        return zero1_optimizer(optim.build_optimizer(model, cfg.optimizer))
     group = None
     if dp is not None and cfg.data_parallel.shard_muon and cfg.optimizer.name == "muon":
         import torch.distributed as dist

@@ -87,6 +87,7 @@ loss_from_output = extract_loss
 
 def _guard_counters(optimizer: Any) -> list[tuple[tuple[int, int], torch.Tensor]]:
     """``(shape, device counter)`` of the lean Muon step's fp16 guard, if the optimizer has it."""
+    optimizer = getattr(optimizer, "local", optimizer)  # ZeRO-1: this rank's share
     cache = getattr(optimizer, "__dict__", {}).get("_muon_cache")
     if cache is None:
         return []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -183,3 +184,49 @@ def test_our_optimizer_under_lightning_and_accelerate_data_parallelism(tmp_path,
     for k in w0:
         assert torch.equal(w0[k], w1[k]), k
     assert any(not torch.equal(w0[k], start[k]) for k in w0)
+
+
+def test_zero1_keeps_half_the_state_per_rank_trains_the_same_and_resumes_bitwise(tmp_path):
+    """data_parallel.zero1: each rank keeps (and steps) the optimizer state of its share, the
+    run trains what plain DDP trains, and a ZeRO-1 checkpoint resumes bitwise with zero1 on
+    and continues with it off (the same file format)."""
+    plain = engine_config(tmp_path, "plain")
+    _ok(torchrun(["-m", "speedtronic", "train", "--config", str(plain)]))
+    zero = engine_config(tmp_path, "zero", data_parallel={"zero1": True})
+    proc = torchrun(["-m", "speedtronic", "train", "--config", str(zero)])
+    _ok(proc)
+    shares = [line for line in proc.stdout.splitlines() if "ZeRO-1: rank 0 of 2" in line]
+    assert len(shares) == 1, proc.stdout[-3000:]  # rank 0 says what it keeps
+    kept = int(shares[0].split("(")[1].split(" of ")[0])
+    total = int(shares[0].split(" of ")[-1].split(" elements")[0])
+    assert 0 < kept < total
+    wp, wz = _final_weights(tmp_path / "runs" / "plain"), _final_weights(tmp_path / "runs" / "zero")
+    for k in wp:
+        torch.testing.assert_close(wz[k], wp[k], rtol=0, atol=1e-6, msg=k)
+    assert [r["loss"] for r in _rows(tmp_path / "runs" / "zero", "train_step")] == \
+        pytest.approx([r["loss"] for r in _rows(tmp_path / "runs" / "plain", "train_step")],
+                      rel=1e-6)
+
+    part = engine_config(tmp_path, "zpart", data_parallel={"zero1": True})
+    _ok(torchrun(["-m", "speedtronic", "train", "--config", str(part), "--max-steps", "3"]))
+    part_dir = tmp_path / "runs" / "zpart"
+    saved = torch.load(part_dir / "checkpoints" / "step_00000003.pt", weights_only=True)
+    momentum = [s for s in saved["optimizer"]["state"].values() if "momentum_buffer" in s]
+    moments = [s for s in saved["optimizer"]["state"].values() if "exp_avg" in s]
+    assert momentum and moments  # both ranks' shares were gathered into the one file
+    ref = torch.load(tmp_path / "runs" / "plain" / "checkpoints" / "step_00000003.pt",
+                     weights_only=True)["optimizer"]
+    assert saved["optimizer"]["state"].keys() == ref["state"].keys()  # the plain format
+    assert [g["params"] for g in saved["optimizer"]["param_groups"]] == \
+        [g["params"] for g in ref["param_groups"]]
+    shutil.copytree(part_dir / "checkpoints", tmp_path / "runs" / "zoff" / "checkpoints")
+    _ok(torchrun(["-m", "speedtronic", "train", "--config", str(part), "--resume"]))
+    resumed = _final_weights(part_dir)
+    for k in wz:
+        assert torch.equal(resumed[k], wz[k]), k
+
+    off = engine_config(tmp_path, "zoff")
+    _ok(torchrun(["-m", "speedtronic", "train", "--config", str(off), "--resume"]))
+    for k in wp:
+        torch.testing.assert_close(_final_weights(tmp_path / "runs" / "zoff")[k], wp[k],
+                                   rtol=0, atol=1e-6, msg=k)
