@@ -154,6 +154,8 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
 @pytest.mark.parametrize("over, message", [
     ({"root": {"ooo_backprop": True}}, "ooo_backprop: true cannot run under torchrun"),
     ({"data": {"target_batch_size": 4}}, "must be a multiple of 8"),
+    ({"optimizer": {"cuda_graph": "on"}, "data_parallel": {"zero1": True}},
+     "data_parallel.zero1: true with optimizer.cuda_graph: on"),
 ])
 def test_what_ddp_cannot_run_is_refused_on_every_rank(tmp_path, over, message):
     root = over.pop("root", {})
