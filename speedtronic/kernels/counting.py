@@ -16,6 +16,8 @@ The CUDA launch estimate per op:
 * ``baddbmm`` / ``addmm`` with a non-zero ``beta`` first copy the input into the output
   (cuBLAS needs ``C == D``): 2 launches;
 * a view or metadata op (``view``, ``transpose``, ``empty``, ...) launches nothing;
+* our custom ops with a CUDA kernel: what their launcher in ``csrc/`` issues
+  (:data:`CUSTOM_OP_LAUNCHES`);
 * anything else: 1 launch.
 """
 
@@ -28,7 +30,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DispatchCounter", "HOST_SYNC_OPS", "NO_KERNEL_OPS", "foreach_launches"]
+__all__ = ["CUSTOM_OP_LAUNCHES", "DispatchCounter", "HOST_SYNC_OPS", "NO_KERNEL_OPS",
+           "foreach_launches"]
 
 #: Ops that read a device value on the host (a sync on CUDA).
 HOST_SYNC_OPS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "nonzero", "item",
@@ -43,6 +46,26 @@ NO_KERNEL_OPS = frozenset({
     "unflatten", "flatten", "view_as", "expand_as", "movedim", "narrow", "_conj", "_neg_view",
     "numpy_T", "mT", "set_", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
 })
+
+def _muon_plus_launches(args: tuple, kwargs: dict) -> int:
+    # row stats, column partials, column finalize, apply (csrc/kernels/muon.cuh), after a
+    # contiguous copy of a strided input (csrc/ops_impl.h)
+    return 4 + (0 if args[0].is_contiguous() else 1)
+
+
+def _cautious_mask_launches(args: tuple, kwargs: dict) -> int:
+    # with rescale: zero the kept counts, count, apply; without: one pass (elementwise.cuh);
+    # a strided update is copied in and written back, a strided grad copied (ops_impl.h)
+    rescale = args[2] if len(args) > 2 else kwargs.get("rescale", True)
+    updates, grads = args[0], args[1]
+    return ((3 if rescale else 1) + sum(2 for u in updates if not u.is_contiguous())
+            + sum(1 for g in grads if not g.is_contiguous()))
+
+
+#: CUDA launches of our custom ops that have a CUDA kernel, read off their launchers (one
+#: dtype pair of inputs assumed).
+CUSTOM_OP_LAUNCHES = {"muon_plus_normalize": _muon_plus_launches,
+                      "cautious_mask_": _cautious_mask_launches}
 
 _CHUNK = 65536
 _MAX_BLOCKS = 320
@@ -120,7 +143,10 @@ class DispatchCounter(TorchDispatchMode):
             return out
         self.ops += 1
         self.by_name[name] += 1
-        self.launches += _estimate_launches(packet, args, kwargs, out)
+        if namespace == "speedtronic" and packet in CUSTOM_OP_LAUNCHES:
+            self.launches += CUSTOM_OP_LAUNCHES[packet](args, kwargs)
+        else:
+            self.launches += _estimate_launches(packet, args, kwargs, out)
         return out
 
     def summary(self) -> dict[str, Any]:

@@ -84,11 +84,17 @@ def kernel_or_fallback(name: str, device: torch.device, dtypes: Sequence[torch.d
     dtype it lacks (float64 params or ``ns_dtype="fp64"``): every documented option works on
     every device, at the fallback's speed, with one log line per op and dtype combination.
 
-    Off CUDA and outside ``torch.compile`` it returns the Python body itself: the op would run
-    the same body after the dispatcher, whose first custom-op call imports ``torch._dynamo``
-    (0.75 s of a short CPU run)."""
+    On meta tensors an op with a CUDA kernel is returned as the op (a step counted on meta
+    dispatches what the GPU would). Off CUDA and outside ``torch.compile`` it returns the
+    Python body itself: the op would run the same body after the dispatcher, whose first
+    custom-op call imports ``torch._dynamo`` (0.75 s of a short CPU run)."""
     op = _OPS_BY_NAME[name]
-    if torch.device(device).type != "cuda":
+    kind = torch.device(device).type
+    if kind == "meta" and name in CUDA_KERNEL_OPS:
+        # Meta tensors stand in for the GPU when a step is counted (kernels/counting.py): the
+        # op itself, as one dispatch (its fake kernel), is what CUDA would launch
+        return op
+    if kind != "cuda":
         return op if torch.compiler.is_compiling() else _PYTHON_BODIES[name]
     if all(d in CUDA_KERNEL_DTYPES for d in dtypes):
         return op
@@ -210,7 +216,7 @@ def muon_plus_normalize(U: Tensor, eps: float = 1e-8) -> Tensor:
 @muon_plus_normalize.register_fake
 def _(U, eps=1e-8):
     _check_matrix(U, "muon_plus_normalize")
-    return torch.empty_like(U)
+    return torch.empty_like(U, memory_format=torch.contiguous_format)  # as the kernel returns
 
 
 # ---------------------------------------------------------------------------------------------

@@ -469,36 +469,64 @@ def _finish(cache: StepCache, chunks: list[_Chunk], groups: list[dict[str, Any]]
     _guard(cache, chunks)
     for g, start, _, pieces, G, orth in chunks:
         group = groups[g.pgs[0]]
-        m, n = g.shape
-        if group["muon_plus"]:
-            orth = _muon_plus(orth, pieces, start, float(group["norm_eps"]))
-        if group["cautious"]:
-            orth = orth.float()
-            mask = (orth * G) > 0
-            if group["cautious_rescale"]:
-                kept = mask.sum(dim=(-2, -1), keepdim=True)            # (c, 1, 1) int64
-                orth = orth * mask * ((m * n) / (kept + 1))
-            else:
-                orth = orth * mask
-        for pt, s, e in pieces:
-            params = pt.params[s - pt.start:e - pt.start]
-            slab = orth[s - start:e - start]                           # (k, m, n)
-            if pt.transposed:
-                slab = slab.mT                                         # (k, n, m)
-            upd = torch.empty(slab.shape, dtype=params[0].dtype, device=g.device)
-            torch.mul(slab, hyper[pt.pg]["lr"], out=upd)               # contiguous, param dtype
+        for pt, slab in _update_slabs(g, group, pieces, start, G, orth):
+            params = pt.params[slab.start - pt.start:slab.stop - pt.start]
+            upd = torch.empty(slab.value.shape, dtype=params[0].dtype, device=g.device)
+            torch.mul(slab.value, hyper[pt.pg]["lr"], out=upd)         # contiguous, param dtype
             torch._foreach_add_(params, list(upd.unbind(0)), alpha=-pt.lr_scale)
 
 
-def _muon_plus(orth: Tensor, pieces: list, start: int, eps: float) -> Tensor:
-    """Muon+ on each part in its logical (out, in) orientation: rows, then columns."""
-    normalize = ops.kernel_or_fallback("muon_plus_normalize", orth.device, [torch.float32])
-    orth = orth.float()
-    if all(not pt.flip for pt, _, _ in pieces):
-        return normalize(orth.contiguous(), eps)
-    outs = []
+class _Slab(NamedTuple):
+    start: int               # first slot
+    stop: int
+    value: Tensor            # (k, *work shape): what the update subtracts, before lr
+
+
+def _update_slabs(g: _Group, group: dict[str, Any], pieces: list, start: int, G: Tensor,
+                  orth: Tensor) -> list[tuple[_Part, _Slab]]:
+    """Each piece's update direction in its parameters' orientation, after Muon+ (rows then
+    columns of each part's logical matrix) and the cautious mask."""
+    eps = float(group["norm_eps"])
+    if group["muon_plus"] and any(pt.flip for pt, _, _ in pieces):
+        # Mixed orientations: normalize each piece in its logical orientation and hand that
+        # straight to the update (no copy back into the bank, no cat: 2 launches fewer).
+        normalize = ops.kernel_or_fallback("muon_plus_normalize", orth.device, [torch.float32])
+        out = []
+        orth = orth.float()                                            # (c, m, n) fp32
+        for pt, s, e in pieces:
+            bank = orth[s - start:e - start]                           # (k, m, n)
+            logical = normalize(bank.mT if pt.flip else bank, eps)     # (k, m, n) or (k, n, m)
+            if group["cautious"]:
+                grad = G[s - start:e - start]                          # (k, m, n)
+                logical = _cautious(logical, grad.mT if pt.flip else grad, group, g.shape)
+            bank = logical.mT if pt.flip else logical                  # (k, m, n) view
+            out.append((pt, _Slab(s, e, bank.mT if pt.transposed else bank)))
+        return out
+    if group["muon_plus"]:
+        normalize = ops.kernel_or_fallback("muon_plus_normalize", orth.device, [torch.float32])
+        orth = normalize(orth.float(), eps)                            # (c, m, n) fp32
+    if group["cautious"]:
+        orth = _cautious(orth.float(), G, group, g.shape)
+    out = []
     for pt, s, e in pieces:
-        slab = orth[s - start:e - start]
-        outs.append(normalize(slab.mT.contiguous(), eps).mT if pt.flip
-                    else normalize(slab.contiguous(), eps))
-    return torch.cat(outs) if len(outs) > 1 else outs[0]
+        slab = orth[s - start:e - start]                               # (k, m, n)
+        out.append((pt, _Slab(s, e, slab.mT if pt.transposed else slab)))
+    return out
+
+
+def _cautious(orth: Tensor, G: Tensor, group: dict[str, Any], shape: tuple[int, int]) -> Tensor:
+    """Zero the entries of ``orth (k, m, n) fp32`` whose sign disagrees with ``G``, rescaled
+    by ``numel / (kept + 1)`` per matrix with ``cautious_rescale``."""
+    rescale = bool(group["cautious_rescale"])
+    if orth.device.type in ("cuda", "meta"):
+        # One fused op (1-3 launches) for the whole chunk instead of 5-7 elementwise passes;
+        # in place: orth is this step's own buffer (NS output or a Muon+ result)
+        mask_ = ops.kernel_or_fallback("cautious_mask_", orth.device, [orth.dtype, G.dtype])
+        mask_(list(orth.unbind(0)), list(G.contiguous().unbind(0)), rescale)  # 1 copy at most
+        return orth
+    # CPU: batched over the chunk (the op's PyTorch body goes one matrix at a time)
+    mask = (orth * G) > 0
+    if rescale:
+        kept = mask.sum(dim=(-2, -1), keepdim=True)                    # (k, 1, 1) int64
+        return orth * mask * ((shape[0] * shape[1]) / (kept + 1))
+    return orth * mask

@@ -350,3 +350,53 @@ def test_engine_cuda_graph_setting_reaches_the_optimizer_and_is_refused_without_
         load_config({"optimizer": {"name": "muon", "cuda_graph": "yes"}})
     with pytest.raises(ValueError, match="cuda_graph"):
         Muon([nn.Parameter(torch.randn(4, 4))], cuda_graph="sometimes")
+
+
+def _meta_step_count(shapes, **kw) -> DispatchCounter:
+    params = [nn.Parameter(torch.empty(r, c, device="meta")) for r, c in shapes]
+    for p in params:
+        p.grad = torch.empty_like(p)
+    opt = Muon(params, lr=0.02, weight_decay=0.01, ns_dtype="fp16", **kw)
+    opt.step()
+    return _count(opt)
+
+
+# On the CUDA path Muon+ and the cautious mask are our fused kernels, one op per piece: Muon+
+# the fp32 cast of the group's 16-bit result (1) and per part 4 launches (row stats, column
+# partials, finalize, apply) + 1 copy for a part normalized transposed; the cautious mask the
+# cast (1) and 3 launches per group (zero counts, count, apply; 1 without rescale).
+@pytest.mark.parametrize("kw, per_group, per_part, per_flip", [
+    ({"muon_plus": True}, 1, 4, 1),
+    ({"cautious": True}, 1 + 3, 0, 0),
+    ({"cautious": True, "cautious_rescale": False}, 1 + 1, 0, 0),
+])
+def test_muon_plus_and_cautious_are_one_fused_op_per_piece_on_the_cuda_path(kw, per_group,
+                                                                          per_part, per_flip):
+    base = _meta_step_count(GPT2_SMALL)
+    c = _meta_step_count(GPT2_SMALL, **kw)
+    groups = _expected_groups(GPT2_SMALL)
+    parts = sum(p for _, p in groups.values())
+    flips = sum(1 for _, p in groups.values() if p > 1)   # the tall part of a mixed group
+    extra = per_group * len(groups) + per_part * parts + per_flip * flips
+    assert c.host_syncs == 0
+    assert c.launches - base.launches <= extra, (c.launches, base.launches, extra)
+    fused = [k for k in c.by_name if k.startswith("speedtronic::")]
+    assert fused, c.by_name  # the kernels, not their elementwise fallbacks
+    assert c.ops - base.ops <= len(groups) + parts + 1
+
+
+def test_the_fused_cautious_branch_matches_the_batched_cpu_mask():
+    """The CUDA branch hands each matrix to ``cautious_mask_``; its PyTorch body on CPU gives
+    what the batched CPU formula gives."""
+    from speedtronic.kernels import ops
+    from speedtronic.optim.muon_step import _cautious
+
+    g = torch.Generator().manual_seed(0)
+    orth, grad = torch.randn(3, 8, 16, generator=g), torch.randn(3, 8, 16, generator=g)
+    for rescale in (True, False):
+        group = {"cautious_rescale": rescale}
+        batched = _cautious(orth.clone(), grad, group, (8, 16))
+        per_matrix = orth.clone()
+        ops.cautious_mask_(list(per_matrix.unbind(0)), list(grad.unbind(0)), rescale)
+        torch.testing.assert_close(batched, per_matrix, rtol=1e-6, atol=0)
+        assert (batched == 0).any() and not torch.equal(batched, orth)
