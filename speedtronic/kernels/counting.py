@@ -47,6 +47,7 @@ NO_KERNEL_OPS = frozenset({
     "numpy_T", "mT", "set_", "sym_size", "sym_stride", "sym_numel", "sym_storage_offset",
 })
 
+
 def _muon_plus_launches(args: tuple, kwargs: dict) -> int:
     # row stats, column partials, column finalize, apply (csrc/kernels/muon.cuh), after a
     # contiguous copy of a strided input (csrc/ops_impl.h)
