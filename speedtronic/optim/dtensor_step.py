@@ -61,16 +61,20 @@ def _my_rows(full: Tensor, like: Any) -> Tensor:
     return replicated.redistribute(mesh, like.placements).to_local()
 
 
-def _ns_split(like: Any) -> ShardSpec | None:
+def _ns_split(like: Any, splits: dict[Any, ShardSpec | None]) -> ShardSpec | None:
     """The ranks that hold ``like``'s rows (the mesh dimension it is sharded over), which all
-    see the same gathered matrices; None on one rank."""
+    see the same gathered matrices; None on one rank. One spec per process group and step
+    (``splits``), so the shares rotate over the step's shape groups."""
     from torch.distributed.tensor import Shard
 
     dims = [i for i, pl in enumerate(like.placements) if isinstance(pl, Shard)]
     if not dims:
         return None
-    spec = ShardSpec(like.device_mesh.get_group(dims[0]))
-    return spec if spec.world > 1 else None
+    group = like.device_mesh.get_group(dims[0])
+    if group not in splits:
+        spec = ShardSpec(group)
+        splits[group] = spec if spec.world > 1 else None
+    return splits[group]
 
 
 def _orthogonalize(newton_schulz: Any, steps: int, coefficients: list[float], eps: float,
@@ -81,6 +85,7 @@ def _orthogonalize(newton_schulz: Any, steps: int, coefficients: list[float], ep
 def dtensor_muon_step(state: dict, groups: list[dict[str, Any]],
                       params: list[list[Tensor]]) -> None:
     """One Muon step over the DTensor parameters ``params[i]`` of ``groups[i]``."""
+    splits: dict[Any, ShardSpec | None] = {}
     for group, group_params in zip(groups, params, strict=True):
         live = [p for p in group_params if p.grad is not None]
         if not live:
@@ -107,7 +112,7 @@ def dtensor_muon_step(state: dict, groups: list[dict[str, Any]],
             U = torch.stack([u for _, u, _ in items])                # (b, m, n) fp32
             orthogonalize = functools.partial(_orthogonalize, newton_schulz,
                                               int(group["ns_steps"]), coefficients, eps, compute)
-            split = _ns_split(items[0][0])
+            split = _ns_split(items[0][0], splits)
             orth = (orthogonalize(U) if split is None else
                     sharded_orthogonalize(U, split, orthogonalize, None)[:len(items)])
             if group["muon_plus"]:

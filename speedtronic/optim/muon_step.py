@@ -352,6 +352,8 @@ def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]],
     # groups instead of 5K), then the updates; it holds every group's NS result at once (on
     # GPT-2 small, fp16: 57 + 113 MB). Unguarded (fp32) steps and chunked groups finish each
     # chunk right away: nothing to batch, and the next chunk reuses the gradient bank.
+    if cache.shard is not None:
+        cache.shard.begin_step()  # the shares rotate over this step's groups (optim/sharded.py)
     together = bool(cache.guards) and all(g.chunks == 1 for g in cache.groups)
     pending: list[_Chunk] = []
     for g in cache.groups:

@@ -104,9 +104,15 @@ def _rank(rank: int, world: int, init_file: str, out: str) -> None:
 
 
 def _share(b: int, world: int, rank: int) -> int:
-    """Matrices of a group of ``b`` that ``rank`` orthogonalizes: contiguous ceil(b / W) slots."""
+    """Matrices of a group of ``b`` in share ``rank``: contiguous ceil(b / W) slots."""
     per = math.ceil(b / world)
     return max(0, min(per, b - rank * per))
+
+
+def _rotations(world: int, groups: int) -> list[tuple[int, ...]]:
+    import itertools
+
+    return list(itertools.product(range(world), repeat=groups))
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")
@@ -123,17 +129,22 @@ def test_sharded_step_is_bitwise_the_replicated_step_with_1_over_w_of_the_newton
         for rank_result in ranks:
             for a, b in zip(rank_result[name][0], replicated, strict=True):
                 assert torch.equal(a, b), name
-        # FLOPs by formula: this rank's share of each group, nothing orthogonalized twice
+        # FLOPs by formula: each rank one share of each group, nothing orthogonalized twice
         groups = [(5, _step_flops((16, 16), kw)), (5, _step_flops((16, 48), kw))]
         flops = [rank_result[name][2] for rank_result in ranks]
-        assert flops == [STEPS * sum(_share(b, world, r) * f for b, f in groups)
-                         for r in range(world)], name
+        shares = [[_share(b, world, r) for r in range(world)] for b, _ in groups]
+        for r in range(world):  # some rotation of each group's shares
+            per_step = flops[r] // STEPS
+            assert per_step in {sum(f * shares[i][(r - rot[i]) % world]
+                                    for i, (_, f) in enumerate(groups))
+                                for rot in _rotations(world, len(groups))}, name
         assert sum(flops) == _run(kw, None)[2] == STEPS * sum(b * f for b, f in groups)
+        # 1/W of the work each, within one matrix per step (not one per group: the shares
+        # rotate, so both groups' odd matrices do not land on one rank)
+        assert max(flops) - min(flops) <= STEPS * max(f for _, f in groups), (name, flops)
         counts = [rank_result[name][1] for rank_result in ranks]
-        assert counts == [sum(_share(b, world, r) for b in per_group) * STEPS
-                          for r in range(world)]
-        # 1/W of the work each, within one matrix per group
-        assert max(counts) - min(counts) <= len(per_group) * STEPS
+        assert sum(counts) == sum(per_group) * STEPS
+        assert max(counts) - min(counts) <= STEPS, counts
 
 
 def test_a_process_group_without_torch_distributed_is_a_clear_error():
@@ -230,10 +241,12 @@ def test_fsdp2_dtensor_parameters_get_the_single_process_update(tmp_path):
             assert info["momentum"] == {"DTensor"}, name
             for a, b in zip(got, expected, strict=True):
                 torch.testing.assert_close(a, b, rtol=0, atol=2e-6, msg=name)
-        # Newton-Schulz split like the sharded step: the two 12x12 matrices one per rank, each
-        # one-matrix shape group on rank 0; none orthogonalized twice
+        # Newton-Schulz split like the sharded step: the two 12x12 matrices one per rank, the
+        # one-matrix shape groups spread over both ranks (not all on rank 0: 6 + 1 before the
+        # shares rotated); none orthogonalized twice
         counts = [result[name][2] for result in ranks]
-        assert counts[1] == STEPS and sum(counts) == info["muon_matrices"] * STEPS, counts
+        assert sum(counts) == info["muon_matrices"] * STEPS, counts
+        assert max(counts) - min(counts) <= STEPS, counts
     # the options are not silently dropped: their updates differ
     assert not torch.allclose(ranks[0]["plain"][0][1], ranks[0]["muon_plus"][0][1])
 
@@ -292,3 +305,27 @@ def test_fsdp2_optimizer_state_round_trips_and_resumes_bitwise(tmp_path):
         result = torch.load(f"{out}.{rank}", weights_only=False)
         assert result["momentum"] == {"DTensor"}
         assert all(result["equal"]), result
+
+
+def test_one_matrix_groups_alternate_ranks_and_every_rank_agrees_on_the_plan():
+    """Four one-matrix shape groups on 2 ranks: two each (the contiguous split gave rank 0 all
+    four); every rank computes the same rotations, so the gathered order agrees."""
+    from speedtronic.optim.sharded import ShardSpec
+
+    def spec(rank: int, world: int) -> ShardSpec:
+        s = ShardSpec.__new__(ShardSpec)
+        s.world, s.rank, s.loads = world, rank, [0.0] * world
+        return s
+
+    groups = [(1, 64.0**3), (1, 64.0**3), (1, 32.0**3), (1, 32.0**3), (3, 16.0**3)]
+    plans, mine = [], []
+    for rank in range(2):
+        s = spec(rank, 2)
+        s.begin_step()
+        rotations = [s.place(count, cost) for count, cost in groups]
+        plans.append(rotations)
+        mine.append([s.slots(count, rot)[1] - s.slots(count, rot)[0]
+                     for (count, _), rot in zip(groups, rotations, strict=True)])
+    assert plans[0] == plans[1]
+    assert [a + b for a, b in zip(*mine, strict=True)] == [c for c, _ in groups]  # all covered
+    assert mine[0][:4].count(1) == 2 and mine[1][:4].count(1) == 2
