@@ -216,7 +216,7 @@ def muon_plus_normalize(U: Tensor, eps: float = 1e-8) -> Tensor:
 @muon_plus_normalize.register_fake
 def _(U, eps=1e-8):
     _check_matrix(U, "muon_plus_normalize")
-    return torch.empty_like(U, memory_format=torch.contiguous_format)  # as the kernel returns
+    return torch.empty_like(U)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -490,14 +490,17 @@ def _update_slabs(g: _Group, group: dict[str, Any], pieces: list, start: int, G:
     columns of each part's logical matrix) and the cautious mask."""
     eps = float(group["norm_eps"])
     if group["muon_plus"] and any(pt.flip for pt, _, _ in pieces):
-        # Mixed orientations: normalize each piece in its logical orientation and hand that
-        # straight to the update (no copy back into the bank, no cat: 2 launches fewer).
+        # Mixed orientations: normalize each piece in its logical orientation, (k, m, n) or
+        # (k, n, m), and hand that straight to the update (no copy back, no cat: 2 launches
+        # fewer).
         normalize = ops.kernel_or_fallback("muon_plus_normalize", orth.device, [torch.float32])
         out = []
         orth = orth.float()                                            # (c, m, n) fp32
         for pt, s, e in pieces:
             bank = orth[s - start:e - start]                           # (k, m, n)
-            logical = normalize(bank.mT if pt.flip else bank, eps)     # (k, m, n) or (k, n, m)
+            # contiguous in, contiguous out, on every path (the kernel copies a strided input
+            # anyway, and the op's fake kernel promises a contiguous result)
+            logical = normalize(bank.mT.contiguous() if pt.flip else bank, eps)
             if group["cautious"]:
                 grad = G[s - start:e - start]                          # (k, m, n)
                 logical = _cautious(logical, grad.mT if pt.flip else grad, group, g.shape)
