@@ -167,7 +167,10 @@ def test_what_ddp_cannot_run_is_refused_on_every_rank(tmp_path, over, message):
     proc = torchrun(["-m", "speedtronic", "train", "--config", str(cfg)])
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if "speedtronic: error:" in line]
-    assert len(errors) == 2 and all(message in line for line in errors), proc.stderr[-3000:]
+    # Each rank runs the same check before anything is built; the first to exit 2 makes
+    # torchrun stop the other, which under CI load may not have printed yet (seen once).
+    assert 1 <= len(errors) <= 2 and all(message in line for line in errors), \
+        proc.stderr[-3000:]
     assert not (tmp_path / "runs" / "bad" / "metrics.jsonl").exists()
 
 
