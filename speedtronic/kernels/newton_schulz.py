@@ -34,7 +34,9 @@ and redoes a bucket in fp32 if it is not finite.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor
@@ -48,6 +50,7 @@ __all__ = [
     "POLAR_EXPRESS_PUBLISHED",
     "QUINTIC",
     "gram_restarts",
+    "Workspace",
     "ns_gram",
     "ns_standard",
     "orthogonalize",
@@ -55,6 +58,7 @@ __all__ = [
     "resolve_coefficients",
     "resolve_compute_dtype",
     "schedule_name",
+    "workspace_scope",
 ]
 
 QUINTIC: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
@@ -219,13 +223,71 @@ SYM_BLOCK_MIN_ROWS = 256
 _SYM_BLOCKS = 4
 
 
-def _sym_bmm(X: Tensor, Y: Tensor) -> Tensor:
+class Workspace:
+    """Buffers the iteration writes its products into, kept from one call to the next (CPU).
+
+    Why: glibc serves an allocation above 32 MiB (the ceiling of its dynamic mmap threshold)
+    with a fresh ``mmap``, so every new ``(b, m, n)`` product of a batched Newton-Schulz is
+    page-faulted in again and unmapped when freed. On GPT-2 small's Muon set (fp32, one thread)
+    that was 14-17% of the step (the same step under a 4 GiB ``MALLOC_MMAP_THRESHOLD_``: 16.0 ->
+    13.4 s; ``benchmarks/results/optimizer_cpu_lean*.md`` has the step before and after).
+    CUDA's caching allocator already reuses its blocks, so only CPU callers pass one.
+
+    :meth:`out` hands back a buffer of the asked shape that holds none of the ``live`` tensors
+    (a leading-dimension slice of a larger one serves a smaller batch), allocating one only when
+    every buffer of that shape is live. The same sequence of calls therefore reuses the same
+    buffers every step; the result of a call lives in the workspace until the next call."""
+
+    def __init__(self) -> None:
+        self._pool: dict[tuple, list[Tensor]] = {}
+
+    def out(self, shape: Sequence[int], like: Tensor, live: Sequence[Tensor | None]) -> Tensor:
+        """A ``shape`` buffer in ``like``'s dtype and device, sharing storage with no ``live``."""
+        key = (tuple(shape[1:]), like.dtype, like.device)
+        pool = self._pool.setdefault(key, [])
+        busy = {t.untyped_storage().data_ptr() for t in live if t is not None}
+        for buf in pool:
+            if buf.shape[0] >= shape[0] and buf.untyped_storage().data_ptr() not in busy:
+                return buf[:shape[0]]
+        buf = torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
+        pool.append(buf)
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return sum(b.numel() * b.element_size() for pool in self._pool.values() for b in pool)
+
+
+_ACTIVE_WORKSPACE: ContextVar[Workspace | None] = ContextVar("ns_workspace", default=None)
+
+
+@contextmanager
+def workspace_scope(ws: Workspace) -> Iterator[None]:
+    """Newton-Schulz calls inside write into ``ws`` (through the op's Python body too, so a
+    caller keeps calling what :func:`speedtronic.kernels.ops.kernel_or_fallback` returns)."""
+    token = _ACTIVE_WORKSPACE.set(ws)
+    try:
+        yield
+    finally:
+        _ACTIVE_WORKSPACE.reset(token)
+
+
+def _buf(ws: Workspace | None, shape: Sequence[int], like: Tensor,
+         *live: Tensor | None) -> Tensor | None:
+    return None if ws is None else ws.out(shape, like, live)
+
+
+def _sym_bmm(X: Tensor, Y: Tensor, out: Tensor | None = None) -> Tensor:
     """``X Y^T`` for ``X, Y (b, m, k)`` when entry ``(i, j)`` and ``(j, i)`` are the same dot
     product (``X X^T``; ``A A = A A^T`` for a symmetric ``A``), so mirroring loses nothing."""
     b, m, _ = X.shape
     if X.device.type != "cpu" or m < SYM_BLOCK_MIN_ROWS or X.dtype in TOLERANCE_16BIT:
-        return torch.bmm(X, Y.mT)  # 16-bit CPU: bmm into a strided out is 2x slower, not faster
-    out = torch.empty((b, m, m), dtype=torch.promote_types(X.dtype, Y.dtype), device=X.device)
+        # 16-bit CPU: bmm into a strided out is 2x slower, not faster
+        return torch.bmm(X, Y.mT, out=out)
+    if out is None:
+        out = torch.empty((b, m, m), dtype=torch.promote_types(X.dtype, Y.dtype),
+                          device=X.device)
     bounds = [m * i // _SYM_BLOCKS for i in range(_SYM_BLOCKS + 1)]
     for r0, r1 in zip(bounds[:-1], bounds[1:], strict=True):  # block row i, columns [0, r1)
         torch.bmm(X[:, r0:r1], Y[:, :r1].mT, out=out[:, r0:r1, :r1])
@@ -234,84 +296,94 @@ def _sym_bmm(X: Tensor, Y: Tensor) -> Tensor:
     return out
 
 
-def _xxt(X: Tensor) -> Tensor:
+def _xxt(X: Tensor, out: Tensor | None = None) -> Tensor:
     """``X X^T`` for ``X (b, m, k)``."""
     if X.dtype not in TOLERANCE_16BIT:
-        return _sym_bmm(X, X)
+        return _sym_bmm(X, X, out)
     b, m, k = X.shape
     return SYM_GEMM.run(f"sym_gemm xxt {b}x{m}x{k} {_dtype_name(X)}", X,
-                        lambda: torch.bmm(X, X.mT), lambda op: op(X, 1.0, 0.0, None))
+                        lambda: torch.bmm(X, X.mT, out=out), lambda op: op(X, 1.0, 0.0, None))
 
 
-def _poly(A: Tensor, b: float, c: float) -> Tensor:
-    """``b A + c A^2`` for symmetric ``A`` (b, m, m), as a new tensor."""
+def _poly(A: Tensor, b: float, c: float, out: Tensor | None = None) -> Tensor:
+    """``b A + c A^2`` for symmetric ``A`` (b, m, m), as a new tensor (or into ``out``)."""
     if A.device.type == "cpu" and A.dtype in (torch.float32, torch.float64):
         # CPU: a GEMM with beta != 0 is 1.3-1.5x slower than the plain GEMM plus an add.
-        return _sym_bmm(A, A).mul_(c).add_(A, alpha=b)            # A A = A A^T
+        return _sym_bmm(A, A, out).mul_(c).add_(A, alpha=b)       # A A = A A^T
     if A.dtype not in TOLERANCE_16BIT:
-        return torch.baddbmm(A, A, A, beta=b, alpha=c)  # one rounding of the sum (fp32 acc.)
+        return torch.baddbmm(A, A, A, beta=b, alpha=c, out=out)  # one rounding (fp32 acc.)
     n, m = A.shape[0], A.shape[1]
 
     def cublas() -> Tensor:  # torch.baddbmm (copies A into the output first), or cuBLASLt
         return POLY_LT.run(f"poly_lt {n}x{m} {_dtype_name(A)}", A,
-                           lambda: torch.baddbmm(A, A, A, beta=b, alpha=c),
+                           lambda: torch.baddbmm(A, A, A, beta=b, alpha=c, out=out),
                            lambda op: op(A, b, c))
 
     return SYM_GEMM.run(f"sym_gemm poly {n}x{m} {_dtype_name(A)}", A, cublas,
                         lambda op: op(A, c, b, A))
 
 
-def ns_standard(X: Tensor, coeffs: Sequence[tuple[float, ...]], transpose_out: bool) -> Tensor:
+def ns_standard(X: Tensor, coeffs: Sequence[tuple[float, ...]], transpose_out: bool,
+                ws: Workspace | None = None) -> Tensor:
     """Standard NS on ``X (b, m, n)``, ``m <= n``, normalized, in the compute dtype.
 
     With ``transpose_out`` the result is returned as ``(b, n, m)`` (a tall caller's layout)
-    without a transpose copy: ``(B X + a X)^T = X^T B + a X^T`` since ``B`` is symmetric."""
+    without a transpose copy: ``(B X + a X)^T = X^T B + a X^T`` since ``B`` is symmetric.
+    With ``ws`` every product is written into its buffers (``X`` itself is never written)."""
     fold = X.dtype in _FOLD_DTYPES
     last = len(coeffs) - 1
+    bs, m, n = X.shape
     for k, (a, b, c) in enumerate(coeffs):
-        B = _poly(_xxt(X), b, c)                                  # (b, m, m)
+        A = _xxt(X, _buf(ws, (bs, m, m), X, X))                   # (b, m, m)
+        B = _poly(A, b, c, _buf(ws, (bs, m, m), X, X, A))         # (b, m, m)
         out_t = k == last and transpose_out
+        out = _buf(ws, (bs, n, m) if out_t else (bs, m, n), X, X, B)
         if fold:
             B.diagonal(dim1=-2, dim2=-1).add_(a)                  # B + a I: X's copy avoided
-            X = torch.bmm(X.mT, B) if out_t else torch.bmm(B, X)
+            X = torch.bmm(X.mT, B, out=out) if out_t else torch.bmm(B, X, out=out)
         elif out_t:
-            X = torch.baddbmm(X.mT, X.mT, B, beta=a)              # (b, n, m)
+            X = torch.baddbmm(X.mT, X.mT, B, beta=a, out=out)     # (b, n, m)
         else:
             # Not bmm + add_(X, alpha=a) on CPU, though 8-13% faster there in bf16: the add
             # rounds alpha to bf16 (3.4445 -> 3.4375) and the NS error went 1.1e-2 -> 2.0e-2.
-            X = torch.baddbmm(X, B, X, beta=a)                    # (b, m, n)
+            X = torch.baddbmm(X, B, X, beta=a, out=out)           # (b, m, n)
     return X
 
 
 def ns_gram(X: Tensor, coeffs: Sequence[tuple[float, ...]], restarts: Sequence[int],
-            transpose_out: bool) -> Tensor:
+            transpose_out: bool, ws: Workspace | None = None) -> Tensor:
     """Gram NS on ``X (b, m, n)``, ``m <= n``: iterate on ``R = X X^T``, re-forming ``X`` and
     ``R`` after each iteration listed in ``restarts`` (1-based). Same output as
-    :func:`ns_standard` up to rounding."""
-    R = _xxt(X)                                                   # (b, m, m)
+    :func:`ns_standard` up to rounding. ``ws`` as there (four ``(b, m, m)`` buffers)."""
+    bs, m, n = X.shape
+    sq = (bs, m, m)
+    R = _xxt(X, _buf(ws, sq, X, X))                               # (b, m, m)
     Q: Tensor | None = None
     last = len(coeffs) - 1
     for k, (a, b, c) in enumerate(coeffs):
-        P = _poly(R, b, c)
+        P = _poly(R, b, c, _buf(ws, sq, X, X, R, Q))
         P.diagonal(dim1=-2, dim2=-1).add_(a)                      # P = a I + b R + c R^2
         # P Q and R P are symmetric only in exact arithmetic (polynomials in one R commute):
         # computing half and mirroring them made the fp32 error 2-5x larger, so full GEMMs.
-        Q = P if Q is None else torch.bmm(P, Q)                   # (b, m, m)
+        Q = P if Q is None else torch.bmm(P, Q, out=_buf(ws, sq, X, X, R, P, Q))  # (b, m, m)
         if k == last:
             break
         if k + 1 in restarts:
-            X = torch.bmm(Q, X)                                   # (b, m, n)
-            R = _xxt(X)
+            X = torch.bmm(Q, X, out=_buf(ws, (bs, m, n), X, X, Q))  # (b, m, n)
+            R = _xxt(X, _buf(ws, sq, X, X))
             Q = None
         else:
-            R = torch.bmm(P, torch.bmm(R, P))
+            T = torch.bmm(R, P, out=_buf(ws, sq, X, X, R, P, Q))
+            R = torch.bmm(P, T, out=_buf(ws, sq, X, X, P, T, Q))
     assert Q is not None
     # Q is a polynomial in R, hence symmetric: (Q X)^T = X^T Q, already a tall caller's layout.
-    return torch.bmm(X.mT, Q) if transpose_out else torch.bmm(Q, X)
+    if transpose_out:
+        return torch.bmm(X.mT, Q, out=_buf(ws, (bs, n, m), X, X, Q))
+    return torch.bmm(Q, X, out=_buf(ws, (bs, m, n), X, X, Q))
 
 
 def _auto(X: Tensor, coeffs: list[tuple[float, ...]], restarts: Sequence[int], tall: bool,
-          schedule: str | None) -> Tensor:
+          schedule: str | None, ws: Workspace | None) -> Tensor:
     """Standard or Gram for this shape: measured once per shape on CUDA (see
     :mod:`speedtronic.kernels.autotune`), else the aspect rule."""
     from . import autotune  # leaf helper; imported here so CPU-only imports stay light
@@ -329,8 +401,8 @@ def _auto(X: Tensor, coeffs: list[tuple[float, ...]], restarts: Sequence[int], t
             "gram": lambda: ns_gram(X, coeffs, restarts, transpose_out=tall),
         }, default)
     if choice == "gram":
-        return ns_gram(X, coeffs, restarts, transpose_out=tall)
-    return ns_standard(X, coeffs, transpose_out=tall)
+        return ns_gram(X, coeffs, restarts, transpose_out=tall, ws=ws)
+    return ns_standard(X, coeffs, transpose_out=tall, ws=ws)
 
 
 def orthogonalize(G: Tensor, steps: int, coefficients: Sequence[float], eps: float,
@@ -342,7 +414,10 @@ def orthogonalize(G: Tensor, steps: int, coefficients: Sequence[float], eps: flo
     shapes) or ``"auto"`` (on CUDA the faster of the two for this shape, measured once; else
     Gram from aspect :data:`GRAM_MIN_ASPECT` on). ``normalized``: ``G`` is already
     divided by its Frobenius norm (the Muon pre-pass does it), so the three passes of a second
-    normalization are skipped."""
+    normalization are skipped. Inside :func:`workspace_scope` (the eager CPU Muon step's, never
+    the op's) the products and the result live in that workspace: the result stays valid until
+    the next call with it."""
+    workspace = _ACTIVE_WORKSPACE.get()
     dtype = resolve_compute_dtype(G.device, G.dtype, compute_dtype)
     X = G if G.dim() == 3 else G.unsqueeze(0)                     # (b, m, n)
     tall = X.size(-2) > X.size(-1)
@@ -362,11 +437,11 @@ def orthogonalize(G: Tensor, steps: int, coefficients: Sequence[float], eps: flo
     # bf16 stays standard: its Gram error is ~2x standard's (gram_restarts.md, bf16 rows).
     restarts = gram_restarts(coefficients, steps) if dtype in _FOLD_DTYPES else None
     if restarts is None or m >= n or method == "standard":
-        X = ns_standard(X, coeffs, transpose_out=tall)
+        X = ns_standard(X, coeffs, transpose_out=tall, ws=workspace)
     elif method == "gram":
-        X = ns_gram(X, coeffs, restarts, transpose_out=tall)
+        X = ns_gram(X, coeffs, restarts, transpose_out=tall, ws=workspace)
     else:
-        X = _auto(X, coeffs, restarts, tall, schedule_name(coefficients, steps))
+        X = _auto(X, coeffs, restarts, tall, schedule_name(coefficients, steps), workspace)
     if G.dim() == 2:
         X = X.squeeze(0)
     return X.to(G.dtype).contiguous()                             # G's orientation already

@@ -13,7 +13,10 @@ group owns persistent banks, allocated once and reused every step:
 * ``momentum``: ``(b, m, n)`` fp32, the momentum buffers; ``state[p]["momentum_buffer"]`` is a
   view into it (transposed for a tall matrix), so ``state_dict()`` is unchanged;
 * ``grads``: ``(chunk, m, n)`` fp32, the step's gradients gathered in the bank's orientation;
-* ``work``: ``(chunk, m, n)`` in the Newton-Schulz dtype when that is not fp32.
+* ``work``: ``(chunk, m, n)`` in the Newton-Schulz dtype when that is not fp32;
+* on CPU, the Newton-Schulz products (``kernels.newton_schulz.Workspace``): glibc hands every
+  fresh tensor above 32 MiB out as new, page-faulted memory, which cost 14-23% of GPT-2 small's
+  fp32 step on one thread.
 
 Per param group: ``1 - lr wd`` (1 ``addcmul``) and the decoupled decay (1 ``_foreach_mul_``).
 Per group and chunk: gather (1 op, +2 for the transposed part), momentum ``lerp`` (1), Nesterov
@@ -40,6 +43,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import ops
+from ..kernels.newton_schulz import Workspace, workspace_scope
 from .sharded import sharded_orthogonalize
 
 __all__ = ["HYPER_KEYS", "NS_DTYPES", "StepCache", "StepEntry", "adjusted_lr_scale",
@@ -52,15 +56,15 @@ HYPER_KEYS = ("lr", "weight_decay", "momentum")
 BUDGET_FRACTION = 0.08
 """Default workspace budget: 8% of the device's memory (11 GB on an H200, 1.9 GB on a 24 GB
 host), between :data:`BUDGET_FLOOR` and :data:`BUDGET_CEILING`. Per group, by
-:func:`workspace_bytes_per_matrix` with fp16 NS: GPT-2 small needs 0.42 GB (48 x 768^2) and
-0.61 GB (24 x 768x3072) to run each group as one batch; the 1B-class set 2.0, 0.36 and 8.6 GB
+:func:`workspace_bytes_per_matrix` with fp16 NS: GPT-2 small needs 0.47 GiB (48 x 768^2) and
+0.63 GiB (24 x 768x3072) to run each group as one batch; the 1B-class set 2.25, 0.38 and 9.0 GiB
 (48 x 2048x8192). So an H200 runs both sets one batch per group, and a 24 GB GPU GPT-2 small;
 the 1B set's largest group there runs in 5 chunks (+4 x that group's ~40 ops)."""
 BUDGET_FLOOR = 256 << 20
 """256 MiB: below this even a 4096^2 group (the 1B set's largest square group) splits into
 chunks of a few matrices and the launch count grows with the model."""
 BUDGET_CEILING = 16 << 30
-"""16 GiB: the 1B-class set's largest group (8.6 GB) as one batch, with room to ~2x that."""
+"""16 GiB: the 1B-class set's largest group (9.0 GiB) as one batch, with room to ~1.8x that."""
 
 NS_DTYPES = {"auto": None, "bf16": torch.bfloat16, "fp16": torch.float16,
               "fp32": torch.float32, "fp64": torch.float64}
@@ -90,10 +94,12 @@ def default_budget_bytes(device: torch.device) -> int:
 def workspace_bytes_per_matrix(m: int, n: int, compute: torch.dtype) -> int:
     """Workspace bytes one ``(m, n)`` matrix (``m <= n``) costs inside a batch: the fp32 gather
     bank, the NS input in the compute dtype (when not fp32), and the iteration's temporaries
-    (two ``(m, n)`` iterates and three ``(m, m)`` Gram-sized products)."""
+    (two ``(m, n)`` iterates and four ``(m, m)`` products: the Gram iteration's ``R``, ``P``,
+    ``Q`` and ``R P`` are alive together). On CPU these temporaries are kept between steps
+    (``newton_schulz.Workspace``), on CUDA they return to the caching allocator."""
     cb = torch.empty((), dtype=compute).element_size()
     work = 0 if compute == torch.float32 else m * n * cb
-    return 4 * m * n + work + 2 * m * n * cb + 3 * m * m * cb
+    return 4 * m * n + work + 2 * m * n * cb + 4 * m * m * cb
 
 
 @dataclass
@@ -126,6 +132,7 @@ class _Group:
     guard_slot: int | None = None    # 16-bit NS: its first chunk's slot in the device's guard
     gathered: Tensor | None = None   # sharded NS: the all-gather buffer (W * per, m, n)
     slot_pg: Tensor | None = None    # (b,) int64: index into pgs per slot, when len(pgs) > 1
+    ns_workspace: Workspace | None = None  # eager CPU steps only (kernels.newton_schulz)
 
     @property
     def chunks(self) -> int:
@@ -399,12 +406,24 @@ def _orthogonalized_chunk(g: _Group, group: dict[str, Any], mu_all: Tensor, shar
         if g.compute != torch.float32:
             g.work = torch.empty((min(b, g.chunk), m, n), dtype=g.compute, device=g.device)
     flat = ops.resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
-    newton_schulz = ops.kernel_or_fallback("newton_schulz", g.device, [])
     steps, eps = int(group["ns_steps"]), float(group["eps"])
     cautious = bool(group["cautious"])  # the mask needs G after NS: no writing over it
+    newton_schulz = ops.kernel_or_fallback("newton_schulz", g.device, [])
+    if g.device.type == "cpu" and not torch.compiler.is_compiling():
+        # Eager CPU: the products go into the group's persistent buffers (a fresh >32 MiB
+        # tensor is page-faulted in every time: 14-23% of GPT-2 small's fp32 step; see
+        # newton_schulz.Workspace). The result lives there until this group's next NS, after
+        # this chunk's update (chunks of one group finish in turn; groups own their buffers).
+        if g.ns_workspace is None:
+            g.ns_workspace = Workspace()
+        ws = g.ns_workspace
 
-    def orthogonalize(X: Tensor) -> Tensor:  # (c, m, n) normalized, compute dtype
-        return newton_schulz(X, steps, flat, eps, g.compute, "auto", True)
+        def orthogonalize(X: Tensor) -> Tensor:  # (c, m, n) normalized, compute dtype
+            with workspace_scope(ws):
+                return newton_schulz(X, steps, flat, eps, g.compute, "auto", True)
+    else:
+        def orthogonalize(X: Tensor) -> Tensor:  # (c, m, n) normalized, compute dtype
+            return newton_schulz(X, steps, flat, eps, g.compute, "auto", True)
     stop = min(b, start + g.chunk)
     G = g.grads[:stop - start]                                     # (c, m, n) fp32
     pieces = [(pt, max(pt.start, start), min(pt.stop, stop)) for pt in g.parts
@@ -424,9 +443,14 @@ def _orthogonalized_chunk(g: _Group, group: dict[str, Any], mu_all: Tensor, shar
         U = M
     norm = torch.linalg.vector_norm(U, dim=(-2, -1), keepdim=True)  # (c, 1, 1)
     norm = norm.clamp_(min=eps)
-    if g.work is not None:
+    keep = U is M or (U is G and cautious)                         # U must survive the divide
+    if g.work is not None and g.device.type == "cpu" and not keep:
+        # CPU: an fp32 -> 16-bit divide into the work bank runs 5.5x slower than dividing in
+        # place and converting (24 x 768x3072: 119 vs 22 ms, one thread); one op more.
+        X = g.work[:stop - start].copy_(U.div_(norm))              # (c, m, n) compute
+    elif g.work is not None:
         X = torch.div(U, norm, out=g.work[:stop - start])          # (c, m, n) compute
-    elif U is M or (U is G and cautious):
+    elif keep:
         X = U / norm                                               # M must survive
     else:
         X = U.div_(norm)

@@ -194,3 +194,47 @@ def test_bf16_is_as_accurate_as_torch_muons_bf16_iteration(shape):
                           for g in G])
     ours = ns.orthogonalize(G.float(), 5, ns.QUINTIC, 1e-7, torch.bfloat16)
     assert rel(ours, ref) <= 1.1 * rel(theirs, ref), (rel(ours, ref), rel(theirs, ref))
+
+
+# ---- the CPU workspace: products written into persistent buffers ---------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(2, 256, 256), (2, 256, 768), (2, 768, 256)])
+@pytest.mark.parametrize("schedule", ["quintic", "polar_express"])
+def test_a_workspace_changes_no_bit_and_is_reused_by_the_next_call(dtype, shape, schedule):
+    """Inside ``workspace_scope`` every product goes into kept buffers (standard, Gram with one
+    or two restarts, tall output): the result is bitwise the allocating one, the input is not
+    written, and a second call allocates nothing and returns in the same buffer."""
+    from speedtronic.kernels.newton_schulz import Workspace, orthogonalize, workspace_scope
+
+    torch.manual_seed(0)
+    G = torch.randn(*shape).to(dtype)
+    G = G / G.float().norm(dim=(-2, -1), keepdim=True).to(dtype)
+    before = G.clone()
+    coeffs = ops.resolve_coefficients(schedule, 5)
+    expected = orthogonalize(G, 5, coeffs, 1e-7, dtype, "auto", True)
+    ws = Workspace()
+    with workspace_scope(ws):
+        got = orthogonalize(G, 5, coeffs, 1e-7, dtype, "auto", True)
+        held, ptr = ws.nbytes, got.data_ptr()
+        again = orthogonalize(G, 5, coeffs, 1e-7, dtype, "auto", True)
+    assert torch.equal(got, expected) and torch.equal(again, expected)
+    assert torch.equal(G, before)
+    assert ws.nbytes == held > 0 and again.data_ptr() == ptr
+    assert orthogonalize(G, 5, coeffs, 1e-7, dtype, "auto", True).data_ptr() != ptr  # scope ended
+
+
+def test_the_workspace_never_hands_out_a_live_buffer_and_serves_smaller_batches():
+    from speedtronic.kernels.newton_schulz import Workspace
+
+    ws = Workspace()
+    like = torch.empty(())
+    a = ws.out((4, 8, 8), like, [])
+    b = ws.out((4, 8, 8), like, [a])
+    c = ws.out((4, 8, 8), like, [a, b])
+    ptrs = {t.untyped_storage().data_ptr() for t in (a, b, c)}
+    assert len(ptrs) == 3
+    assert ws.out((4, 8, 8), like, [a, c]).data_ptr() == b.data_ptr()  # reuses the free one
+    small = ws.out((2, 8, 8), like, [a[:1]])  # a view of a live buffer keeps it live
+    assert small.shape == (2, 8, 8) and small.untyped_storage().data_ptr() != a.data_ptr()
+    assert ws.nbytes == 3 * 4 * 8 * 8 * 4

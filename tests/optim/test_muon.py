@@ -340,3 +340,30 @@ def test_muon_plus_normalizes_a_transposed_weight_in_its_logical_layout(cautious
     opt_a.step()
     opt_b.step()
     torch.testing.assert_close(b.detach().T, a.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_steps_reuse_their_newton_schulz_buffers_and_match_fresh_allocation(monkeypatch):
+    """Eager CPU steps write the NS products into per-group buffers kept between steps (no
+    fresh page-faulted memory each step): the same buffers every step, and parameters bitwise
+    equal to steps whose products are all freshly allocated."""
+    from speedtronic.kernels import newton_schulz as ns
+
+    init, grads = _setup(steps=3)
+    kept, opt = _run(lambda ps: Muon(ps, **KW), init, grads[:2])
+    groups = opt.muon_cache.groups
+    held = [(g.ns_workspace.nbytes, sorted(b.data_ptr() for pool in g.ns_workspace._pool.values()
+                                           for b in pool)) for g in groups]
+    assert all(n > 0 for n, _ in held)
+    for p, g in zip(opt.param_groups[0]["params"], grads[2], strict=True):
+        p.grad = g.clone()
+    opt.step()
+    assert held == [(g.ns_workspace.nbytes, sorted(b.data_ptr() for pool in
+                                                   g.ns_workspace._pool.values() for b in pool))
+                    for g in groups]
+    kept = [p.detach().clone() for p in opt.param_groups[0]["params"]]
+    monkeypatch.setattr(ns.Workspace, "out",
+                        lambda self, shape, like, live: torch.empty(tuple(shape),
+                                                                    dtype=like.dtype))
+    fresh, _ = _run(lambda ps: Muon(ps, **KW), init, grads)
+    for a, b in zip(kept, fresh, strict=True):
+        assert torch.equal(a, b)
