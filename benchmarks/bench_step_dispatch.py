@@ -225,7 +225,9 @@ def write_markdown(res: dict, path: Path) -> None:
              "the step before it bucketed by matrix size, so its full-size count (last "
              "section, with --full-size) is the one to compare. At full size the CPU path "
              "also computes each symmetric product of m >= 256 in 4 row blocks (7 ops instead "
-             "of 1, 17-22% less CPU time): that is CPU-only, the meta row is the GPU's count. "
+             "of 1, 17-22% less CPU time), and the 16-bit rows divide in place and then convert "
+             "(one op more per group than CUDA's mixed-dtype divide): that is CPU-only, the "
+             "meta row is the GPU's count. "
              "On meta, Muon+ and the cautious mask dispatch as our fused CUDA-kernel ops (on "
              "CPU they run their elementwise PyTorch fallbacks, hence the CPU rows' larger "
              "counts). Launch estimate: speedtronic/kernels/counting.py.", ""]

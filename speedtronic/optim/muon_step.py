@@ -430,7 +430,12 @@ def _orthogonalized_chunk(g: _Group, group: dict[str, Any], mu_all: Tensor, shar
               if pt.start < stop and pt.stop > start]
     for pt, s, e in pieces:  # gather this chunk's gradients in the bank orientation
         grads = pt.grads[s - pt.start:e - pt.start]
-        if pt.transposed:
+        if pt.transposed and g.device.type == "cpu":
+            # CPU: one stack of the transposed views, 2x faster than stack + transposed copy
+            # (12 x 3072x768 fp32: 67 vs 132 ms, one thread) and one op fewer. On CUDA a
+            # non-contiguous stack is one copy per input: there stack + copy is 2 launches.
+            torch.stack([x.mT for x in grads], out=G[s - start:e - start])
+        elif pt.transposed:
             G[s - start:e - start].copy_(torch.stack(grads).mT)   # (k, n, m) -> (k, m, n)
         else:
             torch.stack(grads, out=G[s - start:e - start])

@@ -316,8 +316,11 @@ def design_cuda_budget(shapes: list[tuple[int, int]]) -> int:
 
 @pytest.mark.parametrize("name", SETS)
 def test_the_cuda_path_estimate_stays_within_its_design_budget(name):
+    """Counted on meta tensors: what the CUDA path dispatches (CPU-only branches, such as the
+    blocked symmetric products and the in-place 16-bit divide, do not apply). The scaled
+    stand-ins keep one chunk per group, as an H200's budget gives both full-size sets."""
     shapes, scale = SETS[name]
-    c = _count(_opt(shapes, scale, ns_dtype="fp16")[0])
+    c = _meta_step_count([(r // scale, c // scale) for r, c in shapes])
     assert c.host_syncs == 0
     assert c.launches <= design_cuda_budget(shapes), (c.launches, c.by_name.most_common())
 
