@@ -518,11 +518,12 @@ def _update_slabs(g: _Group, group: dict[str, Any], pieces: list, start: int, G:
     """Each piece's update direction in its parameters' orientation, after Muon+ (rows then
     columns of each part's logical matrix) and the cautious mask."""
     eps = float(group["norm_eps"])
+    if group["muon_plus"]:
+        normalize = ops.kernel_or_fallback("muon_plus_normalize", orth.device, [torch.float32])
     if group["muon_plus"] and any(pt.flip for pt, _, _ in pieces):
         # Mixed orientations: normalize each piece in its logical orientation, (k, m, n) or
         # (k, n, m), and hand that straight to the update (no copy back, no cat: 2 launches
         # fewer).
-        normalize = ops.kernel_or_fallback("muon_plus_normalize", orth.device, [torch.float32])
         out = []
         orth = orth.float()                                            # (c, m, n) fp32
         for pt, s, e in pieces:
@@ -537,7 +538,6 @@ def _update_slabs(g: _Group, group: dict[str, Any], pieces: list, start: int, G:
             out.append((pt, _Slab(s, e, bank.mT if pt.transposed else bank)))
         return out
     if group["muon_plus"]:
-        normalize = ops.kernel_or_fallback("muon_plus_normalize", orth.device, [torch.float32])
         orth = normalize(orth.float(), eps)                            # (c, m, n) fp32
     if group["cautious"]:
         orth = _cautious(orth.float(), G, group, g.shape)

@@ -235,3 +235,37 @@ def test_zero1_keeps_half_the_state_per_rank_trains_the_same_and_resumes_bitwise
     for k in wp:
         torch.testing.assert_close(_final_weights(tmp_path / "runs" / "zoff")[k], wp[k],
                                    rtol=0, atol=1e-6, msg=k)
+
+
+def test_two_nodes_rendezvous_like_torchrun_multi_node_and_only_global_rank0_writes(tmp_path):
+    """Two torchrun launchers as two nodes of one rank each (``--nnodes 2``, c10d rendezvous
+    on loopback): every rank has LOCAL_RANK 0, so anything keyed on the local rank would write
+    twice or read the same shard; the run must equal the one-process run on the global batch."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = engine_config(tmp_path, "nodes")
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+               "--nproc-per-node=1", f"--node-rank={node}", "--rdzv-backend=c10d",
+               f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=speedtronic-test",
+               f"--rdzv-conf=is_host={1 if node == 0 else 0}",
+               "-m", "speedtronic", "train", "--config", str(cfg)]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, env=_env(), cwd=ROOT))
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, out[-3000:] + err[-3000:]
+    ref = engine_config(tmp_path, "one")
+    _ok(one_process(["-m", "speedtronic", "train", "--config", str(ref)]))
+    nodes_dir, one_dir = tmp_path / "runs" / "nodes", tmp_path / "runs" / "one"
+    steps = _rows(nodes_dir, "train_step")
+    assert [r["step"] for r in steps] == [2, 4, 6] and all(r["ranks"] == 2 for r in steps)
+    for a, b in zip(steps, _rows(one_dir, "train_step"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    wa, wb = _final_weights(nodes_dir), _final_weights(one_dir)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=2e-5, msg=k)
