@@ -229,9 +229,9 @@ class Workspace:
     Why: glibc serves an allocation above 32 MiB (the ceiling of its dynamic mmap threshold)
     with a fresh ``mmap``, so every new ``(b, m, n)`` product of a batched Newton-Schulz is
     page-faulted in again and unmapped when freed. On GPT-2 small's Muon set (fp32, one thread)
-    that was 14-17% of the step (the same step under a 4 GiB ``MALLOC_MMAP_THRESHOLD_``: 16.0 ->
-    13.4 s; ``benchmarks/results/optimizer_cpu_lean*.md`` has the step before and after).
-    CUDA's caching allocator already reuses its blocks, so only CPU callers pass one.
+    the step took 16.0 s, 13.4 s under a 4 GiB ``MALLOC_MMAP_THRESHOLD_`` and 12.3 s with these
+    buffers (``benchmarks/results/optimizer_cpu_lean.md`` has the peers side by side). CUDA's
+    caching allocator already reuses its blocks, so only the eager CPU step opens a scope.
 
     :meth:`out` hands back a buffer of the asked shape that holds none of the ``live`` tensors
     (a leading-dimension slice of a larger one serves a smaller batch), allocating one only when
