@@ -323,6 +323,52 @@ def _poly(A: Tensor, b: float, c: float, out: Tensor | None = None) -> Tensor:
                         lambda op: op(A, c, b, A))
 
 
+_IDENTITY: dict[tuple[int, torch.dtype, str], Tensor] = {}
+
+
+def _identity(m: int, like: Tensor) -> Tensor:
+    """A cached ``(m, m)`` identity in ``like``'s dtype and device (2 MiB at m = 1024, fp16),
+    never created inside a CUDA-graph capture (its kernels would only be recorded, not run)."""
+    key = (m, like.dtype, str(like.device))
+    eye = _IDENTITY.get(key)
+    if eye is None:
+        eye = torch.eye(m, dtype=like.dtype, device=like.device)
+        capturing = like.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if not capturing:
+            _IDENTITY[key] = eye
+    return eye
+
+
+COPY_FREE_FOLD_ON_CPU = False
+"""Whether the CPU takes :func:`_fold_poly`'s GPU route too (tests set it to check that route's
+algebra and op count on CPU; a CPU run has no reason to)."""
+
+
+def _fold_poly(A: Tensor, a: float, b: float, c: float, out: Tensor | None = None) -> Tensor:
+    """``a I + b A + c A^2`` for symmetric ``A (b, m, m)``: the polynomial that multiplies ``X``.
+
+    Off the CPU, 2 launches: ``out = A + (a/b) I`` (an add that takes the place of the copy of
+    ``A`` which ``baddbmm`` makes before its GEMM) and ``out.baddbmm_(A, A, beta=b, alpha=c)``
+    (in place, C == D). The old route was that copy, the GEMM and a separate ``a I`` diagonal
+    add: 4 launches per standard iteration now instead of 5 for the same GEMM work (GPT-2
+    small's step: 89 -> 79 estimated launches). Off-diagonal entries are copied exactly and
+    rounded once, by the GEMM; the diagonal rounds ``A_ii + a/b`` where it used to round
+    ``B_ii + a``. With cuBLAS's rounding (fp16 in, fp32 accumulate, one rounding out) the fp16
+    error against float64 is 0.66-1.01x the old route's (``benchmarks/bench_fold_rounding.py``,
+    results in ``benchmarks/results/fold_rounding.md``). The CPU keeps the old route: its fp16
+    ``baddbmm`` rounds differently (Polar Express errors 1.8-2x the old route's there) and its
+    fp32 GEMM with beta != 0 is 1.3-1.5x slower (see :func:`_poly`); so do ``b = 0`` and the
+    opt-in Hopper kernel. ``poly_lt`` (cuBLASLt, C != D) would save nothing here (1 launch plus
+    the diagonal add), so it serves bf16, which does not fold."""
+    on_cpu = A.device.type == "cpu" and not COPY_FREE_FOLD_ON_CPU
+    if b == 0.0 or on_cpu or (A.dtype in TOLERANCE_16BIT and SYM_GEMM.op() is not None):
+        P = _poly(A, b, c, out)
+        P.diagonal(dim1=-2, dim2=-1).add_(a)
+        return P
+    P = torch.add(A, _identity(A.shape[-1], A), alpha=a / b, out=out)  # (b, m, m)
+    return P.baddbmm_(A, A, beta=b, alpha=c)                            # A A = A A^T
+
+
 def ns_standard(X: Tensor, coeffs: Sequence[tuple[float, ...]], transpose_out: bool,
                 ws: Workspace | None = None) -> Tensor:
     """Standard NS on ``X (b, m, n)``, ``m <= n``, normalized, in the compute dtype.
@@ -335,13 +381,16 @@ def ns_standard(X: Tensor, coeffs: Sequence[tuple[float, ...]], transpose_out: b
     bs, m, n = X.shape
     for k, (a, b, c) in enumerate(coeffs):
         A = _xxt(X, _buf(ws, (bs, m, m), X, X))                   # (b, m, m)
-        B = _poly(A, b, c, _buf(ws, (bs, m, m), X, X, A))         # (b, m, m)
         out_t = k == last and transpose_out
-        out = _buf(ws, (bs, n, m) if out_t else (bs, m, n), X, X, B)
-        if fold:
-            B.diagonal(dim1=-2, dim2=-1).add_(a)                  # B + a I: X's copy avoided
-            X = torch.bmm(X.mT, B, out=out) if out_t else torch.bmm(B, X, out=out)
-        elif out_t:
+        out_shape = (bs, n, m) if out_t else (bs, m, n)
+        if fold:  # X <- (a I + B) X: one plain GEMM, X's copy avoided
+            P = _fold_poly(A, a, b, c, _buf(ws, (bs, m, m), X, X, A))      # (b, m, m)
+            out = _buf(ws, out_shape, X, X, P)
+            X = torch.bmm(X.mT, P, out=out) if out_t else torch.bmm(P, X, out=out)
+            continue
+        B = _poly(A, b, c, _buf(ws, (bs, m, m), X, X, A))         # (b, m, m)
+        out = _buf(ws, out_shape, X, X, B)
+        if out_t:
             X = torch.baddbmm(X.mT, X.mT, B, beta=a, out=out)     # (b, n, m)
         else:
             # Not bmm + add_(X, alpha=a) on CPU, though 8-13% faster there in bf16: the add
@@ -361,8 +410,7 @@ def ns_gram(X: Tensor, coeffs: Sequence[tuple[float, ...]], restarts: Sequence[i
     Q: Tensor | None = None
     last = len(coeffs) - 1
     for k, (a, b, c) in enumerate(coeffs):
-        P = _poly(R, b, c, _buf(ws, sq, X, X, R, Q))
-        P.diagonal(dim1=-2, dim2=-1).add_(a)                      # P = a I + b R + c R^2
+        P = _fold_poly(R, a, b, c, _buf(ws, sq, X, X, R, Q))      # P = a I + b R + c R^2
         # P Q and R P are symmetric only in exact arithmetic (polynomials in one R commute):
         # computing half and mirroring them made the fp32 error 2-5x larger, so full GEMMs.
         Q = P if Q is None else torch.bmm(P, Q, out=_buf(ws, sq, X, X, R, P, Q))  # (b, m, m)

@@ -1,6 +1,7 @@
 """The cuBLASLt family of Newton-Schulz (``poly_lt``: b A + c A^2 with C != D, no copy of A),
 on CPU with a fake op and fake timers: a candidate by default, used only where measured faster
-and matching torch.baddbmm first, switched off by the environment or by any error."""
+and matching torch.baddbmm first, switched off by the environment or by any error. On a GPU
+fp16 folds ``a I`` into its polynomial without the copy instead (nothing left for poly_lt)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,18 @@ def test_on_by_default_and_used_where_faster_and_correct(setup, dtype):
     ref = ns.orthogonalize(torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(0)),
                            3, list(ns.QUINTIC), 1e-7, torch.float32, "standard")
     torch.testing.assert_close(out.float(), ref, rtol=0.1, atol=0.1)
+
+
+def test_the_gpu_fp16_route_folds_a_i_without_a_copy_and_never_asks_poly_lt(setup,
+                                                                            monkeypatch):
+    monkeypatch.setattr(ns, "COPY_FREE_FOLD_ON_CPU", True)  # the route off the CPU
+    op = FakePolyLt()
+    d = setup(op, op_ms=0.01)
+    out = _run(torch.float16)
+    assert op.calls == 0 and choices(d) == {}
+    ref = ns.orthogonalize(torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(0)),
+                           3, list(ns.QUINTIC), 1e-7, torch.float32, "standard")
+    torch.testing.assert_close(out.float(), ref, rtol=0.02, atol=0.02)
 
 
 def test_swapped_coefficients_are_caught_by_the_first_check(setup, caplog):

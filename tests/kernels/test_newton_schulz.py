@@ -238,3 +238,42 @@ def test_the_workspace_never_hands_out_a_live_buffer_and_serves_smaller_batches(
     small = ws.out((2, 8, 8), like, [a[:1]])  # a view of a live buffer keeps it live
     assert small.shape == (2, 8, 8) and small.untyped_storage().data_ptr() != a.data_ptr()
     assert ws.nbytes == 3 * 4 * 8 * 8 * 4
+
+
+# ---- the GPU's copy-free fold (a I + b A + c A^2 in an add and an in-place GEMM) -------------
+
+@pytest.mark.parametrize("method", ["standard", "gram"])
+@pytest.mark.parametrize("schedule", ["quintic", "polar_express"])
+@pytest.mark.parametrize("workspace", [False, True])
+def test_the_gpu_fold_route_matches_the_cpu_route_and_float64(monkeypatch, method, schedule,
+                                                              workspace):
+    """The route off the CPU (``A + (a/b) I`` then ``baddbmm_`` with beta = b) is the same
+    polynomial: in fp64 it agrees with the plain product plus diagonal add to rounding, and in
+    fp32 it is as close to float64 as the CPU route, with and without a workspace."""
+    G = power_law(48, 144)
+    coeffs = ops.resolve_coefficients(schedule, 5)
+    ref = reference(G, schedule, 5)
+    cpu64 = ns.orthogonalize(G, 5, coeffs, 1e-7, torch.float64, method)
+    cpu32 = ns.orthogonalize(G.float(), 5, coeffs, 1e-7, torch.float32, method)
+    monkeypatch.setattr(ns, "COPY_FREE_FOLD_ON_CPU", True)
+    scope = ns.workspace_scope(ns.Workspace()) if workspace else None
+    with scope if scope is not None else torch.no_grad():
+        gpu64 = ns.orthogonalize(G, 5, coeffs, 1e-7, torch.float64, method).clone()
+        gpu32 = ns.orthogonalize(G.float(), 5, coeffs, 1e-7, torch.float32, method).clone()
+    assert rel(gpu64, cpu64) < 1e-12
+    assert rel(gpu32, ref) <= 1.5 * rel(cpu32, ref) + 1e-6, (rel(gpu32, ref), rel(cpu32, ref))
+
+
+def test_the_gpu_fold_costs_two_ops_per_polynomial_and_no_diagonal_add(monkeypatch):
+    # The launch arithmetic of tests/optim/test_step_budget.py: xxt, add, baddbmm_, bmm per
+    # standard iteration (4, was 5 with baddbmm's copy and the a I diagonal add).
+    from speedtronic.kernels.counting import DispatchCounter
+
+    monkeypatch.setattr(ns, "COPY_FREE_FOLD_ON_CPU", True)
+    X = gaussian(2, 32, 96).half()
+    X = X / X.float().norm(dim=(-2, -1), keepdim=True).half()
+    ns.orthogonalize(X, 5, list(ns.QUINTIC), 1e-7, torch.float16, "standard", True)  # eye cached
+    with DispatchCounter() as counter:
+        ns.orthogonalize(X, 5, list(ns.QUINTIC), 1e-7, torch.float16, "standard", True)
+    assert counter.by_name == {"bmm": 10, "add": 5, "baddbmm_": 5}, counter.by_name
+    assert counter.launches == 20

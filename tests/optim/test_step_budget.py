@@ -300,10 +300,13 @@ def test_the_cuda_graph_key_changes_with_what_invalidates_a_capture():
 
 
 # The CUDA-path estimate (ns_dtype fp16 takes the 16-bit branches the GPU takes): standard NS
-# costs X X^T 1 + (b A + c A^2) 2 (copy + GEMM without cuBLASLt) + a*I 1 + B X 1 = 5 launches
-# per iteration; Gram at most 7. The 60-launch target needs 3 per iteration (fused
-# epilogues), which this design does not have yet: the budget below is what it does promise.
-CUDA_NS_PER_ITERATION = 7
+# costs X X^T 1 + (a I + b A + c A^2) 2 (an add writing A + (a/b) I, then an in-place GEMM with
+# beta = b: newton_schulz._fold_poly) + P X 1 = 4 launches per iteration; Gram at most 5 (the
+# polynomial 2, P Q 1, then R P and P (R P), or at a restart Q X and X X^T). It was 5 and 7
+# with baddbmm's copy of A and a separate a I diagonal add. The 60-launch target needs
+# 3 per iteration (C != D GEMMs for the polynomial and for P X) and one multi-tensor update
+# kernel, which this design does not have yet: the budget below is what it does promise.
+CUDA_NS_PER_ITERATION = 5
 
 
 def design_cuda_budget(shapes: list[tuple[int, int]]) -> int:
