@@ -11,7 +11,9 @@ Rows:
 
 * ``ours``: ``speedtronic.optim.Muon`` as shipped (CPU path: fp32 Newton-Schulz);
 * ``ours fp16``: the same step with ``ns_dtype="fp16"``, which takes the 16-bit branches of the
-  CUDA path (fold, fp16 guard): its launch estimate is the CUDA-path prediction;
+  CUDA path (the fp16 guard, and the copy-free fold through ``COPY_FREE_FOLD_ON_CPU``): its
+  launch estimate is the CUDA-path prediction at this scale (one CPU-only op per group remains:
+  the in-place divide before the fp16 conversion);
 * ``ours muon+`` / ``ours cautious``: the options' cost;
 * ``banked reference``: a minimal loop written here in the style of modded-nanogpt (two shape
   banks, tall matrices stacked transposed, plain foreach momentum, standard quintic NS with
@@ -39,7 +41,22 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_data import cpu_flags  # noqa: E402
 
 import speedtronic  # noqa: E402
+from speedtronic.kernels import newton_schulz as ns  # noqa: E402
 from speedtronic.optim import Muon  # noqa: E402
+
+
+class _GpuRoute:
+    """A Muon whose steps take the GPU's Newton-Schulz fold on CPU (newton_schulz._fold_poly)."""
+
+    def __init__(self, opt: Muon) -> None:
+        self.opt = opt
+
+    def step(self) -> None:
+        ns.COPY_FREE_FOLD_ON_CPU = True
+        try:
+            self.opt.step()
+        finally:
+            ns.COPY_FREE_FOLD_ON_CPU = False
 
 
 def _load_counter():
@@ -118,7 +135,7 @@ def _variants(shapes, scale):
         return lambda: Muon(_params(shapes, scale), lr=0.02, weight_decay=0.01, **kw)
     return {
         "ours": ours(),
-        "ours fp16 (CUDA-path prediction)": ours(ns_dtype="fp16"),
+        "ours fp16 (CUDA-path prediction)": lambda: _GpuRoute(ours(ns_dtype="fp16")()),
         "ours muon+": ours(muon_plus=True),
         "ours cautious": ours(cautious=True),
         "banked reference": lambda: BankedReference(_params(shapes, scale)),
