@@ -221,6 +221,34 @@ def test_newton_schulz_on_cuda_every_method_against_float64(gen, shape):
         assert errs[name] < errs["bf16_standard"], errs
 
 
+@pytest.mark.parametrize("schedule", ["quintic", "polar_express"])
+@pytest.mark.parametrize("shape", [(4, 768, 768), (2, 768, 3072)])
+def test_the_copy_free_fold_is_as_accurate_as_the_old_route_on_cuda(gen, monkeypatch, schedule,
+                                                                    shape):
+    """a I + b A + c A^2 as ``A + (a/b) I`` then an in-place baddbmm_ (newton_schulz._fold_poly)
+    against the route it replaced (baddbmm's copy, then a diagonal add), fp16 on cuBLAS: the
+    CPU emulation (benchmarks/results/fold_rounding.md) predicts 0.66-1.01x the error."""
+    from speedtronic.kernels import newton_schulz as ns
+
+    def old_route(A, a, b, c, out=None):
+        P = torch.baddbmm(A, A, A, beta=b, alpha=c, out=out)
+        P.diagonal(dim1=-2, dim2=-1).add_(a)
+        return P
+
+    G = _rand(shape, gen)
+    coeffs = ops.resolve_coefficients(schedule, 5)
+    ref64 = ops.newton_schulz(G.double(), 5, coeffs, 1e-7, torch.float64, "standard")
+    errs = {}
+    for route in ("new", "old"):
+        if route == "old":
+            monkeypatch.setattr(ns, "_fold_poly", old_route)
+        for method in ("standard", "gram"):
+            out = ops.newton_schulz(G, 5, coeffs, 1e-7, torch.float16, method)
+            errs[route, method] = ((out.double() - ref64).norm() / ref64.norm()).item()
+    for method in ("standard", "gram"):
+        assert errs["new", method] <= 1.25 * errs["old", method], errs
+
+
 def test_muon_fp64_and_fp16_run_on_cuda(gen):
     """The H200 run found ns_dtype="fp64" raising on CUDA: dtypes the kernels lack must take the
     PyTorch path of that op automatically."""
