@@ -356,7 +356,7 @@ def _fold_poly(A: Tensor, a: float, b: float, c: float, out: Tensor | None = Non
     ``B_ii + a``. With cuBLAS's rounding (fp16 in, fp32 accumulate, one rounding out) the fp16
     error against float64 is 0.66-1.01x the old route's (``benchmarks/bench_fold_rounding.py``,
     results in ``benchmarks/results/fold_rounding.md``). The CPU keeps the old route: its fp16
-    ``baddbmm`` rounds differently (Polar Express errors 1.8-2x the old route's there) and its
+    ``baddbmm`` rounds differently (Polar Express up to 1.99x the old route's error there) and its
     fp32 GEMM with beta != 0 is 1.3-1.5x slower (see :func:`_poly`); so do ``b = 0`` and the
     opt-in Hopper kernel. ``poly_lt`` (cuBLASLt, C != D) would save nothing here (1 launch plus
     the diagonal add), so it serves bf16, which does not fold."""
