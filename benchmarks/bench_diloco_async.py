@@ -57,6 +57,7 @@ D_MODEL = 64
 JITTER = 0.15
 RESULTS = Path(__file__).parent / "results" / "bench_diloco_async"
 UNEVEN = (1.0, 1.0, 0.7, 0.35)
+OUTER_SWEEP = ((0.4, 0.5), (0.7, 0.5), (0.5, 0.7), (0.6, 0.6))  # (outer lr, outer momentum)
 
 
 def bench_cfg(seed: int):
@@ -65,11 +66,12 @@ def bench_cfg(seed: int):
     return cfg
 
 
-def _setup(cfg, tmp: Path, M: int, horizons: list[int], **dist):
+def _setup(cfg, tmp: Path, M: int, horizons: list[int],
+           outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM), **dist):
     # polls and listings never fire on their own: the event loop calls them
     _, nodes, master, workers = _diloco_setup(
         cfg, tmp, horizons, workers=M, tokens_per_step=BATCH * 64, master_poll_interval=1e6,
-        outer_lr=OUTER_LR, outer_momentum=OUTER_MOMENTUM, reset_inner_optimizer=False,
+        outer_lr=outer[0], outer_momentum=outer[1], reset_inner_optimizer=False,
         unapplied_wait=0.0, max_unapplied=16, **dist)
     return nodes, master, workers
 
@@ -88,7 +90,8 @@ def _final_eval(cfg, master, evals) -> float:
 def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carry: bool,
               master_ratio: float, worker_ratio: float, timing_seed: int,
               push_pull: float = 0.0, horizon: float | None = None,
-              adaptive: bool = False, lookahead: float = 0.0) -> dict:
+              adaptive: bool = False, lookahead: float = 0.0,
+              outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM)) -> dict:
     """One asynchronous run on the simulated clock; ``horizon`` (time units) stops every worker
     there (equal wall-clock), else each trains ``steps`` inner steps (equal tokens)."""
     rng = random.Random(timing_seed)
@@ -98,7 +101,7 @@ def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carr
     with tempfile.TemporaryDirectory() as tmp:
         nodes, master, workers = _setup(cfg, Path(tmp), M, limits, consistent_base=carry,
                                         adaptive_inner_steps=adaptive,
-                                        carry_lookahead=lookahead)
+                                        carry_lookahead=lookahead, outer=tuple(outer))
         now = [0.0]
         master._clock = lambda: now[0]
         for w in workers:
@@ -182,12 +185,14 @@ def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carr
             "wall_s": time.perf_counter() - t_wall}
 
 
-def run_lockstep(cfg, evals, *, M: int, steps: int, rounds: int | None = None) -> dict:
+def run_lockstep(cfg, evals, *, M: int, steps: int, rounds: int | None = None,
+                 outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM)) -> dict:
     """Lock-step DiLoCo: every worker does H steps, uploads; the master applies all M; every
     worker installs. ``rounds`` stops early (the barrier at an equal wall-clock)."""
     t_wall = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        nodes, master, workers = _setup(cfg, Path(tmp), M, [steps] * M, consistent_base=True)
+        nodes, master, workers = _setup(cfg, Path(tmp), M, [steps] * M, consistent_base=True,
+                                        outer=tuple(outer))
         for _ in range(rounds if rounds is not None else steps // H):
             for w, n in zip(workers, nodes, strict=True):
                 for _ in range(H):
@@ -231,6 +236,10 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
                                                   "worker_ratio": 0.25},
         "consistent base + lookahead 0.25, master poll 0.05 round": {
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25},
+        "consistent base + lookahead 0.25, master poll 0.25 round": {
+            "carry": True, "master_ratio": 0.25, "worker_ratio": 0.25, "lookahead": 0.25},
+        "consistent base + lookahead 0.25, master poll 1 round": {
+            "carry": True, "master_ratio": 1.0, "worker_ratio": 0.25, "lookahead": 0.25},
         "consistent base + lookahead 0.5, master poll 0.05 round": {
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.5},
         "no carry, master poll 0.05 round": {"carry": False, "master_ratio": 0.05,
@@ -238,6 +247,14 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
         "push-pull (timeout 0.5 round), master poll 0.05": {
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "push_pull": 0.5},
     }
+    # The outer step size lr / (1 - mu) against the 0.5/0.5 above (1.0): lock-step and the
+    # default asynchronous schedule, each at the same settings
+    for lr, mu in OUTER_SWEEP:
+        rows[f"lock-step DiLoCo, outer {lr}/{mu}"] = ("lockstep", {"M": M, "steps": steps,
+                                                                  "outer": (lr, mu)})
+        variants[f"consistent base + lookahead 0.25, master poll 0.05 round, outer {lr}/{mu}"] = {
+            "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25,
+            "outer": (lr, mu)}
     for name, kw in variants.items():
         for seed in timing_seeds:
             rows[f"{name} | t{seed}"] = ("async", {"M": M, "steps": steps,
@@ -355,7 +372,10 @@ def report(done: dict) -> str:
              "`--report` rewrites this file from the json). Method: the module docstring. "
              "Eval: cross-entropy (nats/byte) of the final global, lower is better; mean, "
              "worst and spread over the timing seeds t0-t2; `lag mean`: own deltas the "
-             "installed global lacked, per install (the consistent base carries them).", "",
+             "installed global lacked, per install (the consistent base carries them). "
+             "Outer settings are lr/momentum 0.5/0.5 unless a row says `outer lr/mu`; such a "
+             "row's `mean / lock-step` is against lock-step DiLoCo at its settings (a "
+             "lock-step row's against lock-step at 0.5/0.5).", "",
              f"meta: `{json.dumps(done.get('meta', {}))}`", ""]
     for (M, steps, mseed), rows in sorted(groups.items()):
         lines += [f"## M={M}, {steps} steps per worker, model seed {mseed}", "",
@@ -379,7 +399,13 @@ def report(done: dict) -> str:
             # mode from before it recorded a lag have 0 there: left out)
             lags = [r["lag_mean"] for r in rs if r.get("lag_mean")]
             lag = f"{statistics.mean(lags):.2f}" if lags else "-"
-            vs_lock = f"{mean / lock:.3f}" if lock and name != "lock-step DiLoCo" else "-"
+            # a row at other outer settings is compared with lock-step at the same settings
+            outer = name.partition(", outer ")[2]
+            # (lock-step itself at other settings: against lock-step at 0.5/0.5)
+            same = ref(f"lock-step DiLoCo, outer {outer}") if outer else lock
+            if name.startswith("lock-step DiLoCo, outer"):
+                same = lock
+            vs_lock = f"{mean / same:.3f}" if same and name != "lock-step DiLoCo" else "-"
             vs_alone = f"{max(ev) / alone:.3f}" if alone and name != "one node" else "-"
             lines.append(f"| {name} | {mean:.4f} | {max(ev):.4f} | {spread:.1f} | {vs_lock} | "
                          f"{vs_alone} | {lag} | {len(rs)} |")
