@@ -785,6 +785,15 @@ class DataParallelConfig:
     bucket_cap_mb: float = 25.0
     """DDP gradient bucket size in MiB (torch's default): larger buckets mean fewer all-reduce
     launches, smaller ones start the communication earlier in backward."""
+    fsdp: bool = False
+    """FSDP2 (``torch.distributed.fsdp.fully_shard``) instead of DDP: every transformer block
+    is one unit, the root another. Parameters, gradients and optimizer state are sharded, ~1/world
+    of each per rank; costs one all-gather of each unit's parameters in forward and again in
+    backward, and a reduce-scatter of its gradients (DDP: one all-reduce). Muon all-gathers each
+    matrix's fp32 blend for Newton-Schulz and splits that work over the ranks itself, so
+    ``shard_muon`` does not apply. Checkpoints keep the plain one-process format. Not combined
+    with ``zero1``, ``optimizer.cuda_graph``, ``ooo_backprop``, torchft, hierarchical DiLoCo,
+    ``compile: true`` or fp16 (docs/scaling.md#fsdp2)."""
 
     def validate(self, p: str = "data_parallel") -> None:
         _check(self.timeout_s > 0, f"{p}.timeout_s", f"must be > 0 seconds, got {self.timeout_s}")

@@ -44,6 +44,9 @@ def check_supported(cfg: SpeedtronicConfig, dp: DataParallel) -> None:
             "its final callback, so weight gradients the out-of-order scheduler defers to side "
             "streams would be reduced as zeros (14 of 20 were, measured with gloo). Set "
             "ooo_backprop: false for data-parallel runs")
+    from .fsdp import check_fsdp
+
+    check_fsdp(cfg)
     if cfg.distributed.enabled:  # hierarchical DiLoCo: this torchrun group is one worker
         from .hierarchical import check_hierarchical
 

@@ -117,7 +117,10 @@ def build_optimizer(model: nn.Module, cfg: SpeedtronicConfig,
 
         return zero1_optimizer(optim.build_optimizer(model, cfg.optimizer))
     group = None
-    if dp is not None and cfg.data_parallel.shard_muon and cfg.optimizer.name == "muon":
+    # under FSDP2 the DTensor Muon step splits the Newton-Schulz itself (shard_muon does not
+    # apply) and refuses a process_group
+    if (dp is not None and cfg.data_parallel.shard_muon and cfg.optimizer.name == "muon"
+            and not cfg.data_parallel.fsdp):
         import torch.distributed as dist
 
         group = dist.group.WORLD
@@ -256,6 +259,11 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
     if cfg.torchft.mode != "off":  # before torchrun's group: a torchft group is one process
         from ..distributed import torchft_groups
 
+        if cfg.data_parallel.fsdp:  # says why FSDP2 and torchft do not combine
+            from ..distributed.fsdp import check_fsdp
+
+            check_fsdp(cfg)
+
         torchft_groups.check_supported(cfg)
     dp = init_data_parallel(dev, cfg.data_parallel.timeout_s)
     if dp is not None:
@@ -273,6 +281,11 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
     if malloc_line is not None:
         logger.info(malloc_line)
     plan = resolve_precision(cfg.precision.mode, dev)
+    fsdp = dp is not None and cfg.data_parallel.fsdp
+    if fsdp and plan.use_scaler:  # precision.mode: auto picked fp16 on this GPU
+        raise ConfigError(f"data_parallel.fsdp: true with precision {plan.mode} "
+                          f"({plan.reason}): GradScaler's unscale is not built for DTensor "
+                          "gradients; set precision.mode: bf16 or fp32")
     logger.info("device: %s | precision: %s (%s) | threads: %d", dev, plan.mode, plan.reason,
                 torch.get_num_threads())
     if dev.type == "cpu":
@@ -291,6 +304,11 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
         elif cfg.model.init_from:
             logger.info("init_from: skipped (--resume loads the checkpoint's weights)")
     model = model.to(dev)
+    if fsdp:  # before the optimizer: it must hold the sharded (DTensor) parameters
+        from ..distributed.fsdp import wrap_model_fsdp
+
+        assert dp is not None
+        model = wrap_model_fsdp(model, dp, cfg)
     if data is None:
         data = _build_data(cfg, dev, dp)
     optimizer = build_optimizer(model, cfg, dp)

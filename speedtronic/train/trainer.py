@@ -23,6 +23,7 @@ from torch import nn
 from ..config import SpeedtronicConfig
 from ..distributed import DataParallel
 from ..distributed import ddp as dp_step
+from ..distributed import fsdp as fsdp_step
 from ..errors import RunPreempted, SpeedtronicError
 from ..models.loss import extract_loss
 from ..ooo import scheduler as ooo
@@ -143,9 +144,17 @@ class Trainer(NonFiniteGuard):
                                    dp_step.local_accumulation_steps(config,
                                                                     data_parallel.world_size))
         # DDP around the model; self.model stays the plain module (its state_dict has no
-        # "module." prefix, so checkpoints load in a one-process run and back).
+        # "module." prefix, so checkpoints load in a one-process run and back). Under FSDP2
+        # the runtime sharded the model itself (before building the optimizer over its
+        # DTensor parameters): self.model is the FSDP module and the forward goes through it.
+        self._fsdp = data_parallel is not None and config.data_parallel.fsdp
+        if self._fsdp and not fsdp_step.is_sharded(model):
+            raise SpeedtronicError(
+                "data_parallel.fsdp: true but the model is not sharded: build the run with "
+                "build_trainer, or call speedtronic.distributed.fsdp.wrap_model_fsdp on the "
+                "model before building its optimizer")
         self._ddp = (dp_step.wrap_model(model, data_parallel, config)
-                     if data_parallel is not None else None)
+                     if data_parallel is not None and not self._fsdp else None)
         self.replicas: Any = None
         """torchft ``ddp`` replica groups (:class:`~speedtronic.distributed.torchft_groups.
         ReplicaGroups`; set by the runtime): a quorum started before each step, gradients
@@ -159,6 +168,7 @@ class Trainer(NonFiniteGuard):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._eval_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._eval_count = 0  # held-out batches over all ranks
+        self._eval_weights: list[float] = []  # per cached batch: 0 for an FSDP2 filler
         self._forward = self._ddp if self._ddp is not None else model
         self._compile_pending = False
         self._ooo = None
@@ -214,6 +224,8 @@ class Trainer(NonFiniteGuard):
                 logger.warning("gradient checkpointing: off (%s has no "
                                "set_gradient_checkpointing(bool))", type(self.model).__name__)
         self.compile_on, why = decide_compile(cfg, self.device)
+        if self._fsdp and self.compile_on:  # compile: true is refused at start (fsdp.py)
+            self.compile_on, why = False, "auto: off under data_parallel.fsdp"
         if self.compile_on:
             self._forward = torch.compile(self._forward)  # a compiled DDP module under torchrun
             self._compile_pending = True  # real compilation happens on the first forward
@@ -263,8 +275,9 @@ class Trainer(NonFiniteGuard):
             "step": self.step,
             "tokens": self.tokens,
             "samples": self.samples,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": (fsdp_step.full_model_state(self.model, keep=self.dp.is_main)
+                      if self._fsdp and self.dp is not None else self.model.state_dict()),
+            "optimizer": self._full(self.optimizer.state_dict()),
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "rng": rng,
@@ -281,11 +294,23 @@ class Trainer(NonFiniteGuard):
             "eval_pending": self._eval_pending,
         }
 
+    def _full(self, state: Any) -> Any:
+        """Under FSDP2: ``state`` with its DTensor shards gathered whole (a collective every rank
+        joins), kept on rank 0 only, which writes the plain one-process format."""
+        if not self._fsdp:
+            return state
+        assert self.dp is not None
+        return fsdp_step.full_state(state, keep=self.dp.is_main)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a checkpoint made by :meth:`state_dict`."""
         own = self._own_rank_state(state)  # first: a world-size change loads nothing
+        model_state, optimizer_state = state["model"], state["optimizer"]
+        if self._fsdp:  # the plain format: each rank keeps its rows (no communication)
+            model_state = fsdp_step.shard_model_state(self.model, model_state)
+            optimizer_state = fsdp_step.shard_optimizer_state(self.optimizer, optimizer_state)
         try:
-            self.model.load_state_dict(state["model"])
+            self.model.load_state_dict(model_state)
         except RuntimeError as exc:
             # torch's first line only says "Error(s) in loading state_dict for X:"; the lines
             # after it name the missing / unexpected / mis-shaped tensors.
@@ -293,7 +318,7 @@ class Trainer(NonFiniteGuard):
             raise SpeedtronicError("checkpoint does not fit this model (did model.* change?): "
                                    + ("; ".join(details[:3]) or str(exc))[:600]) from None
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(optimizer_state)
         except ValueError as exc:
             raise SpeedtronicError(f"the checkpoint's optimizer state does not fit this "
                                    f"optimizer ({exc}); did the model, its routing or "
@@ -321,6 +346,21 @@ class Trainer(NonFiniteGuard):
         self._restored_window = (float(window.get("loss_sum", 0.0)),
                                  int(window.get("micro_batches", 0)))
         restore_rng_state(own["rng"])
+
+    def _refuse_nonfinite_state(self) -> None:
+        """The guard's check before a save; under FSDP2 each rank holds only its shards of the
+        weights, so the guard sees one stand-in that is NaN when any rank has a non-finite
+        weight (one all-reduce: every rank then refuses the save alike)."""
+        if not self._fsdp or not self.params:
+            return super()._refuse_nonfinite_state()
+        assert self.dp is not None
+        ok = fsdp_step.all_finite(self.params, self.dp)
+        stand_in = torch.where(ok, 0.0, float("nan")).reshape(1)
+        params, self.params = self.params, [stand_in]
+        try:
+            super()._refuse_nonfinite_state()
+        finally:
+            self.params = params
 
     def _own_rank_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """This rank's data position and RNG streams in ``state`` (refused when the checkpoint
@@ -440,16 +480,26 @@ class Trainer(NonFiniteGuard):
         if self._eval_cache is None:
             batches = list(self.data.eval_batches(self.config.run.eval_batches))
             self._eval_count = len(batches)
+            weights = [1.0] * len(batches)
             if self.dp is not None:  # each rank evaluates its share; the sum is all-reduced
-                batches = batches[self.dp.rank::self.dp.world_size]
+                world = self.dp.world_size
+                mine = batches[self.dp.rank::world]
+                if self._fsdp and batches:
+                    # an FSDP2 forward is a collective: every rank runs as many batches, a
+                    # rank short of its share re-runs the first one with weight 0
+                    pad = -(-len(batches) // world) - len(mine)
+                    mine, weights = mine + [batches[0]] * pad, [1.0] * len(mine) + [0.0] * pad
+                batches = mine
             self._eval_cache = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+            self._eval_weights = weights[:len(batches)]
         was_training = self.model.training
         self.model.eval()
         total = torch.zeros((), device=self.device)
         with torch.no_grad():
-            for x, y in self._eval_cache:
+            for (x, y), w in zip(self._eval_cache, self._eval_weights, strict=True):
                 with self.precision.autocast():
-                    total += extract_loss(self.model(x, y)).float()
+                    loss = extract_loss(self.model(x, y)).float()
+                total += loss if w == 1.0 else loss * w
         self.model.train(was_training)
         if self.dp is not None:
             self.dp.all_reduce_sum(total)
@@ -485,7 +535,10 @@ class Trainer(NonFiniteGuard):
             self.scaler.unscale_(self.optimizer)
         clip = self.config.optimizer.grad_clip
         norm = None
-        if clip is not None:
+        if self._fsdp:  # DTensor gradients: the norm all-reduced into a plain device scalar
+            if clip is not None or need_norm or self._skip_nonfinite:
+                norm = fsdp_step.grad_norm(self.params, clip)
+        elif clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
         elif need_norm or self._skip_nonfinite:
             grads = [p.grad for p in self.params if p.grad is not None]
@@ -554,7 +607,9 @@ class Trainer(NonFiniteGuard):
         ranks (see :mod:`speedtronic.distributed.ddp`); one gradient all-reduce, at the last.
 
         Every rank runs every micro-batch, padding included, so the collectives line up."""
-        assert self.dp is not None and self._ddp is not None
+        assert self.dp is not None and (self._ddp is not None or self._fsdp)
+        sync_context = fsdp_step.sync_context if self._fsdp else dp_step.sync_context
+        sync_module = self.model if self._fsdp else self._ddp
         k, world = self.accumulation_steps, self.world_size
         batches = [next(it) for _ in range(k)]
         counts = [counted_tokens(y) for _, y in batches]
@@ -566,7 +621,7 @@ class Trainer(NonFiniteGuard):
             if n == 0:
                 y = dp_step.one_token_labels(y)  # scale 0: runs only to keep DDP in step
             x, y = self._to_device(x, y)
-            with dp_step.sync_context(self._ddp, sync=i == k - 1):
+            with sync_context(sync_module, sync=i == k - 1):
                 if self._compile_pending:
                     loss = self._first_compiled_micro_step(x, y, scale=scales.scales[i])
                 else:
