@@ -90,7 +90,7 @@ def _final_eval(cfg, master, evals) -> float:
 def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carry: bool,
               master_ratio: float, worker_ratio: float, timing_seed: int,
               push_pull: float = 0.0, horizon: float | None = None,
-              adaptive: bool = False, lookahead: float = 0.0,
+              adaptive: bool = False, lookahead: float = 0.0, rebase: bool = False,
               outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM)) -> dict:
     """One asynchronous run on the simulated clock; ``horizon`` (time units) stops every worker
     there (equal wall-clock), else each trains ``steps`` inner steps (equal tokens)."""
@@ -101,7 +101,8 @@ def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carr
     with tempfile.TemporaryDirectory() as tmp:
         nodes, master, workers = _setup(cfg, Path(tmp), M, limits, consistent_base=carry,
                                         adaptive_inner_steps=adaptive,
-                                        carry_lookahead=lookahead, outer=tuple(outer))
+                                        carry_lookahead=lookahead, outer=tuple(outer),
+                                        rebase_within_round=rebase)
         now = [0.0]
         master._clock = lambda: now[0]
         for w in workers:
@@ -242,6 +243,19 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
             "carry": True, "master_ratio": 1.0, "worker_ratio": 0.25, "lookahead": 0.25},
         "consistent base + lookahead 0.5, master poll 0.05 round": {
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.5},
+        # rebase_within_round (the default since it measured better): newer globals are
+        # absorbed mid-round; the rows above ran without it
+        "consistent base + lookahead 0.25 + rebase, master poll 0.05 round": {
+            "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25,
+            "rebase": True},
+        "consistent base + lookahead 0.25 + rebase, master poll 0.25 round": {
+            "carry": True, "master_ratio": 0.25, "worker_ratio": 0.25, "lookahead": 0.25,
+            "rebase": True},
+        "consistent base + lookahead 0.25 + rebase, master poll 1 round": {
+            "carry": True, "master_ratio": 1.0, "worker_ratio": 0.25, "lookahead": 0.25,
+            "rebase": True},
+        "consistent base + rebase, master poll 0.05 round": {
+            "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "rebase": True},
         "no carry, master poll 0.05 round": {"carry": False, "master_ratio": 0.05,
                                               "worker_ratio": 0.25},
         "push-pull (timeout 0.5 round), master poll 0.05": {
@@ -255,6 +269,9 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
         variants[f"consistent base + lookahead 0.25, master poll 0.05 round, outer {lr}/{mu}"] = {
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25,
             "outer": (lr, mu)}
+        variants[f"consistent base + lookahead 0.25 + rebase, master poll 0.05 round, outer "
+                 f"{lr}/{mu}"] = {"carry": True, "master_ratio": 0.05, "worker_ratio": 0.25,
+                                  "lookahead": 0.25, "rebase": True, "outer": (lr, mu)}
     for name, kw in variants.items():
         for seed in timing_seeds:
             rows[f"{name} | t{seed}"] = ("async", {"M": M, "steps": steps,
@@ -283,6 +300,10 @@ def plan_uneven(steps: int, timing_seeds: list[int]) -> dict:
             "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed, "carry": True,
             "master_ratio": 0.05, "worker_ratio": 0.25, "horizon": horizon, "adaptive": True,
             "lookahead": 0.25})
+        rows[f"uneven: consistent base + adaptive H + lookahead 0.25 + rebase | t{seed}"] = (
+            "async", {"M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed,
+                      "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25,
+                      "horizon": horizon, "adaptive": True, "lookahead": 0.25, "rebase": True})
         rows[f"uneven: async as shipped | t{seed}"] = ("async", {
             "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed, "carry": False,
             "master_ratio": 1.0, "worker_ratio": 1.0, "horizon": horizon})

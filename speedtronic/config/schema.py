@@ -625,6 +625,11 @@ class DistributedConfig:
     work lands halfway through this worker's next round. 0 = the exact algebra. In the
     simulated schedule 0.25 beat 0 in every pair (bench_diloco_async.md: M=3 +1.6%/+0.3%
     above lock-step against +3.3%/+1.1%, M=4 +2.7% against +5.3%)."""
+    rebase_within_round: bool = True
+    """With ``consistent_base``: a newer global that arrives mid-round is absorbed at once
+    (the weights move by new base - old base, the round's own progress kept) instead of at the
+    next boundary, so the other workers' deltas reach this worker within a poll. One pass over
+    the parameters per new global (about M per round)."""
     max_unapplied: int = 4
     """Most own deltas a worker keeps for its consistent base (each a host fp32 copy of the
     model). Beyond it, two deltas that both still wait for the store are sent as one; when the

@@ -222,19 +222,57 @@ class ConsistentBase:
             self._poll_soon.set()
             self._lock.wait(min(left, 0.05))
 
+    def _base_of_newest(self) -> tuple[Pointer, dict[str, torch.Tensor]] | None:
+        """``(pointer, G - c * (own deltas G lacks))`` for the newest global G known, the
+        covered deltas released (lock held); None before the first global."""
+        if self._candidate is not None:
+            self._global, self._candidate = self._candidate, None
+        if self._global is None:
+            return None
+        pointer, weights = self._global
+        self._release(self._carry.drop_held(pointer.holds(self.node_id, self.session)))
+        c = pointer.carry * (1.0 + self.cfg.carry_lookahead * max(0.0, pointer.workers - 1))
+        return pointer, self._carry.base(weights, c)
+
+    @torch.no_grad()
+    def _rebase_within_round(self, trainer: Any) -> None:
+        """``rebase_within_round``: a newer global staged mid-round moves the weights by
+        ``new base - old base`` at once, instead of at the next boundary.
+
+        The round's own work is kept: with ``w = b_old + u`` (``u`` the local progress so far),
+        the shift gives ``b_new + u``, and the delta at the boundary, ``b_new - w_end``, is still
+        exactly ``-(u + the rest of the round)``. What changes is how soon the other workers'
+        deltas (and the master's momentum) reach this worker's weights: within a poll, not up to
+        a round later. Cost: one pass over the parameters per new global (about M per round)."""
+        with self._lock:
+            if self._candidate is None or self.gen not in self._refs:
+                return
+            pointer, base = self._base_of_newest()  # type: ignore[misc]
+            new_version = pointer.version != self.version
+            old = self._refs[self.gen]
+            for k, p in self._params.items():
+                shift = old[k].sub_(base[k])                       # old base - new base
+                p.sub_(shift.to(device=p.device, dtype=p.dtype))   # w <- w + new - old
+            self._refs[self.gen] = base
+            self._gen_version[self.gen] = pointer.version
+            self.version, self.digest = pointer.version, pointer.weights_digest
+            if len(self._pool) < 2:
+                self._pool.append(old)  # the old base's buffer holds the shift: free now
+        self.m["rebases"] += 1
+        self.m["installs"] += int(new_version)  # a global counts once, however it came in
+        replaced = getattr(trainer, "weights_replaced", None)
+        if callable(replaced):  # a torchrun group's other ranks follow (GroupRelay)
+            replaced(f"DiLoCo global v{pointer.version} (within the round)")
+
     @torch.no_grad()
     def _install_consistent(self, trainer: Any) -> None:
         """Install ``G - c * (own deltas G lacks)`` for the newest global G known."""
         with self._lock:
-            if self._candidate is not None:
-                self._global, self._candidate = self._candidate, None
-            if self._global is None:
+            newest = self._base_of_newest()
+            if newest is None:
                 return
-            pointer, weights = self._global
-            self._release(self._carry.drop_held(pointer.holds(self.node_id, self.session)))
+            pointer, base = newest
             lag = len(self._carry)
-            c = pointer.carry * (1.0 + self.cfg.carry_lookahead * max(0.0, pointer.workers - 1))
-            base = self._carry.base(weights, c)
             for k, p in self._params.items():
                 p.copy_(base[k])
             new_version = pointer.version != self.version

@@ -163,7 +163,8 @@ class Worker(ConsistentBase):
         self._step_end: float | None = None
         self._step_s = 0.0  # EMA of this worker's seconds per inner step
         self.m.update({"round_steps": cfg.inner_steps, "lag": 0, "lag_mean": 0.0,
-                       "version_age_s": 0.0, "carry_dropped": 0, "boundary_wait_s": 0.0})
+                       "version_age_s": 0.0, "carry_dropped": 0, "boundary_wait_s": 0.0,
+                       "rebases": 0})
 
     # ------------------------------------------------------------------ callback API
     def on_train_start(self, trainer: Any) -> None:
@@ -223,6 +224,8 @@ class Worker(ConsistentBase):
             self._train_s += time.perf_counter() - t0
             self._log(trainer)
         else:
+            if self._carry_mode and self.cfg.rebase_within_round and self._candidate is not None:
+                self._rebase_within_round(trainer)
             self._train_s += time.perf_counter() - t0
         self._step_end = self._clock()
 

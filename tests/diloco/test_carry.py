@@ -320,3 +320,50 @@ def test_a_grace_window_puts_near_simultaneous_arrivals_into_one_update(tmp_path
     finally:
         w0.close()
         w1.close()
+
+
+
+
+@pytest.mark.parametrize("rebase", [True, False])
+def test_a_global_staged_mid_round_moves_the_weights_and_the_delta_keeps_the_rounds_work(
+        tmp_path, rebase):
+    """rebase_within_round: w0 stages a global mid-round (it holds w0's previous delta and
+    w1's); the very next step's callback moves the weights by new base - old base, and the
+    round's delta is still exactly minus the optimizer steps' own progress. Off: nothing
+    moves until the boundary."""
+    _, master, (w0, w1), (t0, t1) = _cluster(tmp_path, 2, rebase_within_round=rebase)
+    try:
+        _steps(w0, t0, H, 0)
+        _steps(w1, t1, H, 1)
+        assert w0.flush(30) and w1.flush(30)
+        assert master.run_once().applied == 2      # G1 holds d0 (w0's) and w1's delta
+        old_base = {k: v.clone() for k, v in w0._refs[w0.gen].items()}
+        v_before = w0.version
+        progress = {k: torch.zeros_like(v) for k, v in old_base.items()}
+        for i in range(H):                         # w0's second round, G1 staged after step 1
+            if i == 1:
+                w0.poll_now()
+            before = _params(t0)
+            x, y = batch(t0.step, 0)
+            t0.optimizer.zero_grad()
+            torch.nn.functional.mse_loss(t0.model(x), y).backward()
+            t0.optimizer.step()
+            stepped = _params(t0)
+            for k in progress:
+                progress[k] += stepped[k] - before[k]
+            t0.step += 1
+            w0.after_optimizer_step(t0, t0.step)
+            if i == 1:                              # G1 holds d0: the new base is G1 itself
+                g1 = master.weights
+                for k, p in _params(t0).items():
+                    want = stepped[k] + (g1[k] - old_base[k]) if rebase else stepped[k]
+                    torch.testing.assert_close(p, want, rtol=0, atol=1e-6)
+                assert w0.version == (master.pointer.version if rebase else v_before)
+        d1 = w0._carry.find(1).tensors               # this round's delta: base - weights
+        for k in progress:
+            torch.testing.assert_close(d1[k], -progress[k], rtol=0, atol=1e-6)
+        assert w0.m["rebases"] == int(rebase)
+        assert w0.m["installs"] == 2  # the first global and G1, by rebase or at the boundary
+    finally:
+        w0.close()
+        w1.close()
