@@ -336,7 +336,8 @@ def main() -> None:
     ap.add_argument("--model-seeds", default="0")
     ap.add_argument("--timing-seeds", default="0,1,2")
     ap.add_argument("--rows", default="all", help="'all', 'uneven', optionally ':' and "
-                    "comma-separated substrings a row name must contain")
+                    "substrings a row name must contain (one of), separated by ';' or, "
+                    "when there is no ';', by ','")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--report", action="store_true", help="only rewrite the markdown")
     ap.add_argument("--part", default="0/1", help="k/n: run every n-th row from the k-th, so "
@@ -359,7 +360,8 @@ def main() -> None:
         rows = plan_uneven(args.steps, tseeds) if which == "uneven" else plan(
             args.M, args.steps, tseeds)
         if only:
-            rows = {k: v for k, v in rows.items() if any(o in k for o in only.split(","))}
+            wanted = only.split(";" if ";" in only else ",")
+            rows = {k: v for k, v in rows.items() if any(o in k for o in wanted)}
         k, n = (int(v) for v in args.part.split("/"))
         for index, (name, (kind, kw)) in enumerate(rows.items()):
             if index % n != k:

@@ -629,7 +629,9 @@ class DistributedConfig:
     """With ``consistent_base``: a newer global that arrives mid-round is absorbed at once
     (the weights move by new base - old base, the round's own progress kept) instead of at the
     next boundary, so the other workers' deltas reach this worker within a poll. One pass over
-    the parameters per new global (about M per round)."""
+    the parameters per new global (about M per round). In the simulated schedule (M=4, 1200
+    steps, bench_diloco_async.md) it took the mean over lock-step DiLoCo from 1.027 to 1.023
+    with the master listing every 1/20 round, and from 1.052 to 1.034 listing once a round."""
     max_unapplied: int = 4
     """Most own deltas a worker keeps for its consistent base (each a host fp32 copy of the
     model). Beyond it, two deltas that both still wait for the store are sent as one; when the
