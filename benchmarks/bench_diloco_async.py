@@ -360,7 +360,7 @@ def main() -> None:
         rows = plan_uneven(args.steps, tseeds) if which == "uneven" else plan(
             args.M, args.steps, tseeds)
         if only:
-            wanted = only.split(";" if ";" in only else ",")
+            wanted = [o for o in only.split(";" if ";" in only else ",") if o]
             rows = {k: v for k, v in rows.items() if any(o in k for o in wanted)}
         k, n = (int(v) for v in args.part.split("/"))
         for index, (name, (kind, kw)) in enumerate(rows.items()):
