@@ -26,6 +26,14 @@ void launch_muon_plus_stats(DType t, const void* U, NormStats s, void* stream);
 void launch_muon_post(DType p, DType o, DType g, int b, void* const* params, void* const* grads,
                       const int* ids, const void* orth, PostArgs a, void* stream);
 
+// The lean step's passes over `mats[0, n)` of one dtype combination (kernels/muon_lean.cuh):
+// pre = momentum, Nesterov, Frobenius normalization into each matrix's `out` (2 launches per
+// table of kLeanMats); `partial` holds lean_pre_partials(mats, n) floats. update = decay and
+// the parameter update (1 launch per table).
+void launch_lean_pre(DType g, DType out, const LeanMat* mats, int n, float* partial, void* stream);
+int64_t lean_pre_partials(const LeanMat* mats, int n);
+void launch_lean_update(DType p, DType u, const LeanMat* mats, int n, void* stream);
+
 // t must be F16 or BF16.
 void launch_syrk(DType t, SyrkArgs a, void* stream);
 void launch_mma_probe(DType t, const void* A, const void* Bt, float* D, void* stream);

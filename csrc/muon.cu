@@ -1,5 +1,6 @@
 // Launchers for csrc/kernels/muon.cuh (Muon pre/post passes, Muon+ normalization).
 #include "kernels/muon.cuh"
+#include "kernels/muon_lean.cuh"
 #include "launch.h"
 
 namespace st {
@@ -20,6 +21,16 @@ void launch_muon_plus_stats(DType t, const void* U, NormStats s, void* stream) {
 void launch_muon_post(DType p, DType o, DType g, int b, void* const* params, void* const* grads,
                       const int* ids, const void* orth, PostArgs a, void* stream) {
   ST_DISPATCH(p, P, ST_DISPATCH(o, O, ST_DISPATCH(g, G, run_muon_post<P, O, G>(b, params, grads, ids, static_cast<const O*>(orth), a, static_cast<Stream>(stream)))));
+}
+
+void launch_lean_pre(DType g, DType out, const LeanMat* mats, int n, float* partial, void* stream) {
+  ST_DISPATCH(g, G, ST_DISPATCH(out, X, run_lean_pre<G, X>(mats, n, partial, static_cast<Stream>(stream))));
+}
+
+int64_t lean_pre_partials(const LeanMat* mats, int n) { return lean_partials(mats, n); }
+
+void launch_lean_update(DType p, DType u, const LeanMat* mats, int n, void* stream) {
+  ST_DISPATCH(p, P, ST_DISPATCH(u, U, run_lean_update<P, U>(mats, n, static_cast<Stream>(stream))));
 }
 
 }  // namespace st

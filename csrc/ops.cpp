@@ -52,6 +52,22 @@ void cautious_adamw_step_(at::TensorList params, at::TensorList grads, at::Tenso
                           cautious, cautious_rescale);
 }
 
+void muon_lean_pre_(at::TensorList grads, at::TensorList momenta, at::TensorList outs, at::TensorList grad_copies,
+                    at::TensorList mus, at::IntArrayRef mu_index, at::IntArrayRef nesterov,
+                    c10::ArrayRef<double> eps) {
+  if (grads.empty()) return;
+  OptionalCUDAGuard guard(grads[0].device());
+  g::muon_lean_pre_(grads, momenta, outs, grad_copies, mus, mu_index, nesterov, eps);
+}
+
+void muon_lean_update_(at::TensorList params, at::TensorList updates, at::TensorList lrs,
+                       at::TensorList weight_decays, at::IntArrayRef hyper_index, c10::ArrayRef<double> scales,
+                       const std::optional<at::Tensor>& skip, at::IntArrayRef skip_index) {
+  if (params.empty()) return;
+  OptionalCUDAGuard guard(params[0].device());
+  g::muon_lean_update_(params, updates, lrs, weight_decays, hyper_index, scales, skip, skip_index);
+}
+
 at::Tensor syrk(const at::Tensor& X, double alpha, double beta, const std::optional<at::Tensor>& Y) {
   OptionalCUDAGuard guard(X.device());
   return g::syrk(X, alpha, beta, Y);
@@ -85,6 +101,8 @@ TORCH_LIBRARY_IMPL(speedtronic, CUDA, m) {
   m.impl("muon_pre_orthogonalize_", &muon_pre_orthogonalize_);
   m.impl("muon_post_update_", &muon_post_update_);
   m.impl("cautious_adamw_step_", &cautious_adamw_step_);
+  m.impl("muon_lean_pre_", &muon_lean_pre_);
+  m.impl("muon_lean_update_", &muon_lean_update_);
 }
 
 // Not part of the public op set: benchmarks and GPU tests reach the symmetric kernel and the

@@ -324,6 +324,134 @@ inline void muon_post_update_(at::TensorList params, const at::Tensor& orthogona
   wb.finish();
 }
 
+// ---------------------------------------------------------------- lean step passes
+inline void check_hyper(at::TensorList hyper, const at::Tensor& ref, const char* op, const char* what) {
+  for (size_t k = 0; k < hyper.size(); ++k) {
+    TORCH_CHECK_VALUE(hyper[k].dim() == 0 && hyper[k].scalar_type() == at::kFloat && hyper[k].device() == ref.device(),
+                      "speedtronic::", op, ": ", what, "[", k, "] must be a 0-d float32 tensor on ", ref.device(),
+                      ", got ", hyper[k].scalar_type(), " ", hyper[k].sizes(), " on ", hyper[k].device());
+  }
+}
+
+inline void check_index(int64_t v, size_t size, const char* op, const char* what, size_t i, bool allow_none) {
+  TORCH_CHECK_VALUE((allow_none && v == -1) || (v >= 0 && v < static_cast<int64_t>(size)), "speedtronic::", op,
+                    ": ", what, "[", i, "] = ", v, " is out of range for ", size, " entries");
+}
+
+inline void check_dense(const at::Tensor& t, const at::Tensor& like, const char* op, const char* what, size_t i) {
+  TORCH_CHECK_VALUE(t.sizes() == like.sizes() && t.is_contiguous() && t.device() == like.device(), "speedtronic::",
+                    op, ": ", what, "[", i, "] must be a contiguous ", like.sizes(), " tensor on ", like.device(),
+                    ", got ", t.sizes(), (t.is_contiguous() ? "" : " (strided)"), " on ", t.device());
+}
+
+inline void muon_lean_pre_(at::TensorList grads, at::TensorList momenta, at::TensorList outs,
+                           at::TensorList grad_copies, at::TensorList mus, at::IntArrayRef mu_index,
+                           at::IntArrayRef nesterov, c10::ArrayRef<double> eps) {
+  const char* op = "muon_lean_pre_";
+  const size_t n = grads.size();
+  TORCH_CHECK_VALUE(momenta.size() == n && outs.size() == n && mu_index.size() == n && nesterov.size() == n &&
+                        eps.size() == n && (grad_copies.empty() || grad_copies.size() == n),
+                    "speedtronic::muon_lean_pre_: grads, momenta, outs, mu_index, nesterov, eps (and grad_copies "
+                    "unless empty) must have one entry per matrix; got ", n, ", ", momenta.size(), ", ",
+                    outs.size(), ", ", mu_index.size(), ", ", nesterov.size(), ", ", eps.size(), " (",
+                    grad_copies.size(), ")");
+  if (n == 0) return;
+  check_hyper(mus, grads[0], op, "mus");
+  std::map<std::pair<int, int>, std::vector<LeanMat>> groups;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& g = grads[i];
+    TORCH_CHECK_VALUE(g.dim() == 2 && g.device() == grads[0].device(), "speedtronic::muon_lean_pre_: grads[", i,
+                      "] must be 2-D on ", grads[0].device(), ", got ", g.sizes(), " on ", g.device());
+    TORCH_CHECK_VALUE(momenta[i].scalar_type() == at::kFloat,
+                      "speedtronic::muon_lean_pre_: momenta must be float32, got ", momenta[i].scalar_type());
+    check_dense(momenta[i], g, op, "momenta", i);
+    check_dense(outs[i], g, op, "outs", i);
+    if (!grad_copies.empty()) {
+      check_dense(grad_copies[i], g, op, "grad_copies", i);
+      TORCH_CHECK_VALUE(grad_copies[i].scalar_type() == at::kFloat,
+                        "speedtronic::muon_lean_pre_: grad_copies must be float32");
+    }
+    check_index(mu_index[i], mus.size(), op, "mu_index", i, false);
+    TORCH_CHECK_VALUE(g.size(0) < INT_MAX && g.size(1) < INT_MAX, "speedtronic::muon_lean_pre_: matrix too large");
+    LeanMat mt{};
+    mt.src = g.data_ptr();
+    mt.src_si = g.stride(0);
+    mt.src_sj = g.stride(1);
+    mt.mom = momenta[i].data_ptr<float>();
+    mt.out = outs[i].data_ptr();
+    mt.grad_copy = grad_copies.empty() ? nullptr : grad_copies[i].data_ptr<float>();
+    mt.h0 = mus[mu_index[i]].data_ptr<float>();
+    mt.scale = static_cast<float>(eps[i]);
+    mt.rows = static_cast<int>(g.size(0));
+    mt.cols = static_cast<int>(g.size(1));
+    mt.nesterov = nesterov[i] != 0;
+    groups[{static_cast<int>(dtype_of(g, op, "grads")), static_cast<int>(dtype_of(outs[i], op, "outs"))}]
+        .push_back(mt);
+  }
+  for (auto& [key, mats] : groups) {
+    const int count = static_cast<int>(mats.size());
+    at::Tensor partial = at::empty({lean_pre_partials(mats.data(), count)}, grads[0].options().dtype(at::kFloat));
+    launch_lean_pre(static_cast<DType>(key.first), static_cast<DType>(key.second), mats.data(), count,
+                    partial.data_ptr<float>(), current_stream());
+  }
+}
+
+inline void muon_lean_update_(at::TensorList params, at::TensorList updates, at::TensorList lrs,
+                              at::TensorList weight_decays, at::IntArrayRef hyper_index, c10::ArrayRef<double> scales,
+                              const std::optional<at::Tensor>& skip, at::IntArrayRef skip_index) {
+  const char* op = "muon_lean_update_";
+  const size_t n = params.size();
+  TORCH_CHECK_VALUE(updates.size() == n && hyper_index.size() == n && scales.size() == n && skip_index.size() == n,
+                    "speedtronic::muon_lean_update_: params, updates, hyper_index, scales and skip_index must have "
+                    "one entry per matrix; got ", n, ", ", updates.size(), ", ", hyper_index.size(), ", ",
+                    scales.size(), ", ", skip_index.size());
+  TORCH_CHECK_VALUE(lrs.size() == weight_decays.size(), "speedtronic::muon_lean_update_: ", lrs.size(),
+                    " lrs but ", weight_decays.size(), " weight_decays");
+  if (n == 0) return;
+  check_hyper(lrs, params[0], op, "lrs");
+  check_hyper(weight_decays, params[0], op, "weight_decays");
+  const bool has_skip = skip.has_value() && skip->defined();
+  if (has_skip) {
+    TORCH_CHECK_VALUE(skip->dim() == 1 && skip->scalar_type() == at::kBool && skip->device() == params[0].device(),
+                      "speedtronic::muon_lean_update_: skip must be a 1-D bool tensor on ", params[0].device());
+  }
+  std::map<std::pair<int, int>, std::vector<LeanMat>> groups;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& u = updates[i];
+    TORCH_CHECK_VALUE(p.dim() == 2 && u.sizes() == p.sizes() && u.device() == p.device() &&
+                          p.device() == params[0].device(),
+                      "speedtronic::muon_lean_update_: updates[", i, "] must match params[", i, "] (", p.sizes(),
+                      " on ", p.device(), "), got ", u.sizes(), " on ", u.device());
+    check_index(hyper_index[i], lrs.size(), op, "hyper_index", i, false);
+    check_index(skip_index[i], has_skip ? static_cast<size_t>(skip->size(0)) : 0, op, "skip_index", i, true);
+    TORCH_CHECK_VALUE(p.size(0) < INT_MAX && p.size(1) < INT_MAX, "speedtronic::muon_lean_update_: matrix too large");
+    // The kernel writes along j: make j the parameter's unit-stride axis (a tall parameter stored
+    // transposed, p.mT, is walked in its memory order; the update then reads through the tile).
+    const bool swap = p.stride(0) == 1 && p.stride(1) != 1;
+    const int a = swap ? 1 : 0, b = swap ? 0 : 1;
+    LeanMat mt{};
+    mt.src = u.data_ptr();
+    mt.src_si = u.stride(a);
+    mt.src_sj = u.stride(b);
+    mt.dst = p.data_ptr();
+    mt.dst_si = p.stride(a);
+    mt.dst_sj = p.stride(b);
+    mt.h0 = lrs[hyper_index[i]].data_ptr<float>();
+    mt.h1 = weight_decays[hyper_index[i]].data_ptr<float>();
+    mt.skip = skip_index[i] >= 0 ? skip->data_ptr<bool>() + skip_index[i] * skip->stride(0) : nullptr;
+    mt.scale = static_cast<float>(scales[i]);
+    mt.rows = static_cast<int>(p.size(a));
+    mt.cols = static_cast<int>(p.size(b));
+    groups[{static_cast<int>(dtype_of(p, op, "params")), static_cast<int>(dtype_of(u, op, "updates"))}]
+        .push_back(mt);
+  }
+  for (auto& [key, mats] : groups) {
+    launch_lean_update(static_cast<DType>(key.first), static_cast<DType>(key.second), mats.data(),
+                       static_cast<int>(mats.size()), current_stream());
+  }
+}
+
 // ---------------------------------------------------------------- symmetric product
 // out = alpha X X^T + beta Y for X (m, k) or (b, m, k) in float16/bfloat16.
 inline at::Tensor syrk(const at::Tensor& X_, double alpha, double beta, const std::optional<at::Tensor>& Y_) {

@@ -57,6 +57,41 @@ struct PostArgs {
   unsigned long long* counts;      // [b] kept entries when cautious && rescale
 };
 
+// The lean Muon step's passes (kernels/muon_lean.cuh): every matrix of the step in one table,
+// each walked in 32 x 32 tiles in one coordinate system (i, j); element (i, j) of a strided
+// operand is ptr[i * si + j * sj], of a dense one ptr[i * cols + j].
+constexpr int kLeanMats = 64;        // matrices per launch (the table is ~8 KiB of parameters)
+constexpr int kLeanTile = 32;        // tile edge; a block of 256 threads covers a tile in 4 rows each
+constexpr int kLeanTilesPerItem = 16;  // tiles per block: 16,384 elements, as kChunk
+constexpr int kLeanThreads = 256;
+
+struct LeanMat {
+  const void* src;      // pre: the gradient; update: the update direction U (both strided)
+  int64_t src_si, src_sj;
+  void* dst;            // update: the parameter (strided); pre: unused
+  int64_t dst_si, dst_sj;
+  float* mom;           // pre: momentum, dense fp32
+  void* out;            // pre: U / max(||U||_F, eps), dense, the Newton-Schulz dtype
+  float* grad_copy;     // pre: a dense fp32 copy of the gradient (the cautious mask), or null
+  const float* h0;      // pre: momentum mu; update: lr (0-d device tensors)
+  const float* h1;      // update: weight decay
+  const bool* skip;     // update: skip this matrix's update (a non-finite NS result), or null
+  float scale;          // pre: eps; update: the shape factor (p -= lr * scale * U)
+  int rows, cols;
+  int tiles_c;          // tiles along j
+  int item_start;       // first block of this matrix in the launch
+  int items;            // its blocks
+  int partial_start;    // pre: where its per-block sums of squares go
+  bool nesterov;        // pre
+};
+
+struct LeanTable {
+  LeanMat mat[kLeanMats];
+  int count;
+  int total_items;
+  float* partial;       // pre: sums of squares, per block
+};
+
 struct SyrkArgs {
   const void* X;
   void* out;

@@ -17,6 +17,8 @@ Ops (see each function's docstring for the exact math):
 ``muon_pre_orthogonalize_``  momentum EMA + Nesterov + stack + Frobenius normalization
 ``muon_post_update_``        Muon+ / cautious post-pass + decoupled weight decay + param update
 ``cautious_adamw_step_``     AdamW (optionally cautious) over lists of tensors
+``muon_lean_pre_``           the lean step's pre-pass: every matrix of the step, tensor ``mu``
+``muon_lean_update_``        the lean step's weight decay + update, tensor ``lr``/``wd``, guard skip
 
 Coefficient schedules for ``newton_schulz`` are named in :data:`COEFFICIENT_SCHEDULES` and
 resolved with :func:`resolve_coefficients`.
@@ -50,6 +52,8 @@ OP_NAMES: tuple[str, ...] = (
     "muon_pre_orthogonalize_",
     "muon_post_update_",
     "cautious_adamw_step_",
+    "muon_lean_pre_",
+    "muon_lean_update_",
 )
 
 #: The ops with a hand-written CUDA kernel in ``speedtronic._C`` (the extension must register
@@ -403,6 +407,132 @@ def _(params, orthogonalized, grads, lr, weight_decay, lr_scale, muon_plus, norm
 
 
 # ---------------------------------------------------------------------------------------------
+# muon_lean_pre_ / muon_lean_update_: the lean step's passes, every matrix of the step per call
+# ---------------------------------------------------------------------------------------------
+
+def _check_lean_pre_args(grads, momenta, outs, grad_copies, mus, mu_index, nesterov, eps) -> None:
+    n = len(grads)
+    lengths = (len(momenta), len(outs), len(mu_index), len(nesterov), len(eps))
+    if any(k != n for k in lengths) or len(grad_copies) not in (0, n):
+        raise ValueError("muon_lean_pre_: grads, momenta, outs, mu_index, nesterov, eps (and "
+                         f"grad_copies unless empty) must have one entry per matrix; got {n}, "
+                         f"{', '.join(map(str, lengths))} ({len(grad_copies)})")
+    for i, g in enumerate(grads):
+        dense = [("momenta", momenta[i]), ("outs", outs[i])]
+        dense += [("grad_copies", grad_copies[i])] if grad_copies else []
+        for what, t in dense:
+            if t.shape != g.shape or g.dim() != 2 or not t.is_contiguous():
+                raise ValueError(f"muon_lean_pre_: {what}[{i}] must be a contiguous "
+                                 f"{tuple(g.shape)} tensor, got {tuple(t.shape)}")
+        if momenta[i].dtype != torch.float32:
+            raise ValueError(f"muon_lean_pre_: momenta must be float32, got {momenta[i].dtype}")
+        if not 0 <= mu_index[i] < len(mus):
+            raise ValueError(f"muon_lean_pre_: mu_index[{i}] = {mu_index[i]} is out of range for "
+                             f"{len(mus)} entries")
+
+
+def _lean_pre_impl(grads: Sequence[Tensor], momenta: Sequence[Tensor], outs: Sequence[Tensor],
+                   grad_copies: Sequence[Tensor], mus: Sequence[Tensor], mu_index: Sequence[int],
+                   nesterov: Sequence[int], eps: Sequence[float]) -> None:
+    _check_lean_pre_args(grads, momenta, outs, grad_copies, mus, mu_index, nesterov, eps)
+    for i, g in enumerate(grads):
+        g32, M, mu = g.float(), momenta[i], mus[mu_index[i]]
+        torch.lerp(g32, M, mu, out=M)                             # M <- mu M + (1 - mu) g
+        U = torch.lerp(g32, M, mu) if nesterov[i] else M          # g + mu (M - g)
+        outs[i].copy_(U / torch.linalg.vector_norm(U).clamp(min=eps[i]))
+        if grad_copies:
+            grad_copies[i].copy_(g32)
+
+
+@torch.library.custom_op(
+    "speedtronic::muon_lean_pre_", mutates_args=("momenta", "outs", "grad_copies"),
+    device_types=None,
+    schema="(Tensor[] grads, Tensor(a!)[] momenta, Tensor(b!)[] outs, Tensor(c!)[] grad_copies, "
+           "Tensor[] mus, int[] mu_index, int[] nesterov, float[] eps) -> ()")
+def muon_lean_pre_(grads: Sequence[Tensor], momenta: Sequence[Tensor], outs: Sequence[Tensor],
+                   grad_copies: Sequence[Tensor], mus: Sequence[Tensor], mu_index: Sequence[int],
+                   nesterov: Sequence[int], eps: Sequence[float]) -> None:
+    """The lean Muon step's pre-pass over every matrix of a step, whatever its shape group.
+
+    For matrix ``i`` (``grads[i]`` any 2-D strided view in the Newton-Schulz orientation, any
+    float dtype; ``momenta[i]``, ``outs[i]`` and ``grad_copies[i]`` dense of the same shape):
+    ``M <- mu M + (1 - mu) g`` in fp32 with ``mu = mus[mu_index[i]]`` (a 0-d fp32 tensor, read
+    on the device), ``U = g + mu (M - g)`` with ``nesterov[i]`` else ``M``, and
+    ``outs[i] = U / max(||U||_F, eps[i])`` in ``outs[i]``'s dtype; ``grad_copies`` (empty, or
+    one per matrix) receive ``g`` in fp32. CUDA: 2 launches per 64 matrices of one dtype pair."""
+    _lean_pre_impl(grads, momenta, outs, grad_copies, mus, mu_index, nesterov, eps)
+
+
+@muon_lean_pre_.register_fake
+def _(grads, momenta, outs, grad_copies, mus, mu_index, nesterov, eps):
+    _check_lean_pre_args(grads, momenta, outs, grad_copies, mus, mu_index, nesterov, eps)
+
+
+def _check_lean_update_args(params, updates, lrs, weight_decays, hyper_index, scales, skip,
+                            skip_index) -> None:
+    n = len(params)
+    lengths = (len(updates), len(hyper_index), len(scales), len(skip_index))
+    if any(k != n for k in lengths):
+        raise ValueError("muon_lean_update_: params, updates, hyper_index, scales and skip_index "
+                         f"must have one entry per matrix; got {n}, {', '.join(map(str, lengths))}")
+    if len(lrs) != len(weight_decays):
+        raise ValueError(f"muon_lean_update_: {len(lrs)} lrs but {len(weight_decays)} "
+                         "weight_decays")
+    for i, p in enumerate(params):
+        if p.dim() != 2 or updates[i].shape != p.shape:
+            raise ValueError(f"muon_lean_update_: updates[{i}] must match params[{i}] "
+                             f"({tuple(p.shape)}), got {tuple(updates[i].shape)}")
+        if not 0 <= hyper_index[i] < len(lrs):
+            raise ValueError(f"muon_lean_update_: hyper_index[{i}] = {hyper_index[i]} is out of "
+                             f"range for {len(lrs)} entries")
+        size = 0 if skip is None else skip.shape[0]
+        if not (skip_index[i] == -1 or 0 <= skip_index[i] < size):
+            raise ValueError(f"muon_lean_update_: skip_index[{i}] = {skip_index[i]} is out of "
+                             f"range for {size} entries")
+
+
+def _lean_update_impl(params: Sequence[Tensor], updates: Sequence[Tensor], lrs: Sequence[Tensor],
+                      weight_decays: Sequence[Tensor], hyper_index: Sequence[int],
+                      scales: Sequence[float], skip: Tensor | None,
+                      skip_index: Sequence[int]) -> None:
+    _check_lean_update_args(params, updates, lrs, weight_decays, hyper_index, scales, skip,
+                            skip_index)
+    for i, p in enumerate(params):
+        lr, wd = lrs[hyper_index[i]], weight_decays[hyper_index[i]]
+        step = (updates[i].float() * lr).to(p.dtype)              # lr U, rounded to p's dtype
+        if skip_index[i] >= 0:
+            step = step.masked_fill(skip[skip_index[i]], 0)
+        p.mul_(torch.addcmul(torch.ones_like(lr), lr, wd, value=-1.0))  # p (1 - lr wd)
+        p.add_(step, alpha=-scales[i])
+
+
+@torch.library.custom_op(
+    "speedtronic::muon_lean_update_", mutates_args=("params",), device_types=None,
+    schema="(Tensor(a!)[] params, Tensor[] updates, Tensor[] lrs, Tensor[] weight_decays, "
+           "int[] hyper_index, float[] scales, Tensor? skip, int[] skip_index) -> ()")
+def muon_lean_update_(params: Sequence[Tensor], updates: Sequence[Tensor], lrs: Sequence[Tensor],
+                      weight_decays: Sequence[Tensor], hyper_index: Sequence[int],
+                      scales: Sequence[float], skip: Tensor | None,
+                      skip_index: Sequence[int]) -> None:
+    """The lean Muon step's decoupled weight decay and update over every matrix of a step.
+
+    ``p <- p (1 - lr wd) - scales[i] * (lr U)`` for ``p = params[i]`` (2-D, any strides) and
+    ``U = updates[i]`` (its shape, any strides and float dtype), with ``lr``/``wd`` the 0-d
+    fp32 tensors ``lrs[hyper_index[i]]`` / ``weight_decays[hyper_index[i]]`` read on the device;
+    each product is rounded to ``p``'s dtype as the multi-tensor torch ops round it. When
+    ``skip_index[i] >= 0`` and ``skip[skip_index[i]]`` (a bool tensor: the 16-bit guard's
+    verdict) is true, the update is dropped and the decay kept. CUDA: 1 launch per 64 matrices
+    of one dtype pair."""
+    _lean_update_impl(params, updates, lrs, weight_decays, hyper_index, scales, skip, skip_index)
+
+
+@muon_lean_update_.register_fake
+def _(params, updates, lrs, weight_decays, hyper_index, scales, skip, skip_index):
+    _check_lean_update_args(params, updates, lrs, weight_decays, hyper_index, scales, skip,
+                            skip_index)
+
+
+# ---------------------------------------------------------------------------------------------
 # cautious_adamw_step_
 # ---------------------------------------------------------------------------------------------
 
@@ -514,6 +644,8 @@ _PYTORCH_IMPLS: dict[str, Callable] = {
     "muon_pre_orthogonalize_": _muon_pre_impl,
     "muon_post_update_": _muon_post_impl,
     "cautious_adamw_step_": _adamw_impl,
+    "muon_lean_pre_": _lean_pre_impl,
+    "muon_lean_update_": _lean_update_impl,
 }
 
 # Every op's Python body, called directly off CUDA (see kernel_or_fallback); under no_grad, as

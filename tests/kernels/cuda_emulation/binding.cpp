@@ -338,6 +338,10 @@ TORCH_LIBRARY(speedtronic_emu, m) {
   m.def("cautious_adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
         "Tensor(c!)[] exp_avg_sqs, float lr, float beta1, float beta2, float eps, float weight_decay, "
         "int step, bool cautious, bool cautious_rescale) -> ()");
+  m.def("muon_lean_pre_(Tensor[] grads, Tensor(a!)[] momenta, Tensor(b!)[] outs, Tensor(c!)[] grad_copies, "
+        "Tensor[] mus, int[] mu_index, int[] nesterov, float[] eps) -> ()");
+  m.def("muon_lean_update_(Tensor(a!)[] params, Tensor[] updates, Tensor[] lrs, Tensor[] weight_decays, "
+        "int[] hyper_index, float[] scales, Tensor? skip, int[] skip_index) -> ()");
   m.def("syrk(Tensor X, float alpha=1.0, float beta=0.0, Tensor? Y=None) -> Tensor");
   m.def("mma_probe(Tensor A, Tensor Bt) -> Tensor");
   m.def("sym_gemm(Tensor X, float alpha=1.0, float beta=0.0, Tensor? C=None, int tile_n=0) -> Tensor");
@@ -384,6 +388,16 @@ TORCH_LIBRARY_IMPL(speedtronic_emu, CompositeExplicitAutograd, m) {  // also rea
                                     double lr, double b1, double b2, double eps, double wd, int64_t step, bool c,
                                     bool cr) {
     guarded([&] { g::cautious_adamw_step_(p, gr, m1, m2, lr, b1, b2, eps, wd, step, c, cr); });
+  });
+  m.impl("muon_lean_pre_", [](at::TensorList gr, at::TensorList mo, at::TensorList out, at::TensorList gc,
+                              at::TensorList mus, at::IntArrayRef mi, at::IntArrayRef nest,
+                              c10::ArrayRef<double> eps) {
+    guarded([&] { g::muon_lean_pre_(gr, mo, out, gc, mus, mi, nest, eps); });
+  });
+  m.impl("muon_lean_update_", [](at::TensorList p, at::TensorList u, at::TensorList lrs, at::TensorList wds,
+                                 at::IntArrayRef hi, c10::ArrayRef<double> sc, const std::optional<at::Tensor>& sk,
+                                 at::IntArrayRef si) {
+    guarded([&] { g::muon_lean_update_(p, u, lrs, wds, hi, sc, sk, si); });
   });
   m.impl("syrk", [](const at::Tensor& X, double alpha, double beta, const std::optional<at::Tensor>& Y) {
     return guarded([&] { return g::syrk(X, alpha, beta, Y); });

@@ -1,0 +1,135 @@
+"""The lean Muon step's fused passes (csrc/kernels/muon_lean.cuh) on the CPU emulator against
+their PyTorch bodies in kernels.ops: every matrix of a step in one call, mixed shapes, tall
+matrices read through their transposed views, per-matrix hyper-parameter tensors, the guard's
+skip flags, and tables longer than one launch (st::kLeanMats = 64 matrices)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _emu_fixtures import load_emulator
+
+import speedtronic.kernels.ops as ops
+
+LEAN_MATS = 64  # st::kLeanMats
+
+
+@pytest.fixture(scope="session")
+def emu():
+    return load_emulator()
+
+
+@pytest.fixture(params=("forward", "random"))
+def sched(request, emu):
+    emu.configure(request.param, 7)
+    return request.param
+
+
+def _grads(shapes, dtype, gen):
+    """Bank-orientation (m, n) views: a tall gradient (n, m) is passed as its .mT."""
+    out = []
+    for (m, n), tall in shapes:
+        g = torch.randn((n, m) if tall else (m, n), generator=gen).to(dtype)
+        out.append(g.mT if tall else g)
+    return out
+
+
+# (bank shape, stored tall): awkward edges (not multiples of 32), a 1-row matrix, tall ones
+SHAPES = [((33, 70), False), ((33, 70), True), ((5, 5), False), ((1, 40), False),
+          ((64, 96), True), ((40, 33), False)]
+
+
+@pytest.mark.parametrize("gdtype,odtype", [(torch.float32, torch.float32),
+                                           (torch.bfloat16, torch.float16),
+                                           (torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize("copies", [False, True])
+def test_lean_pre_matches_reference(emu, sched, gdtype, odtype, copies):
+    gen = torch.Generator().manual_seed(0)
+    grads = _grads(SHAPES, gdtype, gen)
+    mom = [torch.randn(g.shape, generator=gen) for g in grads]
+    mus = [torch.tensor(0.95), torch.tensor(0.8)]
+    mu_index = [i % 2 for i in range(len(grads))]
+    nesterov = [int(i % 3 != 1) for i in range(len(grads))]
+    eps = [1e-7] * len(grads)
+    runs = {}
+    for name, fn in (("emu", emu.muon_lean_pre_), ("ref", ops._lean_pre_impl)):
+        m = [t.clone() for t in mom]
+        outs = [torch.full(g.shape, float("nan"), dtype=odtype) for g in grads]
+        gc = [torch.full(g.shape, float("nan")) for g in grads] if copies else []
+        fn(grads, m, outs, gc, mus, mu_index, nesterov, eps)
+        runs[name] = (m, outs, gc)
+    for i in range(len(grads)):
+        torch.testing.assert_close(runs["emu"][0][i], runs["ref"][0][i], rtol=1e-6, atol=1e-6)
+        tol = 1e-6 if odtype == torch.float32 else 1e-2
+        torch.testing.assert_close(runs["emu"][1][i].float(), runs["ref"][1][i].float(),
+                                   rtol=tol, atol=tol)
+        if copies:
+            assert torch.equal(runs["emu"][2][i], grads[i].float())
+
+
+def test_lean_pre_many_matrices_and_zero_gradient(emu):
+    """More matrices than one launch table; a zero gradient with zero momentum divides by eps."""
+    emu.configure("forward", 0)
+    gen = torch.Generator().manual_seed(1)
+    shapes = [((8 + i % 5, 12 + i % 7), i % 2 == 1) for i in range(LEAN_MATS + 9)]
+    grads = _grads(shapes, torch.float32, gen)
+    grads[3] = torch.zeros_like(grads[3])
+    mom = [torch.randn(g.shape, generator=gen) for g in grads]
+    mom[3].zero_()
+    args = ([torch.tensor(0.9)], [0] * len(grads), [1] * len(grads), [1e-7] * len(grads))
+    a, b = [t.clone() for t in mom], [t.clone() for t in mom]
+    oa = [torch.empty(g.shape) for g in grads]
+    ob = [torch.empty(g.shape) for g in grads]
+    emu.muon_lean_pre_(grads, a, oa, [], *args)
+    ops._lean_pre_impl(grads, b, ob, [], *args)
+    for x, y in zip(oa + a, ob + b, strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+    assert torch.equal(oa[3], torch.zeros_like(oa[3]))
+    assert emu.stats()[0] >= 4  # 2 passes x 2 tables
+
+
+@pytest.mark.parametrize("pdtype,udtype", [(torch.float32, torch.float16),
+                                           (torch.float32, torch.float32),
+                                           (torch.bfloat16, torch.float32)])
+def test_lean_update_matches_reference(emu, sched, pdtype, udtype):
+    gen = torch.Generator().manual_seed(2)
+    # parameters: dense, a transposed view (the kernel walks it in memory order), a row block
+    base = torch.randn(96, 40, generator=gen).to(pdtype)
+    params = [torch.randn(33, 70, generator=gen).to(pdtype),
+              torch.randn(70, 33, generator=gen).to(pdtype).mT,
+              base[8:40], torch.randn(1, 5, generator=gen).to(pdtype)]
+    # updates: a bank slice read as the parameter's transpose for the first two
+    bank = torch.randn(2, 70, 33, generator=gen).to(udtype)
+    updates = [bank[0].mT, bank[1].mT, torch.randn(32, 40, generator=gen).to(udtype),
+               torch.randn(1, 5, generator=gen).to(udtype)]
+    lrs = [torch.tensor(0.02), torch.tensor(0.5)]
+    wds = [torch.tensor(0.1), torch.tensor(0.0)]
+    skip = torch.tensor([False, True])
+    args = (lrs, wds, [0, 1, 0, 1], [1.5, 1.0, 0.7, 2.0], skip, [0, 1, -1, 0])
+    ref = [p.clone() for p in params]
+    emu.muon_lean_update_(params, updates, *args)
+    ops._lean_update_impl(ref, updates, *args)
+    tol = 1e-6 if pdtype == torch.float32 else 8e-3
+    for p, r in zip(params, ref, strict=True):
+        torch.testing.assert_close(p, r, rtol=tol, atol=tol)
+    # the skipped matrix kept its decay only (wd = 0 for group 1: unchanged)
+    assert torch.equal(params[1], ref[1])
+
+
+def test_lean_ops_reject_bad_input(emu):
+    g = [torch.zeros(4, 4)]
+    with pytest.raises(ValueError, match="momenta must be float32"):
+        emu.muon_lean_pre_(g, [torch.zeros(4, 4, dtype=torch.bfloat16)], [torch.zeros(4, 4)],
+                           [], [torch.tensor(0.9)], [0], [1], [1e-7])
+    with pytest.raises(ValueError, match="mu_index"):
+        emu.muon_lean_pre_(g, [torch.zeros(4, 4)], [torch.zeros(4, 4)], [],
+                           [torch.tensor(0.9)], [1], [1], [1e-7])
+    with pytest.raises(ValueError, match="contiguous"):
+        emu.muon_lean_pre_(g, [torch.zeros(8, 4)[::2]], [torch.zeros(4, 4)], [],
+                           [torch.tensor(0.9)], [0], [1], [1e-7])
+    with pytest.raises(ValueError, match="updates\\[0\\] must match"):
+        emu.muon_lean_update_(g, [torch.zeros(4, 3)], [torch.tensor(0.1)], [torch.tensor(0.0)],
+                              [0], [1.0], None, [-1])
+    with pytest.raises(ValueError, match="skip_index"):
+        emu.muon_lean_update_(g, [torch.zeros(4, 4)], [torch.tensor(0.1)], [torch.tensor(0.0)],
+                              [0], [1.0], None, [0])
