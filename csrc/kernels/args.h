@@ -60,7 +60,7 @@ struct PostArgs {
 // The lean Muon step's passes (kernels/muon_lean.cuh): every matrix of the step in one table,
 // each walked in 32 x 32 tiles in one coordinate system (i, j); element (i, j) of a strided
 // operand is ptr[i * si + j * sj], of a dense one ptr[i * cols + j].
-constexpr int kLeanMats = 64;        // matrices per launch (the table is ~8 KiB of parameters)
+constexpr int kLeanMats = 128;       // matrices per launch (a ~17 KiB parameter table: Volta+ with CUDA >= 12.1 take 32 KiB)
 constexpr int kLeanTile = 32;        // tile edge; a block of 256 threads covers a tile in 4 rows each
 constexpr int kLeanTilesPerItem = 16;  // tiles per block: 16,384 elements, as kChunk
 constexpr int kLeanThreads = 256;
@@ -91,6 +91,7 @@ struct LeanTable {
   int total_items;
   float* partial;       // pre: sums of squares, per block
 };
+static_assert(sizeof(LeanTable) <= 32764, "kernel parameters are limited to 32,764 bytes");
 
 struct SyrkArgs {
   const void* X;

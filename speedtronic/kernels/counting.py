@@ -63,10 +63,34 @@ def _cautious_mask_launches(args: tuple, kwargs: dict) -> int:
             + sum(1 for g in grads if not g.is_contiguous()))
 
 
+_LEAN_MATS = 128  # st::kLeanMats: matrices per launch table (csrc/kernels/args.h)
+
+
+def _lean_tables(tensors: list, others: list) -> int:
+    """Launch tables of a lean pass: per (dtype, dtype) pair, ceil(matrices / 128); empty
+    matrices get no block."""
+    pairs: Counter = Counter()
+    for t, o in zip(tensors, others, strict=True):
+        if t.numel():
+            pairs[(t.dtype, o.dtype)] += 1
+    return sum(math.ceil(k / _LEAN_MATS) for k in pairs.values())
+
+
+def _lean_pre_launches(args: tuple, kwargs: dict) -> int:
+    # momentum + sums of squares, then scale + cast: 2 per table (csrc/kernels/muon_lean.cuh)
+    return 2 * _lean_tables(list(args[0]), list(args[2]))
+
+
+def _lean_update_launches(args: tuple, kwargs: dict) -> int:
+    return _lean_tables(list(args[0]), list(args[1]))
+
+
 #: CUDA launches of our custom ops that have a CUDA kernel, read off their launchers (one
 #: dtype pair of inputs assumed).
 CUSTOM_OP_LAUNCHES = {"muon_plus_normalize": _muon_plus_launches,
-                      "cautious_mask_": _cautious_mask_launches}
+                      "cautious_mask_": _cautious_mask_launches,
+                      "muon_lean_pre_": _lean_pre_launches,
+                      "muon_lean_update_": _lean_update_launches}
 
 _CHUNK = 65536
 _MAX_BLOCKS = 320

@@ -459,7 +459,7 @@ def muon_lean_pre_(grads: Sequence[Tensor], momenta: Sequence[Tensor], outs: Seq
     ``M <- mu M + (1 - mu) g`` in fp32 with ``mu = mus[mu_index[i]]`` (a 0-d fp32 tensor, read
     on the device), ``U = g + mu (M - g)`` with ``nesterov[i]`` else ``M``, and
     ``outs[i] = U / max(||U||_F, eps[i])`` in ``outs[i]``'s dtype; ``grad_copies`` (empty, or
-    one per matrix) receive ``g`` in fp32. CUDA: 2 launches per 64 matrices of one dtype pair."""
+    one per matrix) receive ``g`` in fp32. CUDA: 2 launches per 128 matrices of one dtype pair."""
     _lean_pre_impl(grads, momenta, outs, grad_copies, mus, mu_index, nesterov, eps)
 
 
@@ -521,7 +521,7 @@ def muon_lean_update_(params: Sequence[Tensor], updates: Sequence[Tensor], lrs: 
     fp32 tensors ``lrs[hyper_index[i]]`` / ``weight_decays[hyper_index[i]]`` read on the device;
     each product is rounded to ``p``'s dtype as the multi-tensor torch ops round it. When
     ``skip_index[i] >= 0`` and ``skip[skip_index[i]]`` (a bool tensor: the 16-bit guard's
-    verdict) is true, the update is dropped and the decay kept. CUDA: 1 launch per 64 matrices
+    verdict) is true, the update is dropped and the decay kept. CUDA: 1 launch per 128 matrices
     of one dtype pair."""
     _lean_update_impl(params, updates, lrs, weight_decays, hyper_index, scales, skip, skip_index)
 

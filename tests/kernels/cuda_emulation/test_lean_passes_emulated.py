@@ -1,7 +1,7 @@
 """The lean Muon step's fused passes (csrc/kernels/muon_lean.cuh) on the CPU emulator against
 their PyTorch bodies in kernels.ops: every matrix of a step in one call, mixed shapes, tall
 matrices read through their transposed views, per-matrix hyper-parameter tensors, the guard's
-skip flags, and tables longer than one launch (st::kLeanMats = 64 matrices)."""
+skip flags, and tables longer than one launch (st::kLeanMats = 128 matrices)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from _emu_fixtures import load_emulator
 
 import speedtronic.kernels.ops as ops
 
-LEAN_MATS = 64  # st::kLeanMats
+LEAN_MATS = 128  # st::kLeanMats
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,96 @@
+"""The lean step's fused route (muon_step._fused_step: one pre-pass and one update call over
+every matrix of the step, as CUDA runs it with the extension) against the batched torch route
+the CPU runs: through the ops' PyTorch bodies, and through the real kernels on the CPU emulator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from speedtronic.optim import Muon
+from speedtronic.optim import muon_step
+
+# a square group, a wide/tall mixed group, an odd shape that is not a multiple of the 32 tile
+SHAPES = [(16, 16), (16, 16), (48, 16), (16, 48), (9, 13)]
+
+
+def _run(monkeypatch, fused: bool, steps: int = 3, groups_kw=None, **kw) -> list[torch.Tensor]:
+    monkeypatch.setattr(muon_step, "FUSED_PASSES_ON_CPU", fused)
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(r, c)) for r, c in SHAPES]
+    if groups_kw:
+        groups = [{"params": params[:3], **groups_kw[0]}, {"params": params[3:], **groups_kw[1]}]
+    else:
+        groups = params
+    opt = Muon(groups, lr=0.02, weight_decay=0.1, **kw)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    return [p.detach().clone() for p in params]
+
+
+CASES = [
+    {},
+    {"nesterov": False},
+    {"muon_plus": True},
+    {"cautious": True},
+    {"cautious": True, "muon_plus": True},
+    {"ns_dtype": "fp16"},
+    {"workspace_budget": 1},  # one matrix per Newton-Schulz batch: the chunked route
+]
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items())
+                         or "default")
+def test_fused_route_matches_the_torch_route(monkeypatch, kw):
+    torch_route = _run(monkeypatch, False, **kw)
+    fused = _run(monkeypatch, True, **kw)
+    tol = 2e-3 if kw.get("ns_dtype") == "fp16" else 1e-5
+    for a, b in zip(fused, torch_route, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_fused_route_reads_each_param_groups_hyper_parameters(monkeypatch):
+    gk = [{"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}, {"lr": 0.01, "momentum": 0.8}]
+    torch_route = _run(monkeypatch, False, groups_kw=gk)
+    fused = _run(monkeypatch, True, groups_kw=gk)
+    for a, b in zip(fused, torch_route, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_route_skips_a_non_finite_fp16_result_and_keeps_the_decay(monkeypatch):
+    monkeypatch.setattr(muon_step, "FUSED_PASSES_ON_CPU", True)
+    p = nn.Parameter(torch.ones(8, 8))
+    q = nn.Parameter(torch.ones(8, 16))
+    opt = Muon([p, q], lr=0.1, weight_decay=0.5, ns_dtype="fp16")
+    p.grad = torch.full((8, 8), float("inf"))
+    q.grad = torch.randn(8, 16)
+    opt.step()
+    assert torch.equal(p.detach(), torch.full((8, 8), 1 - 0.1 * 0.5))  # decay only
+    assert not torch.equal(q.detach(), torch.full((8, 16), 1 - 0.1 * 0.5))
+    assert dict(opt.nonfinite_counts()) == {(8, 8): 1}
+
+
+def test_fused_route_through_the_emulated_kernels(monkeypatch):
+    """The step with the real CUDA kernel sources (csrc/kernels/muon_lean.cuh) on the emulator."""
+    from _emu_fixtures import load_emulator
+
+    emu = load_emulator()
+    emu.configure("random", 3)
+    real = muon_step.ops.kernel_or_fallback
+
+    def kernels(name, device, dtypes):
+        if name in ("muon_lean_pre_", "muon_lean_update_"):
+            return getattr(emu, name)
+        return real(name, device, dtypes)
+
+    torch_route = _run(monkeypatch, False, muon_plus=True)
+    monkeypatch.setattr(muon_step.ops, "kernel_or_fallback", kernels)
+    launches = emu.stats()[0]
+    fused = _run(monkeypatch, True, muon_plus=True)
+    assert emu.stats()[0] - launches == 3 * 3  # pre 2 + update 1 per step, one table
+    for a, b in zip(fused, torch_route, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
