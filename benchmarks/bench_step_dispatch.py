@@ -42,7 +42,7 @@ from bench_data import cpu_flags  # noqa: E402
 
 import speedtronic  # noqa: E402
 from speedtronic.kernels import newton_schulz as ns  # noqa: E402
-from speedtronic.optim import Muon  # noqa: E402
+from speedtronic.optim import Muon, muon_step  # noqa: E402
 
 
 class _GpuRoute:
@@ -215,15 +215,22 @@ def count_full_size(name: str = "gpt2_small") -> dict:
     # The CUDA path at full size: fp16 NS on meta tensors dispatches what a GPU would (no
     # CPU-only branch such as the blocked symmetric products applies off the CPU), in no time.
     # Our ops with a CUDA kernel (Muon+, the cautious mask) dispatch as themselves on meta.
-    for label, kw in (("", {}), (" muon+", {"muon_plus": True}),
-                      (" cautious", {"cautious": True})):
+    # Meta takes the extension's fused passes (muon_step._fused_step); the last row turns them
+    # off: the CUDA route of an install without the extension (torch's batched ops).
+    for label, kw, fused in (("", {}, True), (" muon+", {"muon_plus": True}, True),
+                             (" cautious", {"cautious": True}, True),
+                             (", no extension (torch passes)", {}, False)):
         params = [torch.nn.Parameter(torch.empty(r, c, device="meta")) for r, c in shapes]
         for p in params:
             p.grad = torch.empty_like(p)
-        opt = Muon(params, lr=0.02, weight_decay=0.01, ns_dtype="fp16", **kw)
-        opt.step()
-        with DispatchCounter() as c:
+        muon_step.FUSED_ROUTE_OFF_CUDA["meta"] = fused
+        try:
+            opt = Muon(params, lr=0.02, weight_decay=0.01, ns_dtype="fp16", **kw)
             opt.step()
+            with DispatchCounter() as c:
+                opt.step()
+        finally:
+            muon_step.FUSED_ROUTE_OFF_CUDA["meta"] = True
         out[f"ours fp16{label} on meta (CUDA-path prediction)"] = {
             "ops": c.ops, "cuda_launches_est": c.launches, "host_syncs": c.host_syncs}
     return {"set": name, "rows": out}
@@ -245,6 +252,9 @@ def write_markdown(res: dict, path: Path) -> None:
              "of 1, 17-22% less CPU time), and the 16-bit rows divide in place and then convert "
              "(one op more per group than CUDA's mixed-dtype divide): that is CPU-only, the "
              "meta row is the GPU's count. "
+             "On meta the step takes the CUDA extension's fused pre-pass and update "
+             "(muon_lean_pre_ / muon_lean_update_: 3 launches for all matrices); the "
+             "'no extension' row counts the CUDA route of an install without it. "
              "On meta, Muon+ and the cautious mask dispatch as our fused CUDA-kernel ops (on "
              "CPU they run their elementwise PyTorch fallbacks, hence the CPU rows' larger "
              "counts). Launch estimate: speedtronic/kernels/counting.py.", ""]

@@ -379,9 +379,11 @@ def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]],
         _finish(cache, pending, groups, hyper)
 
 
-FUSED_PASSES_ON_CPU = False
-"""Whether a CPU step takes the fused route (through the ops' PyTorch bodies): tests set it to
-check that route's numerics against the batched torch route; a CPU run has no reason to."""
+FUSED_ROUTE_OFF_CUDA = {"meta": True, "cpu": False}
+"""Which non-CUDA devices take the fused route: meta (a counted step) does, to count what CUDA
+launches with the extension; tests turn cpu on (the ops' PyTorch bodies) to check the route's
+numerics against the batched torch route, and the dispatch bench turns meta off to count the
+CUDA route without the extension. A CPU run has no reason to take it."""
 
 
 def _fused_passes(cache: StepCache, entries: list[StepEntry]) -> bool:
@@ -393,10 +395,8 @@ def _fused_passes(cache: StepCache, entries: list[StepEntry]) -> bool:
     if len(devices) != 1:
         return False
     kind = next(iter(devices)).type
-    if kind == "meta":
-        return True
-    if kind == "cpu":
-        return FUSED_PASSES_ON_CPU
+    if kind in FUSED_ROUTE_OFF_CUDA:
+        return FUSED_ROUTE_OFF_CUDA[kind]
     from ..kernels import extension
 
     if kind != "cuda" or not extension.available():
@@ -421,6 +421,7 @@ def _fused_step(cache: StepCache, groups: list[dict[str, Any]]) -> None:
         cache.shard.begin_step()
     pre = ops.kernel_or_fallback("muon_lean_pre_", device, [])
     update = ops.kernel_or_fallback("muon_lean_update_", device, [])
+    newton_schulz = ops.kernel_or_fallback("newton_schulz", device, [])
     work = [(g, start) for g in cache.groups for start in range(0, g.momentum.shape[0], g.chunk)]
     batches = [work] if all(g.chunks == 1 for g in cache.groups) else [[w] for w in work]
     for batch in batches:
@@ -457,15 +458,7 @@ def _fused_step(cache: StepCache, groups: list[dict[str, Any]]) -> None:
             pre(grads, moms, outs, copies, mus, mu_index, nesterov, eps)
         done = []
         for c in chunks:
-            group = groups[c.g.pgs[0]]
-            flat = ops.resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
-            newton_schulz = ops.kernel_or_fallback("newton_schulz", device, [])
-
-            def orthogonalize(X: Tensor, steps: int = int(group["ns_steps"]),
-                              flat: list[float] = flat, eps: float = float(group["eps"]),
-                              compute: torch.dtype = c.g.compute) -> Tensor:
-                return newton_schulz(X, steps, flat, eps, compute, "auto", True)
-
+            orthogonalize = _orthogonalizer(groups[c.g.pgs[0]], c.g.compute, newton_schulz)
             if cache.shard is None:
                 orth = orthogonalize(c.orth)                           # (c, m, n)
             else:
@@ -489,6 +482,18 @@ def _fused_step(cache: StepCache, groups: list[dict[str, Any]]) -> None:
                     scales.append(float(pt.lr_scale))
                     skip_index.append(-1 if flag is None else flag[1])
         update(params, updates, lrs, wds, hyper_index, scales, skip, skip_index)
+
+
+def _orthogonalizer(group: dict[str, Any], compute: torch.dtype,
+                    newton_schulz: Any) -> Any:
+    """``X (c, m, n) normalized -> its polar factor`` with the group's Newton-Schulz settings."""
+    flat = ops.resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+    steps, eps = int(group["ns_steps"]), float(group["eps"])
+
+    def orthogonalize(X: Tensor) -> Tensor:
+        return newton_schulz(X, steps, flat, eps, compute, "auto", True)
+
+    return orthogonalize
 
 
 def _per_slot(g: _Group, hyper: dict[int, dict[str, Tensor]], key: str) -> Tensor:

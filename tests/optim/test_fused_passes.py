@@ -8,15 +8,14 @@ import pytest
 import torch
 from torch import nn
 
-from speedtronic.optim import Muon
-from speedtronic.optim import muon_step
+from speedtronic.optim import Muon, muon_step
 
 # a square group, a wide/tall mixed group, an odd shape that is not a multiple of the 32 tile
 SHAPES = [(16, 16), (16, 16), (48, 16), (16, 48), (9, 13)]
 
 
 def _run(monkeypatch, fused: bool, steps: int = 3, groups_kw=None, **kw) -> list[torch.Tensor]:
-    monkeypatch.setattr(muon_step, "FUSED_PASSES_ON_CPU", fused)
+    monkeypatch.setitem(muon_step.FUSED_ROUTE_OFF_CUDA, "cpu", fused)
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(r, c)) for r, c in SHAPES]
     if groups_kw:
@@ -62,7 +61,7 @@ def test_fused_route_reads_each_param_groups_hyper_parameters(monkeypatch):
 
 
 def test_fused_route_skips_a_non_finite_fp16_result_and_keeps_the_decay(monkeypatch):
-    monkeypatch.setattr(muon_step, "FUSED_PASSES_ON_CPU", True)
+    monkeypatch.setitem(muon_step.FUSED_ROUTE_OFF_CUDA, "cpu", True)
     p = nn.Parameter(torch.ones(8, 8))
     q = nn.Parameter(torch.ones(8, 16))
     opt = Muon([p, q], lr=0.1, weight_decay=0.5, ns_dtype="fp16")
@@ -94,3 +93,24 @@ def test_fused_route_through_the_emulated_kernels(monkeypatch):
     assert emu.stats()[0] - launches == 3 * 3  # pre 2 + update 1 per step, one table
     for a, b in zip(fused, torch_route, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_fused_route_compiles_to_one_graph_under_an_lr_schedule(monkeypatch):
+    from torch._dynamo import utils as dynamo_utils
+
+    monkeypatch.setitem(muon_step.FUSED_ROUTE_OFF_CUDA, "cpu", True)
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(r, c)) for r, c in SHAPES]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = Muon(params, lr=torch.tensor(0.02), weight_decay=0.01)
+    opt.step()
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (i + 1))
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    step = torch.compile(lambda: type(opt).step(opt), fullgraph=True, backend="aot_eager")
+    for _ in range(10):
+        step()
+        sched.step()
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
+    assert not dynamo_utils.counters.get("recompiles")
