@@ -33,6 +33,16 @@ def main() -> int:
     orth = sp.newton_schulz(x, 2, list(ops.QUINTIC), 1e-7, torch.float16, "auto", True)
     params = [torch.randn(37, 45, device=dev) for _ in range(3)]
     sp.muon_post_update_(params, orth, grads, 0.02, 0.1, 1.0, True, 1e-8, True, True)
+    tall = torch.randn(45, 37, device=dev)  # a tall gradient read through the tile transpose
+    lean_g = [grads[0], tall.mT]
+    lean_m = [torch.zeros(37, 45, device=dev) for _ in lean_g]
+    lean_o = [torch.empty(37, 45, device=dev).half() for _ in lean_g]
+    mu = torch.tensor(0.95, device=dev)
+    sp.muon_lean_pre_(lean_g, lean_m, lean_o, [], [mu], [0, 0], [1, 0], [1e-7, 1e-7])
+    lr, wd = torch.tensor(0.02, device=dev), torch.tensor(0.1, device=dev)
+    skip = torch.tensor([False, True], device=dev)
+    sp.muon_lean_update_([params[0], tall], [lean_o[0], lean_o[1].mT], [lr], [wd], [0, 0],
+                         [1.0, 2.0], skip, [0, 1])
     sp.muon_plus_normalize(torch.randn(2, 130, 7, device=dev).bfloat16(), 1e-8)
     dbg.syrk(torch.randn(2, 130, 33, device=dev).half(), 1.0, 0.0, None)
     sym = torch.randn(3, 37, 37, device=dev).half()

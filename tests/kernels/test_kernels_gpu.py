@@ -109,6 +109,39 @@ def test_muon_pre(gen, shape, b, od):
         _close(a, r, torch.float32, "momentum")
 
 
+def test_lean_passes_match_their_pytorch_bodies(gen):
+    """The fused step passes on GPT-2-small-like shapes: a square and a tall matrix in one call
+    (the tall one through the tile transpose), 130 matrices (two launch tables)."""
+    shapes = [((768, 768), False), ((768, 3072), True)] + [((37, 45), i % 2 == 1)
+                                                           for i in range(128)]
+    grads = [_rand((n, m) if tall else (m, n), gen) for (m, n), tall in shapes]
+    grads = [g.mT if tall else g for g, (_, tall) in zip(grads, shapes, strict=True)]
+    mom = [_rand(g.shape, gen) for g in grads]
+    mus = [torch.tensor(0.95, device="cuda"), torch.tensor(0.9, device="cuda")]
+    args = (mus, [i % 2 for i in range(len(grads))], [int(i % 3 != 0) for i in range(len(grads))],
+            [1e-7] * len(grads))
+    m_k, m_r = [t.clone() for t in mom], [t.clone() for t in mom]
+    _poison_allocator()
+    o_k = [torch.empty(g.shape, device="cuda", dtype=torch.float16) for g in grads]
+    o_r = [torch.empty_like(o) for o in o_k]
+    torch.ops.speedtronic.muon_lean_pre_(grads, m_k, o_k, [], *args)
+    ops._lean_pre_impl(grads, m_r, o_r, [], *args)
+    for a, r, b, q in zip(o_k, o_r, m_k, m_r, strict=True):
+        _close(a, r, torch.float16, "lean pre")
+        _close(b, q, torch.float32, "lean momentum")
+    params = [_rand(g.shape[::-1] if g.stride(0) == 1 else g.shape, gen) for g in grads]
+    updates = [o.mT if p.shape != o.shape else o for p, o in zip(params, o_k, strict=True)]
+    ref = [p.clone() for p in params]
+    skip = torch.tensor([False, True], device="cuda")
+    lrs, wds = [torch.tensor(0.02, device="cuda")], [torch.tensor(0.1, device="cuda")]
+    uargs = (lrs, wds, [0] * len(params), [1.5] * len(params), skip,
+             [i % 3 - 1 for i in range(len(params))])
+    torch.ops.speedtronic.muon_lean_update_(params, updates, *uargs)
+    ops._lean_update_impl(ref, updates, *uargs)
+    for a, r in zip(params, ref, strict=True):
+        _close(a, r, torch.float32, "lean update")
+
+
 @pytest.mark.parametrize("shape", [(1, 67), (45, 1), (4, 37, 45), (2, 3072, 768)])
 @pytest.mark.parametrize("dt", [torch.float32, torch.bfloat16])
 def test_muon_plus_normalize(gen, shape, dt):
