@@ -233,7 +233,32 @@ def count_full_size(name: str = "gpt2_small") -> dict:
             muon_step.FUSED_ROUTE_OFF_CUDA["meta"] = True
         out[f"ours fp16{label} on meta (CUDA-path prediction)"] = {
             "ops": c.ops, "cuda_launches_est": c.launches, "host_syncs": c.host_syncs}
-    return {"set": name, "rows": out}
+    return {"set": name, "rows": out, "meta_host_us": meta_host_time(shapes)}
+
+
+def meta_host_time(shapes: list[tuple[int, int]], repeats: int = 3, steps: int = 30) -> dict:
+    """Host time of one full-size step on meta tensors (no compute: what the step costs the
+    host to issue), fused passes vs torch's batched passes, interleaved, median of medians."""
+    runs: dict[str, list[float]] = {"fused passes": [], "torch passes": []}
+    for _ in range(repeats):
+        for label, fused in (("fused passes", True), ("torch passes", False)):
+            params = [torch.nn.Parameter(torch.empty(r, c, device="meta")) for r, c in shapes]
+            for p in params:
+                p.grad = torch.empty_like(p)
+            muon_step.FUSED_ROUTE_OFF_CUDA["meta"] = fused
+            try:
+                opt = Muon(params, lr=0.02, weight_decay=0.01, ns_dtype="fp16")
+                opt.step()
+                opt.step()
+                times = []
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    opt.step()
+                    times.append(time.perf_counter() - t0)
+            finally:
+                muon_step.FUSED_ROUTE_OFF_CUDA["meta"] = True
+            runs[label].append(statistics.median(times) * 1e6)
+    return {k: round(statistics.median(v)) for k, v in runs.items()}
 
 
 def write_markdown(res: dict, path: Path) -> None:
@@ -275,6 +300,12 @@ def write_markdown(res: dict, path: Path) -> None:
         for k, r in full["rows"].items():
             lines.append(f"| {k} | {r['ops']} | {r['cuda_launches_est']} | {r['host_syncs']} |")
         lines.append("")
+        host = full.get("meta_host_us")
+        if host:
+            f, t = host["fused passes"], host["torch passes"]
+            lines += ["Host time to issue one full-size fp16 step on meta tensors (no compute; "
+                      "3 interleaved runs of 30 steps, median): fused passes "
+                      f"{f} us, torch passes {t} us ({f / t:.2f}x).", ""]
     path.write_text("\n".join(lines))
 
 

@@ -1,7 +1,7 @@
 // The lean Muon step's elementwise passes: ONE table for every matrix of the step, across shape
 // groups, so the passes around Newton-Schulz cost 2 + 1 launches per step instead of ~6 per
 // group plus the multi-tensor weight decay and update (speedtronic/optim/muon_step.py; counted
-// on meta tensors at GPT-2 small size: 79 -> 52 estimated launches, benchmarks/results/
+// on meta tensors at GPT-2 small size: 79 -> 51 estimated launches, benchmarks/results/
 // step_dispatch_cpu.md). Hyper-parameters are read from device memory (0-d fp32 tensors), so
 // an LR schedule changes nothing the host passes and the step stays CUDA-graph capturable.
 //

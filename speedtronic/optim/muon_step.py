@@ -389,7 +389,7 @@ CUDA route without the extension. A CPU run has no reason to take it."""
 def _fused_passes(cache: StepCache, entries: list[StepEntry]) -> bool:
     """The pre-pass and the update as two fused ops over every matrix of the step (CUDA with
     the extension built, and meta, which counts what that CUDA path launches), instead of the
-    batched torch ops: 79 -> 52 estimated launches on GPT-2 small (fp16 NS). Without the
+    batched torch ops: 79 -> 51 estimated launches on GPT-2 small (fp16 NS). Without the
     extension, with float64 anywhere, or across devices, the torch route runs."""
     devices = {g.device for g in cache.groups}
     if len(devices) != 1:
