@@ -161,6 +161,7 @@ class StepCache:
     views: list[tuple[dict, Tensor]] = field(default_factory=list)  # (state, planted view)
     guards: dict[str, _Guard] = field(default_factory=dict)  # per device, 16-bit NS only
     ones: dict[str, Tensor] = field(default_factory=dict)    # per device: a 0-d fp32 one
+    kernel_dtypes: bool = False  # every parameter, gradient and NS dtype has a CUDA kernel
 
     def guard_counters(self) -> list[tuple[tuple[int, int], Tensor]]:
         """``(shape, 0-d int64 device tensor)``: the 16-bit guard's hit count of each guarded
@@ -307,6 +308,9 @@ def _build(cache: StepCache, entries: list[StepEntry], groups: list[dict[str, An
     cache.guards = {device: _Guard(torch.zeros(k, dtype=torch.float32, device=device),
                                    torch.zeros(k, dtype=torch.int64, device=device))
                     for device, k in slots.items()}
+    dtypes = {e.work.dtype for e in entries} | {e.grad.dtype for e in entries}
+    dtypes |= {grp.compute for grp in cache.groups}
+    cache.kernel_dtypes = dtypes <= set(ops.CUDA_KERNEL_DTYPES)  # once per plan, not per step
     cache.signature = _signature(entries, groups)
 
 
@@ -339,7 +343,7 @@ def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]],
         for part in g.parts:
             part.params = [entries[i].work for i in part.entries]
             part.grads = [entries[i].grad for i in part.entries]
-    if _fused_passes(cache, entries):
+    if _fused_passes(cache):
         _fused_step(cache, groups)
         return
     hyper: dict[int, dict[str, Tensor]] = {}
@@ -386,7 +390,7 @@ numerics against the batched torch route, and the dispatch bench turns meta off 
 CUDA route without the extension. A CPU run has no reason to take it."""
 
 
-def _fused_passes(cache: StepCache, entries: list[StepEntry]) -> bool:
+def _fused_passes(cache: StepCache) -> bool:
     """The pre-pass and the update as two fused ops over every matrix of the step (CUDA with
     the extension built, and meta, which counts what that CUDA path launches), instead of the
     batched torch ops: 79 -> 51 estimated launches on GPT-2 small (fp16 NS). Without the
@@ -399,11 +403,32 @@ def _fused_passes(cache: StepCache, entries: list[StepEntry]) -> bool:
         return FUSED_ROUTE_OFF_CUDA[kind]
     from ..kernels import extension
 
-    if kind != "cuda" or not extension.available():
-        return False
-    dtypes = {e.work.dtype for e in entries} | {e.grad.dtype for e in entries}
-    dtypes |= {g.compute for g in cache.groups}
-    return dtypes <= set(ops.CUDA_KERNEL_DTYPES)
+    return kind == "cuda" and extension.available() and cache.kernel_dtypes
+
+
+@dataclass
+class _PreCall:
+    """The arguments of one ``muon_lean_pre_`` call, one list entry per matrix."""
+
+    grads: list[Tensor] = field(default_factory=list)        # (m, n) views, bank orientation
+    momenta: list[Tensor] = field(default_factory=list)      # (m, n) bank slots, fp32
+    outs: list[Tensor] = field(default_factory=list)         # (m, n) NS inputs, compute dtype
+    grad_copies: list[Tensor] = field(default_factory=list)  # (m, n) fp32, cautious groups only
+    mu_index: list[int] = field(default_factory=list)        # into the step's momentum tensors
+    nesterov: list[int] = field(default_factory=list)        # 0 / 1 (the schema takes int[])
+    eps: list[float] = field(default_factory=list)
+
+
+@dataclass
+class _UpdateCall:
+    """The arguments of the step's ``muon_lean_update_`` call, one list entry per matrix."""
+
+    params: list[Tensor] = field(default_factory=list)
+    updates: list[Tensor] = field(default_factory=list)      # the direction, param orientation
+    hyper_index: list[int] = field(default_factory=list)     # into the step's lr / wd tensors
+    scales: list[float] = field(default_factory=list)        # the shape's lr factor
+    skip_index: list[int] = field(default_factory=list)      # into ``skip``; -1: unguarded
+    skip: Tensor | None = None                               # (K,) bool: the guard's verdicts
 
 
 def _fused_step(cache: StepCache, groups: list[dict[str, Any]]) -> None:
@@ -426,36 +451,33 @@ def _fused_step(cache: StepCache, groups: list[dict[str, Any]]) -> None:
     batches = [work] if all(g.chunks == 1 for g in cache.groups) else [[w] for w in work]
     for batch in batches:
         chunks: list[_Chunk] = []
-        calls: dict[bool, tuple[list, ...]] = {}  # by whether the gradients are kept (cautious)
+        calls: dict[bool, _PreCall] = {}  # by whether the gradients are kept (cautious)
         for g, start in batch:
             group = groups[g.pgs[0]]
             cautious = bool(group["cautious"])
-            b, (m, n) = g.momentum.shape[0], g.shape
-            rows = min(b, g.chunk)
+            rows, (m, n) = min(g.momentum.shape[0], g.chunk), g.shape
             if g.work is None or g.work.shape[0] < rows:
                 g.work = torch.empty((rows, m, n), dtype=g.compute, device=device)
             if cautious and (g.grads is None or g.grads.shape[0] < rows):
                 g.grads = torch.empty((rows, m, n), dtype=torch.float32, device=device)
-            stop = min(b, start + g.chunk)
-            pieces = [(pt, max(pt.start, start), min(pt.stop, stop)) for pt in g.parts
-                      if pt.start < stop and pt.stop > start]
+            stop, pieces = _chunk_pieces(g, start)
             X = g.work[:stop - start]                                  # (c, m, n) compute
             G = g.grads[:stop - start] if cautious else None           # (c, m, n) fp32
-            lists = calls.setdefault(cautious, ([], [], [], [], [], [], []))
+            call = calls.setdefault(cautious, _PreCall())
             for pt, s0, e0 in pieces:
                 for slot in range(s0, e0):
                     grad = pt.grads[slot - pt.start]
-                    lists[0].append(grad.mT if pt.transposed else grad)  # (m, n) view
-                    lists[1].append(g.momentum[slot])
-                    lists[2].append(X[slot - start])
-                    if cautious:
-                        lists[3].append(G[slot - start])
-                    lists[4].append(pos[pt.pg])
-                    lists[5].append(int(bool(group["nesterov"])))
-                    lists[6].append(float(group["eps"]))
+                    call.grads.append(grad.mT if pt.transposed else grad)
+                    call.momenta.append(g.momentum[slot])
+                    call.outs.append(X[slot - start])
+                    if G is not None:
+                        call.grad_copies.append(G[slot - start])
+                    call.mu_index.append(pos[pt.pg])
+                    call.nesterov.append(int(bool(group["nesterov"])))
+                    call.eps.append(float(group["eps"]))
             chunks.append(_Chunk(g, start, stop, pieces, G, X))
-        for grads, moms, outs, copies, mu_index, nesterov, eps in calls.values():
-            pre(grads, moms, outs, copies, mus, mu_index, nesterov, eps)
+        for c in calls.values():
+            pre(c.grads, c.momenta, c.outs, c.grad_copies, mus, c.mu_index, c.nesterov, c.eps)
         done = []
         for c in chunks:
             orthogonalize = _orthogonalizer(groups[c.g.pgs[0]], c.g.compute, newton_schulz)
@@ -467,21 +489,29 @@ def _fused_step(cache: StepCache, groups: list[dict[str, Any]]) -> None:
                 orth = c.g.gathered[:c.stop - c.start]
             done.append(c._replace(orth=orth))
         verdict = _guard(cache, done, fill=False)
-        params, updates, hyper_index, scales, skip_index = [], [], [], [], []
-        skip = None
+        up = _UpdateCall()
         for c in done:
-            group = groups[c.g.pgs[0]]
             flag = verdict.get(id(c))
             if flag is not None:
-                skip = flag[0]
-            for pt, slab in _update_slabs(c.g, group, c.pieces, c.start, c.G, c.orth):
+                up.skip = flag[0]  # one guard tensor per device: every chunk's flags in it
+            for pt, slab in _update_slabs(c.g, groups[c.g.pgs[0]], c.pieces, c.start, c.G,
+                                          c.orth):
                 for k in range(slab.stop - slab.start):
-                    params.append(pt.params[slab.start - pt.start + k])
-                    updates.append(slab.value[k])
-                    hyper_index.append(pos[pt.pg])
-                    scales.append(float(pt.lr_scale))
-                    skip_index.append(-1 if flag is None else flag[1])
-        update(params, updates, lrs, wds, hyper_index, scales, skip, skip_index)
+                    up.params.append(pt.params[slab.start - pt.start + k])
+                    up.updates.append(slab.value[k])
+                    up.hyper_index.append(pos[pt.pg])
+                    up.scales.append(float(pt.lr_scale))
+                    up.skip_index.append(-1 if flag is None else flag[1])
+        update(up.params, up.updates, lrs, wds, up.hyper_index, up.scales, up.skip,
+               up.skip_index)
+
+
+def _chunk_pieces(g: _Group, start: int) -> tuple[int, list[tuple[_Part, int, int]]]:
+    """The stop slot of the group's chunk from ``start``, and the (part, first, stop) slots of
+    each part it covers."""
+    stop = min(g.momentum.shape[0], start + g.chunk)
+    return stop, [(pt, max(pt.start, start), min(pt.stop, stop)) for pt in g.parts
+                  if pt.start < stop and pt.stop > start]
 
 
 def _orthogonalizer(group: dict[str, Any], compute: torch.dtype,
@@ -544,10 +574,8 @@ def _orthogonalized_chunk(g: _Group, group: dict[str, Any], mu_all: Tensor, shar
     else:
         def orthogonalize(X: Tensor) -> Tensor:  # (c, m, n) normalized, compute dtype
             return newton_schulz(X, steps, flat, eps, g.compute, "auto", True)
-    stop = min(b, start + g.chunk)
+    stop, pieces = _chunk_pieces(g, start)
     G = g.grads[:stop - start]                                     # (c, m, n) fp32
-    pieces = [(pt, max(pt.start, start), min(pt.stop, stop)) for pt in g.parts
-              if pt.start < stop and pt.stop > start]
     for pt, s, e in pieces:  # gather this chunk's gradients in the bank orientation
         grads = pt.grads[s - pt.start:e - pt.start]
         if pt.transposed and g.device.type == "cpu":
