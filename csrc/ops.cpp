@@ -84,6 +84,11 @@ at::Tensor poly_lt(const at::Tensor& A, double b, double c) {
   return g::poly_lt(A, b, c);
 }
 
+at::Tensor ns_step_lt(const at::Tensor& X, const at::Tensor& A, double a, double b, double c) {
+  OptionalCUDAGuard guard(X.device());
+  return g::ns_step_lt(X, A, a, b, c);
+}
+
 at::Tensor mma_probe(const at::Tensor& A, const at::Tensor& Bt) {
   OptionalCUDAGuard guard(A.device());
   return g::mma_probe(A, Bt);
@@ -106,13 +111,14 @@ TORCH_LIBRARY_IMPL(speedtronic, CUDA, m) {
 }
 
 // Not part of the public op set: benchmarks and GPU tests reach the symmetric kernel and the
-// mma layout probe through these; Newton-Schulz offers sym_gemm and poly_lt to its per-shape
+// mma layout probe through these; Newton-Schulz offers sym_gemm, poly_lt and ns_step_lt to its per-shape
 // dispatch (speedtronic/newton_schulz.py).
 TORCH_LIBRARY(speedtronic_debug, m) {
   m.def("syrk(Tensor X, float alpha=1.0, float beta=0.0, Tensor? Y=None) -> Tensor");
   m.def("mma_probe(Tensor A, Tensor Bt) -> Tensor");
   m.def("sym_gemm(Tensor X, float alpha=1.0, float beta=0.0, Tensor? C=None, int tile_n=0) -> Tensor");
   m.def("poly_lt(Tensor A, float b, float c) -> Tensor");
+  m.def("ns_step_lt(Tensor X, Tensor A, float a, float b, float c) -> Tensor");
   m.def("arch_list() -> str", &arch_list);
   m.def("cublaslt_status() -> str", &cublaslt_status);
 }
@@ -122,6 +128,7 @@ TORCH_LIBRARY_IMPL(speedtronic_debug, CUDA, m) {
   m.impl("mma_probe", &mma_probe);
   m.impl("sym_gemm", &sym_gemm);
   m.impl("poly_lt", &poly_lt);
+  m.impl("ns_step_lt", &ns_step_lt);
 }
 
 // `import speedtronic._C` needs a module object; the ops above register at load time.

@@ -78,7 +78,7 @@ def _optional_kernels() -> dict[str, str]:
     from ..kernels import newton_schulz as ns
 
     out = {}
-    for family in (ns.POLY_LT, ns.SYM_GEMM):
+    for family in (ns.POLY_LT, ns.NS_STEP_LT, ns.SYM_GEMM):
         if family.disabled is not None:
             state = f"off after an error: {family.disabled}"
         elif family.op() is not None:

@@ -187,8 +187,12 @@ def _iter_coefficients(coefficients: Sequence[float], steps: int) -> list[tuple[
 #   (TMA + wgmma, sm_90a). Verified in the CPU emulation and by compile/SASS gates only: no GPU
 #   has run it, so it is OFF by default (SYM_GEMM_DEFAULT_ON); SPEEDTRONIC_SYM_GEMM=1 opts in.
 # * poly_lt (csrc/cublaslt_poly.h): b A + c A^2 as one cuBLASLt call with C != D, without the
-#   copy of A into the output that torch.baddbmm makes before its GEMM. Production cuBLAS, so it
-#   is a candidate by default; SPEEDTRONIC_CUBLASLT=0 switches it off.
+#   copy of A into the output that torch.baddbmm makes before its GEMM; and ns_step_lt, a whole
+#   standard iteration after X X^T (P = b A + c A^2, then a X + P X with C = X, D = new) in two
+#   such calls: 3 launches per iteration with X X^T, where fp16's fold takes 4 (X X^T,
+#   A + (a/b) I, an in-place baddbmm, a bmm) and bf16's baddbmm route 3-5 (its copies).
+#   Production cuBLAS, so both are candidates by default; SPEEDTRONIC_CUBLASLT=0 switches them
+#   off.
 
 SYM_GEMM_ENV = "SPEEDTRONIC_SYM_GEMM"
 SYM_GEMM_DEFAULT_ON = False
@@ -206,6 +210,8 @@ SYM_GEMM = MeasuredKernel("sym_gemm (Hopper kernel)", "sym_gemm", SYM_GEMM_ENV,
                           device_ok=_is_hopper)
 POLY_LT = MeasuredKernel("poly_lt (cuBLASLt, C != D)", "cublaslt", CUBLASLT_ENV, True,
                          debug_op("poly_lt"))
+NS_STEP_LT = MeasuredKernel("ns_step_lt (cuBLASLt, C != D)", "cublaslt_step", CUBLASLT_ENV, True,
+                            debug_op("ns_step_lt"))
 
 
 def _dtype_name(X: Tensor) -> str:
@@ -376,27 +382,45 @@ def ns_standard(X: Tensor, coeffs: Sequence[tuple[float, ...]], transpose_out: b
     With ``transpose_out`` the result is returned as ``(b, n, m)`` (a tall caller's layout)
     without a transpose copy: ``(B X + a X)^T = X^T B + a X^T`` since ``B`` is symmetric.
     With ``ws`` every product is written into its buffers (``X`` itself is never written)."""
-    fold = X.dtype in _FOLD_DTYPES
     last = len(coeffs) - 1
     bs, m, n = X.shape
     for k, (a, b, c) in enumerate(coeffs):
         A = _xxt(X, _buf(ws, (bs, m, m), X, X))                   # (b, m, m)
         out_t = k == last and transpose_out
-        out_shape = (bs, n, m) if out_t else (bs, m, n)
-        if fold:  # X <- (a I + B) X: one plain GEMM, X's copy avoided
-            P = _fold_poly(A, a, b, c, _buf(ws, (bs, m, m), X, X, A))      # (b, m, m)
-            out = _buf(ws, out_shape, X, X, P)
-            X = torch.bmm(X.mT, P, out=out) if out_t else torch.bmm(P, X, out=out)
-            continue
-        B = _poly(A, b, c, _buf(ws, (bs, m, m), X, X, A))         # (b, m, m)
-        out = _buf(ws, out_shape, X, X, B)
-        if out_t:
-            X = torch.baddbmm(X.mT, X.mT, B, beta=a, out=out)     # (b, n, m)
+        if out_t:  # cuBLASLt cannot read C = X transposed: the torch route
+            X = _ns_iteration(X, A, a, b, c, True, ws)            # (b, n, m)
         else:
-            # Not bmm + add_(X, alpha=a) on CPU, though 8-13% faster there in bf16: the add
-            # rounds alpha to bf16 (3.4445 -> 3.4375) and the NS error went 1.1e-2 -> 2.0e-2.
-            X = torch.baddbmm(X, B, X, beta=a, out=out)           # (b, m, n)
+            X = _ns_step(X, A, a, b, c, ws)                       # (b, m, n)
     return X
+
+
+def _ns_step(X: Tensor, A: Tensor, a: float, b: float, c: float,
+             ws: Workspace | None) -> Tensor:
+    """One wide iteration: ``ns_step_lt`` (2 cuBLASLt calls) where this shape measured it
+    faster and matching (CUDA, 16-bit), else the torch route."""
+    bs, m, n = X.shape
+    return NS_STEP_LT.run(f"ns_step_lt {bs}x{m}x{n} {_dtype_name(X)}", X,
+                          lambda: _ns_iteration(X, A, a, b, c, False, ws),
+                          lambda op: op(X, A, a, b, c))
+
+
+def _ns_iteration(X: Tensor, A: Tensor, a: float, b: float, c: float, transpose_out: bool,
+                  ws: Workspace | None) -> Tensor:
+    """``a X + (b A + c A^2) X`` with torch ops, for ``A = X X^T``; ``(b, n, m)`` with
+    ``transpose_out``."""
+    bs, m, n = X.shape
+    out_shape = (bs, n, m) if transpose_out else (bs, m, n)
+    if X.dtype in _FOLD_DTYPES:  # X <- (a I + B) X: one plain GEMM, X's copy avoided
+        P = _fold_poly(A, a, b, c, _buf(ws, (bs, m, m), X, X, A))  # (b, m, m)
+        out = _buf(ws, out_shape, X, X, P)
+        return torch.bmm(X.mT, P, out=out) if transpose_out else torch.bmm(P, X, out=out)
+    B = _poly(A, b, c, _buf(ws, (bs, m, m), X, X, A))             # (b, m, m)
+    out = _buf(ws, out_shape, X, X, B)
+    if transpose_out:
+        return torch.baddbmm(X.mT, X.mT, B, beta=a, out=out)     # (b, n, m)
+    # Not bmm + add_(X, alpha=a) on CPU, though 8-13% faster there in bf16: the add rounds
+    # alpha to bf16 (3.4445 -> 3.4375) and the NS error went 1.1e-2 -> 2.0e-2.
+    return torch.baddbmm(X, B, X, beta=a, out=out)               # (b, m, n)
 
 
 def ns_gram(X: Tensor, coeffs: Sequence[tuple[float, ...]], restarts: Sequence[int],

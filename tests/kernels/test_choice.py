@@ -130,3 +130,77 @@ def test_speedtronic_env_says_which_families_may_compete(monkeypatch):
     monkeypatch.setattr(ns, "POLY_LT", MeasuredKernel("lt", "cublaslt", ns.CUBLASLT_ENV, True,
                                                       lambda: None))
     assert _optional_kernels()["cublaslt"].startswith("unavailable")
+
+
+class FakeNsStepLt:
+    """Stands in for speedtronic_debug.ns_step_lt(X, A, a, b, c) = a X + (b A + c A A) X."""
+
+    def __init__(self, mode: str = "right"):
+        self.mode, self.calls = mode, 0
+
+    def __call__(self, X, A, a, b, c):
+        self.calls += 1
+        if self.mode == "no_a":  # the a X term (the C operand) lost: what beta = 0 would do
+            a = 0.0
+        Xf, Af = X.float(), A.float()
+        P = (b * Af + c * (Af @ Af)).to(X.dtype).float()               # rounded once, as cuBLASLt
+        return (a * Xf + P @ Xf).to(X.dtype)
+
+
+@pytest.fixture
+def step_setup(monkeypatch):
+    monkeypatch.delenv(ns.CUBLASLT_ENV, raising=False)
+    monkeypatch.setenv(ns.SYM_GEMM_ENV, "0")
+
+    def make(op: FakeNsStepLt, op_ms: float):
+        family = MeasuredKernel(ns.NS_STEP_LT.name, ns.NS_STEP_LT.label, ns.CUBLASLT_ENV, True,
+                                lambda: op)
+        monkeypatch.setattr(ns, "NS_STEP_LT", family)
+        monkeypatch.setattr(ns, "POLY_LT", MeasuredKernel("lt", "cublaslt", ns.CUBLASLT_ENV, True,
+                                                          lambda: None))
+        return counting_dispatch(monkeypatch, op, op_ms)
+
+    return make
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_whole_iteration_in_cublaslt_is_used_where_faster_and_correct(step_setup, dtype):
+    op = FakeNsStepLt()
+    d = step_setup(op, op_ms=0.5)
+    out = _run(dtype)
+    assert choices(d) == {f"ns_step_lt 2x16x40 {str(dtype)[6:]}": "cublaslt_step"}
+    assert op.calls == 2 + 3  # one check, one timing, then all 3 iterations
+    ref = ns.orthogonalize(torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(0)),
+                           3, list(ns.QUINTIC), 1e-7, torch.float32, "standard")
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+
+
+def test_an_iteration_that_loses_the_a_x_term_is_rejected(step_setup, caplog):
+    op = FakeNsStepLt("no_a")
+    d = step_setup(op, op_ms=0.1)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.newton_schulz"):
+        out = _run(torch.float16)
+    assert choices(d) == {} and op.calls == 1
+    assert any("ns_step_lt" in r.getMessage() and "rejected" in r.getMessage()
+               for r in caplog.records)
+    ref = ns.orthogonalize(torch.randn(2, 16, 40, generator=torch.Generator().manual_seed(0)),
+                           3, list(ns.QUINTIC), 1e-7, torch.float32, "standard")
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)  # the torch route's
+
+
+def test_a_tall_result_keeps_the_torch_route_for_its_transposed_last_iteration(step_setup):
+    op = FakeNsStepLt()
+    step_setup(op, op_ms=0.5)
+    G = torch.randn(2, 40, 16, generator=torch.Generator().manual_seed(0))  # tall: NS on G^T
+    out = ns.orthogonalize(G, 3, list(ns.QUINTIC), 1e-7, torch.float16, "standard")
+    assert out.shape == (2, 40, 16)
+    assert op.calls == 2 + 2  # check, timing, then iterations 1-2; the 3rd writes (b, n, m)
+    ref = ns.orthogonalize(G, 3, list(ns.QUINTIC), 1e-7, torch.float32, "standard")
+    torch.testing.assert_close(out.float(), ref, rtol=0.05, atol=0.05)
+
+
+def test_fp32_never_asks_the_16_bit_families(step_setup):
+    op = FakeNsStepLt()
+    d = step_setup(op, op_ms=0.1)
+    _run(torch.float32)
+    assert op.calls == 0 and choices(d) == {}

@@ -236,6 +236,24 @@ def test_poly_lt_matches_baddbmm_and_leaves_a_untouched(gen, b, m):
         _close(out, ref, dt, f"poly_lt {dt}")
 
 
+@pytest.mark.parametrize("b,m,n", [(1, 1, 1), (7, 37, 45), (3, 130, 130), (2, 768, 3072),
+                                   (48, 768, 768)])
+def test_ns_step_lt_is_one_iteration_and_leaves_its_inputs_untouched(gen, b, m, n):
+    """cuBLASLt with C != D, twice: a X + (b A + c A A) X for A = X X^T, X and A not written."""
+    dbg = torch.ops.speedtronic_debug
+    for dt in (torch.float16, torch.bfloat16):
+        X = _rand((b, m, n), gen, dt, scale=(m * n) ** -0.5)
+        A = torch.bmm(X, X.mT)
+        before_x, before_a = X.clone(), A.clone()
+        _poison_allocator()
+        out = dbg.ns_step_lt(X, A, 3.4445, -4.775, 2.0315)
+        torch.cuda.synchronize()
+        assert torch.equal(X, before_x) and torch.equal(A, before_a), "ns_step_lt wrote an input"
+        Af, Xf = A.float(), X.float()
+        ref = 3.4445 * Xf + (-4.775 * Af + 2.0315 * Af @ Af) @ Xf
+        _close(out, ref, dt, f"ns_step_lt {dt}")
+
+
 @pytest.mark.parametrize("shape", [(768, 3072), (3072, 768), (4, 1024, 1024), (2, 512, 2048)])
 def test_newton_schulz_on_cuda_every_method_against_float64(gen, shape):
     """NS on CUDA is cuBLAS driven by the same Python body as on the CPU: fp16 (the auto dtype)
