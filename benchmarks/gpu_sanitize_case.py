@@ -41,12 +41,17 @@ def main() -> int:
     sp.muon_lean_pre_(lean_g, lean_m, lean_o, [], [mu], [0, 0], [1, 0], [1e-7, 1e-7])
     lr, wd = torch.tensor(0.02, device=dev), torch.tensor(0.1, device=dev)
     skip = torch.tensor([False, True], device=dev)
+    rows = [torch.empty(37, device=dev), torch.empty(45, device=dev)]
+    cols = [torch.empty(45, device=dev), torch.empty(37, device=dev)]
+    sp.muon_lean_plus_stats_([lean_o[0], lean_o[1].mT], rows, cols, [1e-8, 1e-8])
     sp.muon_lean_update_([params[0], tall], [lean_o[0], lean_o[1].mT], [lr], [wd], [0, 0],
-                         [1.0, 2.0], skip, [0, 1])
+                         [1.0, 2.0], skip, [0, 1], rows, cols)
     sp.muon_plus_normalize(torch.randn(2, 130, 7, device=dev).bfloat16(), 1e-8)
     dbg.syrk(torch.randn(2, 130, 33, device=dev).half(), 1.0, 0.0, None)
     sym = torch.randn(3, 37, 37, device=dev).half()
     dbg.poly_lt(sym + sym.mT, -4.775, 2.0315)  # cuBLASLt, C != D
+    xw = torch.randn(3, 37, 45, device=dev).half() / 40
+    dbg.ns_step_lt(xw, torch.bmm(xw, xw.mT), 3.4445, -4.775, 2.0315)  # two such calls
     a, bt = torch.randn(16, 16, device=dev), torch.randn(8, 16, device=dev)
     dbg.mma_probe(a.bfloat16(), bt.bfloat16())
     if torch.cuda.get_device_capability() == (9, 0):  # the sm_90a TMA + wgmma kernel

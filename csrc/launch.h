@@ -33,6 +33,11 @@ void launch_muon_post(DType p, DType o, DType g, int b, void* const* params, voi
 void launch_lean_pre(DType g, DType out, const LeanMat* mats, int n, float* partial, void* stream);
 int64_t lean_pre_partials(const LeanMat* mats, int n);
 void launch_lean_update(DType p, DType u, const LeanMat* mats, int n, void* stream);
+// Muon+ statistics of `mats[0, n)` (src: the update direction, logical orientation, dtype u) into
+// each matrix's row_scale / col_scale (4 launches per table); `partial` holds
+// lean_plus_partials(mats, n) floats, which also places each matrix's partials (stat_start).
+void launch_lean_plus_stats(DType u, const LeanMat* mats, int n, float* partial, void* stream);
+int64_t lean_plus_stat_partials(LeanMat* mats, int n);
 
 // t must be F16 or BF16.
 void launch_syrk(DType t, SyrkArgs a, void* stream);

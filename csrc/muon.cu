@@ -29,6 +29,12 @@ void launch_lean_pre(DType g, DType out, const LeanMat* mats, int n, float* part
 
 int64_t lean_pre_partials(const LeanMat* mats, int n) { return lean_partials(mats, n); }
 
+void launch_lean_plus_stats(DType u, const LeanMat* mats, int n, float* partial, void* stream) {
+  ST_DISPATCH(u, U, run_lean_plus_stats<U>(mats, n, partial, static_cast<Stream>(stream)));
+}
+
+int64_t lean_plus_stat_partials(LeanMat* mats, int n) { return lean_plus_partials(mats, n); }
+
 void launch_lean_update(DType p, DType u, const LeanMat* mats, int n, void* stream) {
   ST_DISPATCH(p, P, ST_DISPATCH(u, U, run_lean_update<P, U>(mats, n, static_cast<Stream>(stream))));
 }

@@ -62,10 +62,19 @@ void muon_lean_pre_(at::TensorList grads, at::TensorList momenta, at::TensorList
 
 void muon_lean_update_(at::TensorList params, at::TensorList updates, at::TensorList lrs,
                        at::TensorList weight_decays, at::IntArrayRef hyper_index, c10::ArrayRef<double> scales,
-                       const std::optional<at::Tensor>& skip, at::IntArrayRef skip_index) {
+                       const std::optional<at::Tensor>& skip, at::IntArrayRef skip_index, at::TensorList row_scales,
+                       at::TensorList col_scales) {
   if (params.empty()) return;
   OptionalCUDAGuard guard(params[0].device());
-  g::muon_lean_update_(params, updates, lrs, weight_decays, hyper_index, scales, skip, skip_index);
+  g::muon_lean_update_(params, updates, lrs, weight_decays, hyper_index, scales, skip, skip_index, row_scales,
+                       col_scales);
+}
+
+void muon_lean_plus_stats_(at::TensorList updates, at::TensorList row_scales, at::TensorList col_scales,
+                           c10::ArrayRef<double> eps) {
+  if (updates.empty()) return;
+  OptionalCUDAGuard guard(updates[0].device());
+  g::muon_lean_plus_stats_(updates, row_scales, col_scales, eps);
 }
 
 at::Tensor syrk(const at::Tensor& X, double alpha, double beta, const std::optional<at::Tensor>& Y) {
@@ -108,6 +117,7 @@ TORCH_LIBRARY_IMPL(speedtronic, CUDA, m) {
   m.impl("cautious_adamw_step_", &cautious_adamw_step_);
   m.impl("muon_lean_pre_", &muon_lean_pre_);
   m.impl("muon_lean_update_", &muon_lean_update_);
+  m.impl("muon_lean_plus_stats_", &muon_lean_plus_stats_);
 }
 
 // Not part of the public op set: benchmarks and GPU tests reach the symmetric kernel and the

@@ -396,15 +396,62 @@ inline void muon_lean_pre_(at::TensorList grads, at::TensorList momenta, at::Ten
   }
 }
 
+// A Muon+ scale vector: 1-D, contiguous fp32 of `len` entries on `ref`'s device.
+inline void check_scale(const at::Tensor& s, int64_t len, const at::Tensor& ref, const char* op, const char* what,
+                        size_t i) {
+  TORCH_CHECK_VALUE(s.dim() == 1 && s.size(0) == len && s.is_contiguous() && s.scalar_type() == at::kFloat &&
+                        s.device() == ref.device(),
+                    "speedtronic::", op, ": ", what, "[", i, "] must be a contiguous float32 tensor of ", len,
+                    " entries on ", ref.device(), ", got ", s.scalar_type(), " ", s.sizes(), " on ", s.device());
+}
+
+inline void muon_lean_plus_stats_(at::TensorList updates, at::TensorList row_scales, at::TensorList col_scales,
+                                  c10::ArrayRef<double> eps) {
+  const char* op = "muon_lean_plus_stats_";
+  const size_t n = updates.size();
+  TORCH_CHECK_VALUE(row_scales.size() == n && col_scales.size() == n && eps.size() == n,
+                    "speedtronic::muon_lean_plus_stats_: updates, row_scales, col_scales and eps must have one "
+                    "entry per matrix; got ", n, ", ", row_scales.size(), ", ", col_scales.size(), ", ", eps.size());
+  if (n == 0) return;
+  std::map<int, std::vector<LeanMat>> groups;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& u = updates[i];
+    TORCH_CHECK_VALUE(u.dim() == 2 && u.device() == updates[0].device(), "speedtronic::muon_lean_plus_stats_: updates[",
+                      i, "] must be 2-D on ", updates[0].device(), ", got ", u.sizes(), " on ", u.device());
+    TORCH_CHECK_VALUE(u.size(0) < INT_MAX && u.size(1) < INT_MAX, "speedtronic::muon_lean_plus_stats_: matrix too large");
+    check_scale(row_scales[i], u.size(0), u, op, "row_scales", i);
+    check_scale(col_scales[i], u.size(1), u, op, "col_scales", i);
+    LeanMat mt{};
+    mt.src = u.data_ptr();
+    mt.src_si = u.stride(0);
+    mt.src_sj = u.stride(1);
+    mt.row_scale = row_scales[i].data_ptr<float>();
+    mt.col_scale = col_scales[i].data_ptr<float>();
+    mt.scale = static_cast<float>(eps[i]);
+    mt.rows = static_cast<int>(u.size(0));
+    mt.cols = static_cast<int>(u.size(1));
+    groups[static_cast<int>(dtype_of(u, op, "updates"))].push_back(mt);
+  }
+  for (auto& [key, mats] : groups) {
+    const int count = static_cast<int>(mats.size());
+    at::Tensor partial = at::empty({lean_plus_stat_partials(mats.data(), count)}, updates[0].options().dtype(at::kFloat));
+    launch_lean_plus_stats(static_cast<DType>(key), mats.data(), count, partial.data_ptr<float>(), current_stream());
+  }
+}
+
 inline void muon_lean_update_(at::TensorList params, at::TensorList updates, at::TensorList lrs,
                               at::TensorList weight_decays, at::IntArrayRef hyper_index, c10::ArrayRef<double> scales,
-                              const std::optional<at::Tensor>& skip, at::IntArrayRef skip_index) {
+                              const std::optional<at::Tensor>& skip, at::IntArrayRef skip_index,
+                              at::TensorList row_scales, at::TensorList col_scales) {
   const char* op = "muon_lean_update_";
   const size_t n = params.size();
   TORCH_CHECK_VALUE(updates.size() == n && hyper_index.size() == n && scales.size() == n && skip_index.size() == n,
                     "speedtronic::muon_lean_update_: params, updates, hyper_index, scales and skip_index must have "
                     "one entry per matrix; got ", n, ", ", updates.size(), ", ", hyper_index.size(), ", ",
                     scales.size(), ", ", skip_index.size());
+  TORCH_CHECK_VALUE(row_scales.size() == col_scales.size() && (row_scales.empty() || row_scales.size() == n),
+                    "speedtronic::muon_lean_update_: row_scales and col_scales must both be empty or have one "
+                    "entry per matrix; got ", row_scales.size(), " and ", col_scales.size(), " for ", n);
   TORCH_CHECK_VALUE(lrs.size() == weight_decays.size(), "speedtronic::muon_lean_update_: ", lrs.size(),
                     " lrs but ", weight_decays.size(), " weight_decays");
   if (n == 0) return;
@@ -443,6 +490,15 @@ inline void muon_lean_update_(at::TensorList params, at::TensorList updates, at:
     mt.scale = static_cast<float>(scales[i]);
     mt.rows = static_cast<int>(p.size(a));
     mt.cols = static_cast<int>(p.size(b));
+    if (!row_scales.empty() && (row_scales[i].numel() > 0 || col_scales[i].numel() > 0)) {
+      // Muon+ (a pair of empty tensors: none for this matrix); the scales are indexed by the
+      // update's (row, col), so they swap with the walk
+      check_scale(row_scales[i], u.size(0), u, op, "row_scales", i);
+      check_scale(col_scales[i], u.size(1), u, op, "col_scales", i);
+      mt.row_scale = row_scales[i].data_ptr<float>();
+      mt.col_scale = col_scales[i].data_ptr<float>();
+      mt.scale_swap = swap;
+    }
     groups[{static_cast<int>(dtype_of(p, op, "params")), static_cast<int>(dtype_of(u, op, "updates"))}]
         .push_back(mt);
   }

@@ -60,7 +60,7 @@ struct PostArgs {
 // The lean Muon step's passes (kernels/muon_lean.cuh): every matrix of the step in one table,
 // each walked in 32 x 32 tiles in one coordinate system (i, j); element (i, j) of a strided
 // operand is ptr[i * si + j * sj], of a dense one ptr[i * cols + j].
-constexpr int kLeanMats = 128;       // matrices per launch (a ~17 KiB parameter table: Volta+ with CUDA >= 12.1 take 32 KiB)
+constexpr int kLeanMats = 128;       // matrices per launch (a ~20 KiB parameter table: Volta+ with CUDA >= 12.1 take 32 KiB)
 constexpr int kLeanTile = 32;        // tile edge; a block of 256 threads covers a tile in 4 rows each
 constexpr int kLeanTilesPerItem = 16;  // tiles per block: 16,384 elements, as kChunk
 constexpr int kLeanThreads = 256;
@@ -83,6 +83,16 @@ struct LeanMat {
   int items;            // its blocks
   int partial_start;    // pre: where its per-block sums of squares go
   bool nesterov;        // pre
+  // Muon+ (kernels/muon_lean.cuh, plus stats / update). Stats: src is the update direction in its
+  // logical orientation (rows = fan-out), scale = eps, and the inverse row norms, then the inverse
+  // column norms of the row-normalized matrix, go to row_scale [rows] / col_scale [cols]; the
+  // row partials at partial + stat_start ([tiles_c][rows]), the column partials after them
+  // ([tiles_r][cols]). Update: u * row_scale[r] * col_scale[c], (r, c) = (i, j), or (j, i) when
+  // scale_swap (the kernel walks the parameter transposed); null: no Muon+.
+  float* row_scale;
+  float* col_scale;
+  int64_t stat_start;
+  bool scale_swap;
 };
 
 struct LeanTable {

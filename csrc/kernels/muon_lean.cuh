@@ -9,8 +9,15 @@
 //               per-block sum of U^2; optionally a dense fp32 copy of g (the cautious mask).
 // pre, pass 2:  out = U / max(sqrt(sum of the matrix's partials), eps), in the NS dtype; the
 //               partials are summed in a fixed order (deterministic).
-// update:       p <- round_P(p (1 - lr wd)); u = skip ? 0 : U; p <- p - scale round_P(lr u)
-//               (the rounding of the multi-tensor torch ops it replaces: decay, lr * O, add).
+// update:       p <- round_P(p (1 - lr wd)); u = skip ? 0 : U r_row c_col (Muon+, else U);
+//               p <- p - scale round_P(lr u) (the rounding of the multi-tensor torch ops it
+//               replaces: decay, lr * O, add).
+// plus stats:   Muon+'s inverse row norms r = 1 / sqrt(sum_j U_ij^2 + eps), then the inverse column
+//               norms c of U r; 4 launches for every matrix of the step (row partials, rows,
+//               column partials, columns), all partials summed in a fixed order. The apply is the
+//               update's multiply above, so Muon+ costs two reads of U instead of an fp32 cast,
+//               two reads and a read + write per shape group (GPT-2 small on meta: 15 -> 4
+//               launches, counted by benchmarks/bench_step_dispatch.py).
 //
 // Coordinates: each matrix is walked in 32 x 32 tiles of (i, j), j fastest across a warp. The
 // dense operands (momentum, out, the gradient copy; the parameter in the update) are read and
@@ -129,12 +136,82 @@ __global__ void __launch_bounds__(kLeanThreads) lean_update_kernel(LeanTable t) 
   const float decay = 1.f - lr * *mt.h1;  // torch.addcmul(1, lr, wd, value=-1), fp32
   const bool skip = mt.skip != nullptr && *mt.skip;
   P* p = static_cast<P*>(mt.dst);
+  const float* rs = mt.row_scale;
+  const float* cs = mt.col_scale;
   lean_tiles(mt, static_cast<const U*>(mt.src), tile, [&](int i, int j, float u) {
     const int64_t e = static_cast<int64_t>(i) * mt.dst_si + static_cast<int64_t>(j) * mt.dst_sj;
+    if (rs != nullptr) u = u * (mt.scale_swap ? rs[j] : rs[i]) * (mt.scale_swap ? cs[i] : cs[j]);
     const float pv = round_to<P>(to_f32(p[e]) * decay);
     const float step = skip ? 0.f : round_to<P>(u * lr);
     p[e] = from_f32<P>(pv - mt.scale * step);
   });
+}
+
+// Muon+ partial sums of squares over one 32 x 32 tile each: along j (kCols false: U_ij^2 per
+// row, into [tiles_c][rows]) or along i of the row-normalized matrix (kCols true: (U_ij r_i)^2
+// per column, into [tiles_r][cols], after the rows are final).
+template <class U, bool kCols>
+__global__ void __launch_bounds__(kLeanThreads) lean_plus_partial_kernel(LeanTable t) {
+  __shared__ float tile[kLeanTile][kLeanTile + 1];
+  __shared__ float red[8][kLeanTile + 1];
+  const LeanMat& mt = t.mat[lean_find(t)];
+  const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+  const int tiles_r = (mt.rows + kLeanTile - 1) / kLeanTile;
+  const int tiles = tiles_r * mt.tiles_c;
+  const int first = (static_cast<int>(blockIdx.x) - mt.item_start) * kLeanTilesPerItem;
+  const int last = first + kLeanTilesPerItem < tiles ? first + kLeanTilesPerItem : tiles;
+  float* row_part = t.partial + mt.stat_start;                                  // [tiles_c][rows]
+  float* col_part = row_part + static_cast<int64_t>(mt.tiles_c) * mt.rows;     // [tiles_r][cols]
+  const U* src = static_cast<const U*>(mt.src);
+  for (int tt = first; tt < last; ++tt) {
+    const int ti = tt / mt.tiles_c, tj = tt % mt.tiles_c;
+    const int i0 = ti * kLeanTile, j0 = tj * kLeanTile;
+    float v[4];
+    lean_load(src, mt.src_si, mt.src_sj, i0, j0, mt.rows, mt.cols, tile, v);  // 0 outside
+    if (!kCols) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {  // a warp holds one row of the tile: reduce across lanes
+        const float s = warp_sum(v[r] * v[r]);
+        const int i = i0 + ty + 8 * r;
+        if (tx == 0 && i < mt.rows) row_part[static_cast<int64_t>(tj) * mt.rows + i] = s;
+      }
+    } else {
+      float s = 0.f;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = i0 + ty + 8 * r;
+        if (i < mt.rows) {
+          const float w = v[r] * mt.row_scale[i];
+          s += w * w;
+        }
+      }
+      __syncthreads();  // the previous tile's column sums are read
+      red[ty][tx] = s;
+      __syncthreads();
+      const int j = j0 + tx;
+      if (ty == 0 && j < mt.cols) {
+        float c = 0.f;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) c += red[k][tx];
+        col_part[static_cast<int64_t>(ti) * mt.cols + j] = c;
+      }
+    }
+  }
+}
+
+// One thread per row (kCols false) or column: the inverse norm from the partials, in tile order.
+template <bool kCols>
+__global__ void __launch_bounds__(kLeanThreads) lean_plus_finalize_kernel(LeanTable t) {
+  const LeanMat& mt = t.mat[lean_find(t)];
+  const int line = (static_cast<int>(blockIdx.x) - mt.item_start) * kLeanThreads + static_cast<int>(threadIdx.x);
+  const int lines = kCols ? mt.cols : mt.rows;
+  if (line >= lines) return;  // no barriers below
+  const int tiles_r = (mt.rows + kLeanTile - 1) / kLeanTile;
+  const int parts = kCols ? tiles_r : mt.tiles_c;
+  const float* part = t.partial + mt.stat_start + (kCols ? static_cast<int64_t>(mt.tiles_c) * mt.rows : 0);
+  float s = 0.f;
+  for (int k = 0; k < parts; ++k) s += part[static_cast<int64_t>(k) * lines + line];
+  (kCols ? mt.col_scale : mt.row_scale)[line] = 1.f / sqrtf(s + mt.scale);
 }
 
 // The host side: `mats[0, n)` (one dtype combination; item fields are filled here) in tables
@@ -173,6 +250,64 @@ inline int64_t lean_partials(const LeanMat* mats, int n) {
     total += (tiles + kLeanTilesPerItem - 1) / kLeanTilesPerItem;
   }
   return total;
+}
+
+// Blocks of one thread per row (or column) for the Muon+ finalize passes, one launch per table.
+template <class Launch>
+inline void for_each_lean_lines_table(const LeanMat* mats, int n, float* partial, bool cols, Launch&& launch) {
+  for (int first = 0; first < n; first += kLeanMats) {
+    LeanTable t{};
+    t.partial = partial;
+    int items = 0;
+    for (int k = first; k < n && k < first + kLeanMats; ++k) {
+      if (mats[k].rows == 0 || mats[k].cols == 0) continue;
+      LeanMat& mt = t.mat[t.count++];
+      mt = mats[k];
+      mt.tiles_c = (mats[k].cols + kLeanTile - 1) / kLeanTile;
+      mt.items = ((cols ? mt.cols : mt.rows) + kLeanThreads - 1) / kLeanThreads;
+      mt.item_start = items;
+      items += mt.items;
+    }
+    t.total_items = items;
+    if (items > 0) launch(t);
+  }
+}
+
+// Places every matrix's Muon+ partials (stat_start) and returns their total length.
+inline int64_t lean_plus_partials(LeanMat* mats, int n) {
+  int64_t total = 0;
+  for (int k = 0; k < n; ++k) {
+    mats[k].stat_start = total;
+    const int64_t tiles_r = (mats[k].rows + kLeanTile - 1) / kLeanTile;
+    const int64_t tiles_c = (mats[k].cols + kLeanTile - 1) / kLeanTile;
+    total += tiles_c * mats[k].rows + tiles_r * mats[k].cols;
+  }
+  return total;
+}
+
+template <class U>
+inline void run_lean_plus_stats(const LeanMat* mats, int n, float* partial, Stream stream) {
+  // Each pass needs the previous one done for every matrix: stream order gives it.
+  for_each_lean_table(mats, n, partial, [&](const LeanTable& t) {
+    ST_LAUNCH(dim3(static_cast<unsigned>(t.total_items)), dim3(kLeanThreads), 0, stream,
+              lean_plus_partial_kernel<U, false>)(t);
+    check_launch("lean_plus_partial_kernel<rows>");
+  });
+  for_each_lean_lines_table(mats, n, partial, false, [&](const LeanTable& t) {
+    ST_LAUNCH(dim3(static_cast<unsigned>(t.total_items)), dim3(kLeanThreads), 0, stream,
+              lean_plus_finalize_kernel<false>)(t);
+    check_launch("lean_plus_finalize_kernel<rows>");
+  });
+  for_each_lean_table(mats, n, partial, [&](const LeanTable& t) {
+    ST_LAUNCH(dim3(static_cast<unsigned>(t.total_items)), dim3(kLeanThreads), 0, stream,
+              lean_plus_partial_kernel<U, true>)(t);
+    check_launch("lean_plus_partial_kernel<cols>");
+  });
+  for_each_lean_lines_table(mats, n, partial, true, [&](const LeanTable& t) {
+    ST_LAUNCH(dim3(static_cast<unsigned>(t.total_items)), dim3(kLeanThreads), 0, stream,
+              lean_plus_finalize_kernel<true>)(t);
+    check_launch("lean_plus_finalize_kernel<cols>");
+  });
 }
 
 template <class G, class X>

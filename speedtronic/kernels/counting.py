@@ -85,12 +85,18 @@ def _lean_update_launches(args: tuple, kwargs: dict) -> int:
     return _lean_tables(list(args[0]), list(args[1]))
 
 
+def _lean_plus_stats_launches(args: tuple, kwargs: dict) -> int:
+    # row partials, rows, column partials, columns: 4 per table (csrc/kernels/muon_lean.cuh)
+    return 4 * _lean_tables(list(args[0]), list(args[0]))
+
+
 #: CUDA launches of our custom ops that have a CUDA kernel, read off their launchers (one
 #: dtype pair of inputs assumed).
 CUSTOM_OP_LAUNCHES = {"muon_plus_normalize": _muon_plus_launches,
                       "cautious_mask_": _cautious_mask_launches,
                       "muon_lean_pre_": _lean_pre_launches,
-                      "muon_lean_update_": _lean_update_launches}
+                      "muon_lean_update_": _lean_update_launches,
+                      "muon_lean_plus_stats_": _lean_plus_stats_launches}
 
 _CHUNK = 65536
 _MAX_BLOCKS = 320

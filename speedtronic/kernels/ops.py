@@ -18,7 +18,9 @@ Ops (see each function's docstring for the exact math):
 ``muon_post_update_``        Muon+ / cautious post-pass + decoupled weight decay + param update
 ``cautious_adamw_step_``     AdamW (optionally cautious) over lists of tensors
 ``muon_lean_pre_``           the lean step's pre-pass: every matrix of the step, tensor ``mu``
-``muon_lean_update_``        the lean step's weight decay + update, tensor ``lr``/``wd``, guard skip
+``muon_lean_update_``        the lean step's weight decay + update, tensor ``lr``/``wd``, guard
+                             skip, Muon+ row/column scales
+``muon_lean_plus_stats_``    Muon+ inverse row and column norms of every matrix of a step
 
 Coefficient schedules for ``newton_schulz`` are named in :data:`COEFFICIENT_SCHEDULES` and
 resolved with :func:`resolve_coefficients`.
@@ -54,6 +56,7 @@ OP_NAMES: tuple[str, ...] = (
     "cautious_adamw_step_",
     "muon_lean_pre_",
     "muon_lean_update_",
+    "muon_lean_plus_stats_",
 )
 
 #: The ops with a hand-written CUDA kernel in ``speedtronic._C`` (the extension must register
@@ -468,13 +471,28 @@ def _(grads, momenta, outs, grad_copies, mus, mu_index, nesterov, eps):
     _check_lean_pre_args(grads, momenta, outs, grad_copies, mus, mu_index, nesterov, eps)
 
 
+def _check_scale(s: Tensor, length: int, what: str, i: int, op: str) -> None:
+    if s.dim() != 1 or s.shape[0] != length or s.dtype != torch.float32 or not s.is_contiguous():
+        raise ValueError(f"{op}: {what}[{i}] must be a contiguous float32 tensor of {length} "
+                         f"entries, got {s.dtype} {tuple(s.shape)}")
+
+
 def _check_lean_update_args(params, updates, lrs, weight_decays, hyper_index, scales, skip,
-                            skip_index) -> None:
+                            skip_index, row_scales, col_scales) -> None:
     n = len(params)
     lengths = (len(updates), len(hyper_index), len(scales), len(skip_index))
     if any(k != n for k in lengths):
         raise ValueError("muon_lean_update_: params, updates, hyper_index, scales and skip_index "
                          f"must have one entry per matrix; got {n}, {', '.join(map(str, lengths))}")
+    if len(row_scales) != len(col_scales) or len(row_scales) not in (0, n):
+        raise ValueError("muon_lean_update_: row_scales and col_scales must both be empty or have "
+                         f"one entry per matrix; got {len(row_scales)} and {len(col_scales)} "
+                         f"for {n}")
+    for i, u in enumerate(updates if row_scales else []):
+        if row_scales[i].numel() == 0 and col_scales[i].numel() == 0:
+            continue  # no Muon+ for this matrix
+        _check_scale(row_scales[i], u.shape[0], "row_scales", i, "muon_lean_update_")
+        _check_scale(col_scales[i], u.shape[1], "col_scales", i, "muon_lean_update_")
     if len(lrs) != len(weight_decays):
         raise ValueError(f"muon_lean_update_: {len(lrs)} lrs but {len(weight_decays)} "
                          "weight_decays")
@@ -493,13 +511,16 @@ def _check_lean_update_args(params, updates, lrs, weight_decays, hyper_index, sc
 
 def _lean_update_impl(params: Sequence[Tensor], updates: Sequence[Tensor], lrs: Sequence[Tensor],
                       weight_decays: Sequence[Tensor], hyper_index: Sequence[int],
-                      scales: Sequence[float], skip: Tensor | None,
-                      skip_index: Sequence[int]) -> None:
+                      scales: Sequence[float], skip: Tensor | None, skip_index: Sequence[int],
+                      row_scales: Sequence[Tensor], col_scales: Sequence[Tensor]) -> None:
     _check_lean_update_args(params, updates, lrs, weight_decays, hyper_index, scales, skip,
-                            skip_index)
+                            skip_index, row_scales, col_scales)
     for i, p in enumerate(params):
         lr, wd = lrs[hyper_index[i]], weight_decays[hyper_index[i]]
-        step = (updates[i].float() * lr).to(p.dtype)              # lr U, rounded to p's dtype
+        u = updates[i].float()                                    # (r, c) fp32
+        if row_scales and row_scales[i].numel():                  # Muon+: (U r) c, as its op
+            u = u * row_scales[i][:, None] * col_scales[i][None, :]
+        step = (u * lr).to(p.dtype)                               # lr U, rounded to p's dtype
         if skip_index[i] >= 0:
             step = step.masked_fill(skip[skip_index[i]], 0)
         p.mul_(torch.addcmul(torch.ones_like(lr), lr, wd, value=-1.0))  # p (1 - lr wd)
@@ -509,11 +530,12 @@ def _lean_update_impl(params: Sequence[Tensor], updates: Sequence[Tensor], lrs: 
 @torch.library.custom_op(
     "speedtronic::muon_lean_update_", mutates_args=("params",), device_types=None,
     schema="(Tensor(a!)[] params, Tensor[] updates, Tensor[] lrs, Tensor[] weight_decays, "
-           "int[] hyper_index, float[] scales, Tensor? skip, int[] skip_index) -> ()")
+           "int[] hyper_index, float[] scales, Tensor? skip, int[] skip_index, "
+           "Tensor[] row_scales, Tensor[] col_scales) -> ()")
 def muon_lean_update_(params: Sequence[Tensor], updates: Sequence[Tensor], lrs: Sequence[Tensor],
                       weight_decays: Sequence[Tensor], hyper_index: Sequence[int],
-                      scales: Sequence[float], skip: Tensor | None,
-                      skip_index: Sequence[int]) -> None:
+                      scales: Sequence[float], skip: Tensor | None, skip_index: Sequence[int],
+                      row_scales: Sequence[Tensor], col_scales: Sequence[Tensor]) -> None:
     """The lean Muon step's decoupled weight decay and update over every matrix of a step.
 
     ``p <- p (1 - lr wd) - scales[i] * (lr U)`` for ``p = params[i]`` (2-D, any strides) and
@@ -521,15 +543,66 @@ def muon_lean_update_(params: Sequence[Tensor], updates: Sequence[Tensor], lrs: 
     fp32 tensors ``lrs[hyper_index[i]]`` / ``weight_decays[hyper_index[i]]`` read on the device;
     each product is rounded to ``p``'s dtype as the multi-tensor torch ops round it. When
     ``skip_index[i] >= 0`` and ``skip[skip_index[i]]`` (a bool tensor: the 16-bit guard's
-    verdict) is true, the update is dropped and the decay kept. CUDA: 1 launch per 128 matrices
-    of one dtype pair."""
-    _lean_update_impl(params, updates, lrs, weight_decays, hyper_index, scales, skip, skip_index)
+    verdict) is true, the update is dropped and the decay kept. ``row_scales`` / ``col_scales``
+    (both empty, or one fp32 vector per matrix of ``U``'s row / column count: Muon+, from
+    :func:`muon_lean_plus_stats_`; a pair of empty tensors: none for that matrix) scale ``U`` to
+    ``(U_rc row_scales[r]) col_scales[c]`` in fp32 first. CUDA: 1 launch per 128 matrices of
+    one dtype pair."""
+    _lean_update_impl(params, updates, lrs, weight_decays, hyper_index, scales, skip, skip_index,
+                      row_scales, col_scales)
 
 
 @muon_lean_update_.register_fake
-def _(params, updates, lrs, weight_decays, hyper_index, scales, skip, skip_index):
+def _(params, updates, lrs, weight_decays, hyper_index, scales, skip, skip_index, row_scales,
+      col_scales):
     _check_lean_update_args(params, updates, lrs, weight_decays, hyper_index, scales, skip,
-                            skip_index)
+                            skip_index, row_scales, col_scales)
+
+
+def _check_lean_plus_stats_args(updates, row_scales, col_scales, eps) -> None:
+    n = len(updates)
+    if not len(row_scales) == len(col_scales) == len(eps) == n:
+        raise ValueError("muon_lean_plus_stats_: updates, row_scales, col_scales and eps must "
+                         f"have one entry per matrix; got {n}, {len(row_scales)}, "
+                         f"{len(col_scales)}, {len(eps)}")
+    for i, u in enumerate(updates):
+        if u.dim() != 2:
+            raise ValueError(f"muon_lean_plus_stats_: updates[{i}] must be 2-D, got "
+                             f"{tuple(u.shape)}")
+        _check_scale(row_scales[i], u.shape[0], "row_scales", i, "muon_lean_plus_stats_")
+        _check_scale(col_scales[i], u.shape[1], "col_scales", i, "muon_lean_plus_stats_")
+
+
+def _lean_plus_stats_impl(updates: Sequence[Tensor], row_scales: Sequence[Tensor],
+                          col_scales: Sequence[Tensor], eps: Sequence[float]) -> None:
+    _check_lean_plus_stats_args(updates, row_scales, col_scales, eps)
+    for i, U in enumerate(updates):
+        u = U.float()                                                     # (r, c) fp32
+        rows = u.square().sum(dim=-1).add_(eps[i]).rsqrt_()              # (r,)
+        cols = (u * rows[:, None]).square().sum(dim=-2).add_(eps[i]).rsqrt_()  # (c,)
+        row_scales[i].copy_(rows)
+        col_scales[i].copy_(cols)
+
+
+@torch.library.custom_op(
+    "speedtronic::muon_lean_plus_stats_", mutates_args=("row_scales", "col_scales"),
+    device_types=None,
+    schema="(Tensor[] updates, Tensor(a!)[] row_scales, Tensor(b!)[] col_scales, "
+           "float[] eps) -> ()")
+def muon_lean_plus_stats_(updates: Sequence[Tensor], row_scales: Sequence[Tensor],
+                          col_scales: Sequence[Tensor], eps: Sequence[float]) -> None:
+    """Muon+'s statistics for every matrix of a step, applied later by
+    :func:`muon_lean_update_`: for ``U = updates[i]`` (2-D, any strides and float dtype, in the
+    orientation whose rows Muon+ normalizes first) ``row_scales[i][r] = 1 / sqrt(sum_c U_rc^2 +
+    eps[i])`` and ``col_scales[i][c] = 1 / sqrt(sum_r (U_rc row_scales[i][r])^2 + eps[i])``, fp32.
+    ``(U r) c`` is :func:`muon_plus_normalize` of ``U``. CUDA: 4 launches per 128 matrices of
+    one dtype (row partials, rows, column partials, columns)."""
+    _lean_plus_stats_impl(updates, row_scales, col_scales, eps)
+
+
+@muon_lean_plus_stats_.register_fake
+def _(updates, row_scales, col_scales, eps):
+    _check_lean_plus_stats_args(updates, row_scales, col_scales, eps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -646,6 +719,7 @@ _PYTORCH_IMPLS: dict[str, Callable] = {
     "cautious_adamw_step_": _adamw_impl,
     "muon_lean_pre_": _lean_pre_impl,
     "muon_lean_update_": _lean_update_impl,
+    "muon_lean_plus_stats_": _lean_plus_stats_impl,
 }
 
 # Every op's Python body, called directly off CUDA (see kernel_or_fallback); under no_grad, as

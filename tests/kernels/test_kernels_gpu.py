@@ -136,10 +136,27 @@ def test_lean_passes_match_their_pytorch_bodies(gen):
     lrs, wds = [torch.tensor(0.02, device="cuda")], [torch.tensor(0.1, device="cuda")]
     uargs = (lrs, wds, [0] * len(params), [1.5] * len(params), skip,
              [i % 3 - 1 for i in range(len(params))])
-    torch.ops.speedtronic.muon_lean_update_(params, updates, *uargs)
-    ops._lean_update_impl(ref, updates, *uargs)
+    torch.ops.speedtronic.muon_lean_update_(params, updates, *uargs, [], [])
+    ops._lean_update_impl(ref, updates, *uargs, [], [])
     for a, r in zip(params, ref, strict=True):
         _close(a, r, torch.float32, "lean update")
+    # Muon+ folded into the update: the stats op on the logical views, then the scaled update
+    logical = [u.mT if i % 2 else u for i, u in enumerate(updates)]
+    rows_k = [torch.empty(v.shape[0], device="cuda") for v in logical]
+    cols_k = [torch.empty(v.shape[1], device="cuda") for v in logical]
+    rows_r, cols_r = [torch.empty_like(t) for t in rows_k], [torch.empty_like(t) for t in cols_k]
+    eps = [1e-8] * len(logical)
+    torch.ops.speedtronic.muon_lean_plus_stats_(logical, rows_k, cols_k, eps)
+    ops._lean_plus_stats_impl(logical, rows_r, cols_r, eps)
+    for a, r in zip(rows_k + cols_k, rows_r + cols_r, strict=True):
+        _close(a, r, torch.float32, "lean plus stats")
+    rs = [c if i % 2 else r for i, (r, c) in enumerate(zip(rows_k, cols_k, strict=True))]
+    cs = [r if i % 2 else c for i, (r, c) in enumerate(zip(rows_k, cols_k, strict=True))]
+    ref = [p.clone() for p in params]
+    torch.ops.speedtronic.muon_lean_update_(params, updates, *uargs, rs, cs)
+    ops._lean_update_impl(ref, updates, *uargs, rs, cs)
+    for a, r in zip(params, ref, strict=True):
+        _close(a, r, torch.float32, "lean update with Muon+ scales")
 
 
 @pytest.mark.parametrize("shape", [(1, 67), (45, 1), (4, 37, 45), (2, 3072, 768)])

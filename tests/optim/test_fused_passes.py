@@ -38,7 +38,10 @@ CASES = [
     {"cautious": True},
     {"cautious": True, "muon_plus": True},
     {"ns_dtype": "fp16"},
+    {"muon_plus": True, "ns_dtype": "fp16"},
+    {"cautious": True, "muon_plus": True, "ns_dtype": "fp16"},
     {"workspace_budget": 1},  # one matrix per Newton-Schulz batch: the chunked route
+    {"muon_plus": True, "workspace_budget": 1},
 ]
 
 
@@ -54,6 +57,21 @@ def test_fused_route_matches_the_torch_route(monkeypatch, kw):
 
 def test_fused_route_reads_each_param_groups_hyper_parameters(monkeypatch):
     gk = [{"lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}, {"lr": 0.01, "momentum": 0.8}]
+    torch_route = _run(monkeypatch, False, groups_kw=gk)
+    fused = _run(monkeypatch, True, groups_kw=gk)
+    for a, b in zip(fused, torch_route, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gk", [
+    [{"muon_plus": True, "layout": "transposed"}, {"muon_plus": False}],
+    [{"muon_plus": False}, {"muon_plus": True, "cautious": True}],
+], ids=["plus-transposed-layout+plain", "plain+plus-cautious"])
+def test_fused_muon_plus_scales_only_its_own_matrices_in_their_logical_orientation(monkeypatch,
+                                                                                  gk):
+    """Muon+ folded into the one update call: matrices of groups without it get no scales
+    (the empty-tensor pair), and a ``transposed`` layout normalizes the logical (out, in)
+    rows first, as the torch route does."""
     torch_route = _run(monkeypatch, False, groups_kw=gk)
     fused = _run(monkeypatch, True, groups_kw=gk)
     for a, b in zip(fused, torch_route, strict=True):
@@ -82,7 +100,7 @@ def test_fused_route_through_the_emulated_kernels(monkeypatch):
     real = muon_step.ops.kernel_or_fallback
 
     def kernels(name, device, dtypes):
-        if name in ("muon_lean_pre_", "muon_lean_update_"):
+        if name in ("muon_lean_pre_", "muon_lean_update_", "muon_lean_plus_stats_"):
             return getattr(emu, name)
         return real(name, device, dtypes)
 
@@ -90,7 +108,8 @@ def test_fused_route_through_the_emulated_kernels(monkeypatch):
     monkeypatch.setattr(muon_step.ops, "kernel_or_fallback", kernels)
     launches = emu.stats()[0]
     fused = _run(monkeypatch, True, muon_plus=True)
-    assert emu.stats()[0] - launches == 3 * 3  # pre 2 + update 1 per step, one table
+    # per step, one table: pre 2 + Muon+ stats 4 (the apply is the update's) + update 1
+    assert emu.stats()[0] - launches == 3 * (2 + 4 + 1)
     for a, b in zip(fused, torch_route, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 

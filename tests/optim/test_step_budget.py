@@ -375,28 +375,30 @@ def _meta_step_count(shapes, **kw) -> DispatchCounter:
     return _count(opt)
 
 
-# On the CUDA path Muon+ and the cautious mask are our fused kernels, one op per piece: Muon+
-# the fp32 cast of the group's 16-bit result (1) and per part 4 launches (row stats, column
-# partials, finalize, apply) + 1 copy for a part normalized transposed; the cautious mask the
-# cast (1) and 3 launches per group (zero counts, count, apply; 1 without rescale).
-@pytest.mark.parametrize("kw, per_group, per_part, per_flip", [
-    ({"muon_plus": True}, 1, 4, 1),
-    ({"cautious": True}, 1 + 3, 0, 0),
-    ({"cautious": True, "cautious_rescale": False}, 1 + 1, 0, 0),
+# On the CUDA path (the fused passes) Muon+ is one muon_lean_plus_stats_ call for every matrix
+# of the step: 4 launches per table of 128 matrices (row partials, rows, column partials,
+# columns), its apply folded into the update's multiply; the cautious mask is one fused op per
+# shape group on the NS result in its own dtype: 3 launches (zero counts, count, apply; 1
+# without rescale). Both within the issue's +10% ops.
+@pytest.mark.parametrize("kw, per_step, per_group", [
+    ({"muon_plus": True}, 4, 0),
+    ({"cautious": True}, 0, 3),
+    ({"cautious": True, "cautious_rescale": False}, 0, 1),
+    ({"cautious": True, "muon_plus": True}, 4, 3),
 ])
-def test_muon_plus_and_cautious_are_one_fused_op_per_piece_on_the_cuda_path(kw, per_group,
-                                                                          per_part, per_flip):
+def test_muon_plus_and_cautious_are_fused_on_the_cuda_path(kw, per_step, per_group):
     base = _meta_step_count(GPT2_SMALL)
     c = _meta_step_count(GPT2_SMALL, **kw)
     groups = _expected_groups(GPT2_SMALL)
-    parts = sum(p for _, p in groups.values())
-    flips = sum(1 for _, p in groups.values() if p > 1)   # the tall part of a mixed group
-    extra = per_group * len(groups) + per_part * parts + per_flip * flips
+    extra = per_step + per_group * len(groups)
     assert c.host_syncs == 0
     assert c.launches - base.launches <= extra, (c.launches, base.launches, extra)
     fused = [k for k in c.by_name if k.startswith("speedtronic::")]
     assert fused, c.by_name  # the kernels, not their elementwise fallbacks
-    assert c.ops - base.ops <= len(groups) + parts + 1
+    ops_added = c.ops - base.ops
+    assert ops_added <= (1 if per_step else 0) + (len(groups) if per_group else 0), c.by_name
+    if len(kw) == 1 or "cautious_rescale" in kw:  # each option alone: the target
+        assert ops_added <= 0.10 * base.ops, (c.ops, base.ops)
 
 
 def test_the_fused_cautious_branch_matches_the_batched_cpu_mask():

@@ -341,7 +341,10 @@ TORCH_LIBRARY(speedtronic_emu, m) {
   m.def("muon_lean_pre_(Tensor[] grads, Tensor(a!)[] momenta, Tensor(b!)[] outs, Tensor(c!)[] grad_copies, "
         "Tensor[] mus, int[] mu_index, int[] nesterov, float[] eps) -> ()");
   m.def("muon_lean_update_(Tensor(a!)[] params, Tensor[] updates, Tensor[] lrs, Tensor[] weight_decays, "
-        "int[] hyper_index, float[] scales, Tensor? skip, int[] skip_index) -> ()");
+        "int[] hyper_index, float[] scales, Tensor? skip, int[] skip_index, Tensor[] row_scales, "
+        "Tensor[] col_scales) -> ()");
+  m.def("muon_lean_plus_stats_(Tensor[] updates, Tensor(a!)[] row_scales, Tensor(b!)[] col_scales, "
+        "float[] eps) -> ()");
   m.def("syrk(Tensor X, float alpha=1.0, float beta=0.0, Tensor? Y=None) -> Tensor");
   m.def("mma_probe(Tensor A, Tensor Bt) -> Tensor");
   m.def("sym_gemm(Tensor X, float alpha=1.0, float beta=0.0, Tensor? C=None, int tile_n=0) -> Tensor");
@@ -396,8 +399,12 @@ TORCH_LIBRARY_IMPL(speedtronic_emu, CompositeExplicitAutograd, m) {  // also rea
   });
   m.impl("muon_lean_update_", [](at::TensorList p, at::TensorList u, at::TensorList lrs, at::TensorList wds,
                                  at::IntArrayRef hi, c10::ArrayRef<double> sc, const std::optional<at::Tensor>& sk,
-                                 at::IntArrayRef si) {
-    guarded([&] { g::muon_lean_update_(p, u, lrs, wds, hi, sc, sk, si); });
+                                 at::IntArrayRef si, at::TensorList rs, at::TensorList cs) {
+    guarded([&] { g::muon_lean_update_(p, u, lrs, wds, hi, sc, sk, si, rs, cs); });
+  });
+  m.impl("muon_lean_plus_stats_", [](at::TensorList u, at::TensorList rs, at::TensorList cs,
+                                     c10::ArrayRef<double> eps) {
+    guarded([&] { g::muon_lean_plus_stats_(u, rs, cs, eps); });
   });
   m.impl("syrk", [](const at::Tensor& X, double alpha, double beta, const std::optional<at::Tensor>& Y) {
     return guarded([&] { return g::syrk(X, alpha, beta, Y); });

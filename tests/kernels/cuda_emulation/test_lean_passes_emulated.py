@@ -105,7 +105,7 @@ def test_lean_update_matches_reference(emu, sched, pdtype, udtype):
     lrs = [torch.tensor(0.02), torch.tensor(0.5)]
     wds = [torch.tensor(0.1), torch.tensor(0.0)]
     skip = torch.tensor([False, True])
-    args = (lrs, wds, [0, 1, 0, 1], [1.5, 1.0, 0.7, 2.0], skip, [0, 1, -1, 0])
+    args = (lrs, wds, [0, 1, 0, 1], [1.5, 1.0, 0.7, 2.0], skip, [0, 1, -1, 0], [], [])
     ref = [p.clone() for p in params]
     emu.muon_lean_update_(params, updates, *args)
     ops._lean_update_impl(ref, updates, *args)
@@ -129,7 +129,91 @@ def test_lean_ops_reject_bad_input(emu):
                            [torch.tensor(0.9)], [0], [1], [1e-7])
     with pytest.raises(ValueError, match="updates\\[0\\] must match"):
         emu.muon_lean_update_(g, [torch.zeros(4, 3)], [torch.tensor(0.1)], [torch.tensor(0.0)],
-                              [0], [1.0], None, [-1])
+                              [0], [1.0], None, [-1], [], [])
     with pytest.raises(ValueError, match="skip_index"):
         emu.muon_lean_update_(g, [torch.zeros(4, 4)], [torch.tensor(0.1)], [torch.tensor(0.0)],
-                              [0], [1.0], None, [0])
+                              [0], [1.0], None, [0], [], [])
+    with pytest.raises(ValueError, match="row_scales\\[0\\] must be a contiguous float32"):
+        emu.muon_lean_update_(g, [torch.zeros(4, 4)], [torch.tensor(0.1)], [torch.tensor(0.0)],
+                              [0], [1.0], None, [-1], [torch.zeros(3)], [torch.zeros(4)])
+    with pytest.raises(ValueError, match="col_scales\\[0\\]"):
+        emu.muon_lean_plus_stats_(g, [torch.zeros(4)], [torch.zeros(4, dtype=torch.float16)],
+                                  [1e-8])
+
+
+def _plus_updates(dtype, gen):
+    """Muon+ inputs as the step hands them over: dense, a bank slice read transposed (the
+    logical matrix of a flipped part), awkward edges, a 1-row matrix."""
+    bank = torch.randn(2, 40, 70, generator=gen).to(dtype)
+    return [torch.randn(33, 70, generator=gen).to(dtype), bank[0].mT, bank[1],
+            torch.randn(1, 37, generator=gen).to(dtype),
+            torch.randn(96, 65, generator=gen).to(dtype)]
+
+
+@pytest.mark.parametrize("udtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lean_plus_stats_match_reference_and_the_muon_plus_op(emu, sched, udtype):
+    gen = torch.Generator().manual_seed(5)
+    updates = _plus_updates(udtype, gen)
+    eps = [1e-8, 1e-6, 1e-8, 1e-8, 1e-7]
+    runs = {}
+    for name, fn in (("emu", emu.muon_lean_plus_stats_), ("ref", ops._lean_plus_stats_impl)):
+        rows = [torch.full((u.shape[0],), float("nan")) for u in updates]
+        cols = [torch.full((u.shape[1],), float("nan")) for u in updates]
+        fn(updates, rows, cols, eps)
+        runs[name] = (rows, cols)
+    for i, u in enumerate(updates):
+        for k in (0, 1):
+            torch.testing.assert_close(runs["emu"][k][i], runs["ref"][k][i], rtol=1e-5, atol=0)
+        # (U r) c is Muon+'s normalization: the same numbers as the standalone op
+        applied = u.float() * runs["emu"][0][i][:, None] * runs["emu"][1][i][None, :]
+        torch.testing.assert_close(applied, ops._muon_plus_impl(u.float(), eps[i]),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("pdtype,udtype", [(torch.float32, torch.float16),
+                                           (torch.float32, torch.float32),
+                                           (torch.bfloat16, torch.float32)])
+def test_lean_update_applies_muon_plus_scales_in_either_walk(emu, sched, pdtype, udtype):
+    """The scales are indexed by the update's rows and columns, also when the kernel walks a
+    parameter stored transposed (the swap), and a pair of empty tensors means no scaling."""
+    gen = torch.Generator().manual_seed(6)
+    params = [torch.randn(33, 70, generator=gen).to(pdtype),
+              torch.randn(70, 33, generator=gen).to(pdtype).mT,
+              torch.randn(40, 24, generator=gen).to(pdtype)]
+    bank = torch.randn(70, 33, generator=gen).to(udtype)
+    updates = [torch.randn(33, 70, generator=gen).to(udtype), bank.mT,
+               torch.randn(40, 24, generator=gen).to(udtype)]
+    rows = [torch.rand(33, generator=gen) + 0.5, torch.rand(33, generator=gen) + 0.5,
+            torch.empty(0)]
+    cols = [torch.rand(70, generator=gen) + 0.5, torch.rand(70, generator=gen) + 0.5,
+            torch.empty(0)]
+    args = ([torch.tensor(0.03)], [torch.tensor(0.1)], [0, 0, 0], [1.0, 2.0, 1.5], None,
+            [-1, -1, -1], rows, cols)
+    ref = [p.clone() for p in params]
+    plain = [p.clone() for p in params]
+    emu.muon_lean_update_(params, updates, *args)
+    ops._lean_update_impl(ref, updates, *args)
+    emu.muon_lean_update_(plain, updates, *args[:-2], [], [])
+    tol = 1e-6 if pdtype == torch.float32 else 8e-3
+    for p, r in zip(params, ref, strict=True):
+        torch.testing.assert_close(p, r, rtol=tol, atol=tol)
+    assert torch.equal(params[2], plain[2])            # no scales for the last one
+    assert not torch.allclose(params[0], plain[0])     # the scales did act on the others
+
+
+def test_lean_plus_stats_many_matrices(emu):
+    """More matrices than one launch table; a zero matrix gives 1 / sqrt(eps)."""
+    emu.configure("forward", 0)
+    gen = torch.Generator().manual_seed(7)
+    updates = [torch.randn(8 + i % 5, 12 + i % 7, generator=gen) for i in range(LEAN_MATS + 9)]
+    updates[3] = torch.zeros_like(updates[3])
+    eps = [1e-8] * len(updates)
+    out = {}
+    for name, fn in (("emu", emu.muon_lean_plus_stats_), ("ref", ops._lean_plus_stats_impl)):
+        rows = [torch.empty(u.shape[0]) for u in updates]
+        cols = [torch.empty(u.shape[1]) for u in updates]
+        fn(updates, rows, cols, eps)
+        out[name] = rows + cols
+    for x, y in zip(out["emu"], out["ref"], strict=True):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=0)
+    assert torch.all(out["emu"][3] == 1e4)
