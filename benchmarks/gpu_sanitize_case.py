@@ -44,8 +44,11 @@ def main() -> int:
     rows = [torch.empty(37, device=dev), torch.empty(45, device=dev)]
     cols = [torch.empty(45, device=dev), torch.empty(37, device=dev)]
     sp.muon_lean_plus_stats_([lean_o[0], lean_o[1].mT], rows, cols, [1e-8, 1e-8])
+    cgrads = [torch.randn(37, 45, device=dev), torch.randn(37, 45, device=dev).mT]
+    kept = torch.empty(2, dtype=torch.int64, device=dev)
+    sp.muon_lean_cautious_count_([lean_o[0], lean_o[1].mT], cgrads, kept)
     sp.muon_lean_update_([params[0], tall], [lean_o[0], lean_o[1].mT], [lr], [wd], [0, 0],
-                         [1.0, 2.0], skip, [0, 1], rows, cols)
+                         [1.0, 2.0], skip, [0, 1], rows, cols, cgrads, kept, [0, 1])
     sp.muon_plus_normalize(torch.randn(2, 130, 7, device=dev).bfloat16(), 1e-8)
     dbg.syrk(torch.randn(2, 130, 33, device=dev).half(), 1.0, 0.0, None)
     sym = torch.randn(3, 37, 37, device=dev).half()

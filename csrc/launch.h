@@ -38,6 +38,9 @@ void launch_lean_update(DType p, DType u, const LeanMat* mats, int n, void* stre
 // lean_plus_partials(mats, n) floats, which also places each matrix's partials (stat_start).
 void launch_lean_plus_stats(DType u, const LeanMat* mats, int n, float* partial, void* stream);
 int64_t lean_plus_stat_partials(LeanMat* mats, int n);
+// Cautious kept counts (src: the update direction, dtype u; cgrad: fp32 with src's strides) added
+// to each matrix's `kept` (1 launch per table).
+void launch_lean_cautious_count(DType u, const LeanMat* mats, int n, void* stream);
 
 // t must be F16 or BF16.
 void launch_syrk(DType t, SyrkArgs a, void* stream);

@@ -35,6 +35,10 @@ void launch_lean_plus_stats(DType u, const LeanMat* mats, int n, float* partial,
 
 int64_t lean_plus_stat_partials(LeanMat* mats, int n) { return lean_plus_partials(mats, n); }
 
+void launch_lean_cautious_count(DType u, const LeanMat* mats, int n, void* stream) {
+  ST_DISPATCH(u, U, run_lean_cautious_count<U>(mats, n, static_cast<Stream>(stream)));
+}
+
 void launch_lean_update(DType p, DType u, const LeanMat* mats, int n, void* stream) {
   ST_DISPATCH(p, P, ST_DISPATCH(u, U, run_lean_update<P, U>(mats, n, static_cast<Stream>(stream))));
 }

@@ -63,11 +63,18 @@ void muon_lean_pre_(at::TensorList grads, at::TensorList momenta, at::TensorList
 void muon_lean_update_(at::TensorList params, at::TensorList updates, at::TensorList lrs,
                        at::TensorList weight_decays, at::IntArrayRef hyper_index, c10::ArrayRef<double> scales,
                        const std::optional<at::Tensor>& skip, at::IntArrayRef skip_index, at::TensorList row_scales,
-                       at::TensorList col_scales) {
+                       at::TensorList col_scales, at::TensorList grads, const std::optional<at::Tensor>& kept,
+                       at::IntArrayRef kept_index) {
   if (params.empty()) return;
   OptionalCUDAGuard guard(params[0].device());
   g::muon_lean_update_(params, updates, lrs, weight_decays, hyper_index, scales, skip, skip_index, row_scales,
-                       col_scales);
+                       col_scales, grads, kept, kept_index);
+}
+
+void muon_lean_cautious_count_(at::TensorList updates, at::TensorList grads, const at::Tensor& kept) {
+  if (updates.empty()) return;
+  OptionalCUDAGuard guard(updates[0].device());
+  g::muon_lean_cautious_count_(updates, grads, kept);
 }
 
 void muon_lean_plus_stats_(at::TensorList updates, at::TensorList row_scales, at::TensorList col_scales,
@@ -118,6 +125,7 @@ TORCH_LIBRARY_IMPL(speedtronic, CUDA, m) {
   m.impl("muon_lean_pre_", &muon_lean_pre_);
   m.impl("muon_lean_update_", &muon_lean_update_);
   m.impl("muon_lean_plus_stats_", &muon_lean_plus_stats_);
+  m.impl("muon_lean_cautious_count_", &muon_lean_cautious_count_);
 }
 
 // Not part of the public op set: benchmarks and GPU tests reach the symmetric kernel and the

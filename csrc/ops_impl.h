@@ -439,10 +439,64 @@ inline void muon_lean_plus_stats_(at::TensorList updates, at::TensorList row_sca
   }
 }
 
+// A cautious gradient: fp32, the update's shape and strides (the kernels read both through one
+// pair of strides); an empty tensor means no mask for that matrix.
+inline bool check_cautious_grad(const at::Tensor& g, const at::Tensor& u, const char* op, size_t i) {
+  if (g.numel() == 0) return false;
+  TORCH_CHECK_VALUE(g.scalar_type() == at::kFloat && g.sizes() == u.sizes() && g.strides() == u.strides() &&
+                        g.device() == u.device(),
+                    "speedtronic::", op, ": grads[", i, "] must be float32 with updates[", i, "]'s shape ",
+                    u.sizes(), " and strides ", u.strides(), " on ", u.device(), ", got ", g.scalar_type(), " ",
+                    g.sizes(), " strides ", g.strides(), " on ", g.device());
+  return true;
+}
+
+inline void check_kept(const at::Tensor& kept, const at::Tensor& ref, const char* op) {
+  TORCH_CHECK_VALUE(kept.dim() == 1 && kept.scalar_type() == at::kLong && kept.is_contiguous() &&
+                        kept.device() == ref.device(),
+                    "speedtronic::", op, ": kept must be a contiguous 1-D int64 tensor on ", ref.device(),
+                    ", got ", kept.scalar_type(), " ", kept.sizes(), " on ", kept.device());
+}
+
+inline void muon_lean_cautious_count_(at::TensorList updates, at::TensorList grads, const at::Tensor& kept) {
+  const char* op = "muon_lean_cautious_count_";
+  const size_t n = updates.size();
+  TORCH_CHECK_VALUE(grads.size() == n, "speedtronic::muon_lean_cautious_count_: ", n, " updates but ",
+                    grads.size(), " grads");
+  if (n == 0) return;
+  check_kept(kept, updates[0], op);
+  TORCH_CHECK_VALUE(kept.size(0) == static_cast<int64_t>(n), "speedtronic::muon_lean_cautious_count_: kept has ",
+                    kept.size(0), " entries for ", n, " matrices");
+  kept.zero_();
+  auto* counts = reinterpret_cast<unsigned long long*>(kept.data_ptr<int64_t>());
+  std::map<int, std::vector<LeanMat>> groups;
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& u = updates[i];
+    TORCH_CHECK_VALUE(u.dim() == 2 && u.device() == updates[0].device(), "speedtronic::muon_lean_cautious_count_: updates[",
+                      i, "] must be 2-D on ", updates[0].device(), ", got ", u.sizes(), " on ", u.device());
+    TORCH_CHECK_VALUE(u.size(0) < INT_MAX && u.size(1) < INT_MAX, "speedtronic::muon_lean_cautious_count_: matrix too large");
+    TORCH_CHECK_VALUE(check_cautious_grad(grads[i], u, op, i) || u.numel() == 0,
+                      "speedtronic::muon_lean_cautious_count_: grads[", i, "] is empty");
+    LeanMat mt{};
+    mt.src = u.data_ptr();
+    mt.src_si = u.stride(0);
+    mt.src_sj = u.stride(1);
+    mt.cgrad = grads[i].data_ptr<float>();
+    mt.kept = counts + i;
+    mt.rows = static_cast<int>(u.size(0));
+    mt.cols = static_cast<int>(u.size(1));
+    groups[static_cast<int>(dtype_of(u, op, "updates"))].push_back(mt);
+  }
+  for (auto& [key, mats] : groups) {
+    launch_lean_cautious_count(static_cast<DType>(key), mats.data(), static_cast<int>(mats.size()), current_stream());
+  }
+}
+
 inline void muon_lean_update_(at::TensorList params, at::TensorList updates, at::TensorList lrs,
                               at::TensorList weight_decays, at::IntArrayRef hyper_index, c10::ArrayRef<double> scales,
                               const std::optional<at::Tensor>& skip, at::IntArrayRef skip_index,
-                              at::TensorList row_scales, at::TensorList col_scales) {
+                              at::TensorList row_scales, at::TensorList col_scales, at::TensorList grads,
+                              const std::optional<at::Tensor>& kept, at::IntArrayRef kept_index) {
   const char* op = "muon_lean_update_";
   const size_t n = params.size();
   TORCH_CHECK_VALUE(updates.size() == n && hyper_index.size() == n && scales.size() == n && skip_index.size() == n,
@@ -452,6 +506,10 @@ inline void muon_lean_update_(at::TensorList params, at::TensorList updates, at:
   TORCH_CHECK_VALUE(row_scales.size() == col_scales.size() && (row_scales.empty() || row_scales.size() == n),
                     "speedtronic::muon_lean_update_: row_scales and col_scales must both be empty or have one "
                     "entry per matrix; got ", row_scales.size(), " and ", col_scales.size(), " for ", n);
+  TORCH_CHECK_VALUE((grads.empty() || grads.size() == n) && (kept_index.empty() || kept_index.size() == n),
+                    "speedtronic::muon_lean_update_: grads and kept_index must be empty or have one entry per "
+                    "matrix; got ", grads.size(), " and ", kept_index.size(), " for ", n);
+  const bool has_kept = kept.has_value() && kept->defined();
   TORCH_CHECK_VALUE(lrs.size() == weight_decays.size(), "speedtronic::muon_lean_update_: ", lrs.size(),
                     " lrs but ", weight_decays.size(), " weight_decays");
   if (n == 0) return;
@@ -498,6 +556,16 @@ inline void muon_lean_update_(at::TensorList params, at::TensorList updates, at:
       mt.row_scale = row_scales[i].data_ptr<float>();
       mt.col_scale = col_scales[i].data_ptr<float>();
       mt.scale_swap = swap;
+    }
+    if (!grads.empty() && check_cautious_grad(grads[i], u, op, i)) {  // the mask (same walk as u)
+      mt.cgrad = grads[i].data_ptr<float>();
+      const int64_t k = kept_index.empty() ? -1 : kept_index[i];
+      if (k >= 0) {
+        TORCH_CHECK_VALUE(has_kept, "speedtronic::muon_lean_update_: kept_index[", i, "] = ", k, " but no kept");
+        check_kept(*kept, p, op);
+        check_index(k, static_cast<size_t>(kept->size(0)), op, "kept_index", i, false);
+        mt.kept = reinterpret_cast<unsigned long long*>(kept->data_ptr<int64_t>()) + k;
+      }
     }
     groups[{static_cast<int>(dtype_of(p, op, "params")), static_cast<int>(dtype_of(u, op, "updates"))}]
         .push_back(mt);

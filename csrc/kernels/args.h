@@ -93,6 +93,11 @@ struct LeanMat {
   float* col_scale;
   int64_t stat_start;
   bool scale_swap;
+  // Cautious mask (count / update): cgrad is the gradient, fp32 with src's strides (null: no
+  // mask); an entry is kept where U * g > 0. Count: kept[0] += entries kept. Update: kept (null:
+  // no rescale) scales kept entries by rows * cols / (*kept + 1), after the Muon+ scales.
+  const float* cgrad;
+  unsigned long long* kept;
 };
 
 struct LeanTable {

@@ -12,6 +12,9 @@
 // update:       p <- round_P(p (1 - lr wd)); u = skip ? 0 : U r_row c_col (Muon+, else U);
 //               p <- p - scale round_P(lr u) (the rounding of the multi-tensor torch ops it
 //               replaces: decay, lr * O, add).
+// cautious:     count pass: kept entries (U g > 0) per matrix, integer atomics (exact, so any
+//               order); the update masks and rescales (numel / (kept + 1)) as it writes. The
+//               mask keeps signs, so it commutes with Muon+'s positive scales.
 // plus stats:   Muon+'s inverse row norms r = 1 / sqrt(sum_j U_ij^2 + eps), then the inverse column
 //               norms c of U r; 4 launches for every matrix of the step (row partials, rows,
 //               column partials, columns), all partials summed in a fixed order. The apply is the
@@ -67,25 +70,35 @@ __device__ __forceinline__ void lean_load(const T* p, int64_t si, int64_t sj, in
   }
 }
 
-// Calls fn(i, j, r, v) for this block's tiles of matrix `mt`, after loading the strided operand
-// `src` (or nothing when src is null) into v[4].
+// Calls fn(i, j, v, w) for this block's tiles of matrix `mt`, after loading the strided operand
+// `src` (or nothing when src is null) into v[4] and `src2` (null: zeros), which has src's
+// strides, into w[4]. Uniform per block: both loads reach their barriers in every thread or none.
 template <class T, class Fn>
-__device__ __forceinline__ void lean_tiles(const LeanMat& mt, const T* src, float (*tile)[kLeanTile + 1],
-                                           Fn&& fn) {
+__device__ __forceinline__ void lean_tiles2(const LeanMat& mt, const T* src, const float* src2,
+                                            float (*tile)[kLeanTile + 1], Fn&& fn) {
   const int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
   const int tiles = ((mt.rows + kLeanTile - 1) / kLeanTile) * mt.tiles_c;
   const int first = (static_cast<int>(blockIdx.x) - mt.item_start) * kLeanTilesPerItem;
   const int last = first + kLeanTilesPerItem < tiles ? first + kLeanTilesPerItem : tiles;
   for (int t = first; t < last; ++t) {
     const int i0 = (t / mt.tiles_c) * kLeanTile, j0 = (t % mt.tiles_c) * kLeanTile;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    float v[4] = {0.f, 0.f, 0.f, 0.f}, w[4] = {0.f, 0.f, 0.f, 0.f};
     if (src != nullptr) lean_load(src, mt.src_si, mt.src_sj, i0, j0, mt.rows, mt.cols, tile, v);
+    if (src2 != nullptr) lean_load(src2, mt.src_si, mt.src_sj, i0, j0, mt.rows, mt.cols, tile, w);
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int i = i0 + ty + 8 * r, j = j0 + tx;
-      if (i < mt.rows && j < mt.cols) fn(i, j, v[r]);
+      if (i < mt.rows && j < mt.cols) fn(i, j, v[r], w[r]);
     }
   }
+}
+
+// Calls fn(i, j, v) for this block's tiles of matrix `mt`, after loading the strided operand
+// `src` (or nothing when src is null) into v[4].
+template <class T, class Fn>
+__device__ __forceinline__ void lean_tiles(const LeanMat& mt, const T* src, float (*tile)[kLeanTile + 1],
+                                           Fn&& fn) {
+  lean_tiles2(mt, src, nullptr, tile, [&](int i, int j, float v, float) { fn(i, j, v); });
 }
 
 template <class G>
@@ -138,13 +151,32 @@ __global__ void __launch_bounds__(kLeanThreads) lean_update_kernel(LeanTable t) 
   P* p = static_cast<P*>(mt.dst);
   const float* rs = mt.row_scale;
   const float* cs = mt.col_scale;
-  lean_tiles(mt, static_cast<const U*>(mt.src), tile, [&](int i, int j, float u) {
+  const float rescale =
+      mt.kept != nullptr ? static_cast<float>(static_cast<int64_t>(mt.rows) * mt.cols) / static_cast<float>(*mt.kept + 1)
+                         : 1.f;
+  lean_tiles2(mt, static_cast<const U*>(mt.src), mt.cgrad, tile, [&](int i, int j, float u, float g) {
     const int64_t e = static_cast<int64_t>(i) * mt.dst_si + static_cast<int64_t>(j) * mt.dst_sj;
+    const bool kept = mt.cgrad == nullptr || u * g > 0.f;  // the count pass's test, before scaling
     if (rs != nullptr) u = u * (mt.scale_swap ? rs[j] : rs[i]) * (mt.scale_swap ? cs[i] : cs[j]);
+    if (mt.cgrad != nullptr) u = kept ? u * rescale : 0.f;
     const float pv = round_to<P>(to_f32(p[e]) * decay);
     const float step = skip ? 0.f : round_to<P>(u * lr);
     p[e] = from_f32<P>(pv - mt.scale * step);
   });
+}
+
+// Cautious: entries with U g > 0 per matrix, added to its counter (zeroed by the host first).
+template <class U>
+__global__ void __launch_bounds__(kLeanThreads) lean_cautious_count_kernel(LeanTable t) {
+  __shared__ float tile[kLeanTile][kLeanTile + 1];
+  __shared__ unsigned scratch[32];
+  const LeanMat& mt = t.mat[lean_find(t)];
+  unsigned kept = 0;
+  lean_tiles2(mt, static_cast<const U*>(mt.src), mt.cgrad, tile, [&](int, int, float u, float g) {
+    kept += u * g > 0.f ? 1u : 0u;
+  });
+  kept = block_sum_u(kept, scratch);
+  if (threadIdx.x == 0 && kept) atomicAdd(mt.kept, static_cast<unsigned long long>(kept));
 }
 
 // Muon+ partial sums of squares over one 32 x 32 tile each: along j (kCols false: U_ij^2 per
@@ -307,6 +339,15 @@ inline void run_lean_plus_stats(const LeanMat* mats, int n, float* partial, Stre
     ST_LAUNCH(dim3(static_cast<unsigned>(t.total_items)), dim3(kLeanThreads), 0, stream,
               lean_plus_finalize_kernel<true>)(t);
     check_launch("lean_plus_finalize_kernel<cols>");
+  });
+}
+
+template <class U>
+inline void run_lean_cautious_count(const LeanMat* mats, int n, Stream stream) {
+  for_each_lean_table(mats, n, nullptr, [&](const LeanTable& t) {
+    ST_LAUNCH(dim3(static_cast<unsigned>(t.total_items)), dim3(kLeanThreads), 0, stream,
+              lean_cautious_count_kernel<U>)(t);
+    check_launch("lean_cautious_count_kernel");
   });
 }
 

@@ -85,6 +85,11 @@ def _lean_update_launches(args: tuple, kwargs: dict) -> int:
     return _lean_tables(list(args[0]), list(args[1]))
 
 
+def _lean_cautious_count_launches(args: tuple, kwargs: dict) -> int:
+    # zero the counts, then one count pass per table (csrc/ops_impl.h, muon_lean.cuh)
+    return 1 + _lean_tables(list(args[0]), list(args[0]))
+
+
 def _lean_plus_stats_launches(args: tuple, kwargs: dict) -> int:
     # row partials, rows, column partials, columns: 4 per table (csrc/kernels/muon_lean.cuh)
     return 4 * _lean_tables(list(args[0]), list(args[0]))
@@ -96,7 +101,8 @@ CUSTOM_OP_LAUNCHES = {"muon_plus_normalize": _muon_plus_launches,
                       "cautious_mask_": _cautious_mask_launches,
                       "muon_lean_pre_": _lean_pre_launches,
                       "muon_lean_update_": _lean_update_launches,
-                      "muon_lean_plus_stats_": _lean_plus_stats_launches}
+                      "muon_lean_plus_stats_": _lean_plus_stats_launches,
+                      "muon_lean_cautious_count_": _lean_cautious_count_launches}
 
 _CHUNK = 65536
 _MAX_BLOCKS = 320

@@ -21,6 +21,7 @@ Ops (see each function's docstring for the exact math):
 ``muon_lean_update_``        the lean step's weight decay + update, tensor ``lr``/``wd``, guard
                              skip, Muon+ row/column scales
 ``muon_lean_plus_stats_``    Muon+ inverse row and column norms of every matrix of a step
+``muon_lean_cautious_count_`` the cautious mask's kept entries of every matrix of a step
 
 Coefficient schedules for ``newton_schulz`` are named in :data:`COEFFICIENT_SCHEDULES` and
 resolved with :func:`resolve_coefficients`.
@@ -57,6 +58,7 @@ OP_NAMES: tuple[str, ...] = (
     "muon_lean_pre_",
     "muon_lean_update_",
     "muon_lean_plus_stats_",
+    "muon_lean_cautious_count_",
 )
 
 #: The ops with a hand-written CUDA kernel in ``speedtronic._C`` (the extension must register
@@ -477,8 +479,20 @@ def _check_scale(s: Tensor, length: int, what: str, i: int, op: str) -> None:
                          f"entries, got {s.dtype} {tuple(s.shape)}")
 
 
+def _check_cautious_grad(g: Tensor, u: Tensor, i: int, op: str) -> bool:
+    """A cautious gradient: fp32 with the update's shape and strides; empty: no mask."""
+    if g.numel() == 0:
+        return False
+    if g.dtype != torch.float32 or g.shape != u.shape or g.stride() != u.stride():
+        raise ValueError(f"{op}: grads[{i}] must be float32 with updates[{i}]'s shape "
+                         f"{tuple(u.shape)} and strides {u.stride()}, got {g.dtype} "
+                         f"{tuple(g.shape)} strides {g.stride()}")
+    return True
+
+
 def _check_lean_update_args(params, updates, lrs, weight_decays, hyper_index, scales, skip,
-                            skip_index, row_scales, col_scales) -> None:
+                            skip_index, row_scales, col_scales, grads=(), kept=None,
+                            kept_index=()) -> None:
     n = len(params)
     lengths = (len(updates), len(hyper_index), len(scales), len(skip_index))
     if any(k != n for k in lengths):
@@ -488,6 +502,15 @@ def _check_lean_update_args(params, updates, lrs, weight_decays, hyper_index, sc
         raise ValueError("muon_lean_update_: row_scales and col_scales must both be empty or have "
                          f"one entry per matrix; got {len(row_scales)} and {len(col_scales)} "
                          f"for {n}")
+    if len(grads) not in (0, n) or len(kept_index) not in (0, n):
+        raise ValueError("muon_lean_update_: grads and kept_index must be empty or have one entry "
+                         f"per matrix; got {len(grads)} and {len(kept_index)} for {n}")
+    for i, u in enumerate(updates if grads else []):
+        k = kept_index[i] if kept_index else -1
+        if _check_cautious_grad(grads[i], u, i, "muon_lean_update_") and k >= 0:
+            if kept is None or not 0 <= k < kept.shape[0]:
+                raise ValueError(f"muon_lean_update_: kept_index[{i}] = {k} is out of range for "
+                                 f"{0 if kept is None else kept.shape[0]} entries")
     for i, u in enumerate(updates if row_scales else []):
         if row_scales[i].numel() == 0 and col_scales[i].numel() == 0:
             continue  # no Muon+ for this matrix
@@ -512,14 +535,21 @@ def _check_lean_update_args(params, updates, lrs, weight_decays, hyper_index, sc
 def _lean_update_impl(params: Sequence[Tensor], updates: Sequence[Tensor], lrs: Sequence[Tensor],
                       weight_decays: Sequence[Tensor], hyper_index: Sequence[int],
                       scales: Sequence[float], skip: Tensor | None, skip_index: Sequence[int],
-                      row_scales: Sequence[Tensor], col_scales: Sequence[Tensor]) -> None:
+                      row_scales: Sequence[Tensor], col_scales: Sequence[Tensor],
+                      grads: Sequence[Tensor], kept: Tensor | None,
+                      kept_index: Sequence[int]) -> None:
     _check_lean_update_args(params, updates, lrs, weight_decays, hyper_index, scales, skip,
-                            skip_index, row_scales, col_scales)
+                            skip_index, row_scales, col_scales, grads, kept, kept_index)
     for i, p in enumerate(params):
         lr, wd = lrs[hyper_index[i]], weight_decays[hyper_index[i]]
         u = updates[i].float()                                    # (r, c) fp32
+        keep = (u * grads[i]) > 0 if grads and grads[i].numel() else None  # the count's test
         if row_scales and row_scales[i].numel():                  # Muon+: (U r) c, as its op
             u = u * row_scales[i][:, None] * col_scales[i][None, :]
+        if keep is not None:                                      # cautious: mask, rescale
+            if kept_index and kept_index[i] >= 0:
+                u = u * (u.numel() / (kept[kept_index[i]].float() + 1))
+            u = u * keep
         step = (u * lr).to(p.dtype)                               # lr U, rounded to p's dtype
         if skip_index[i] >= 0:
             step = step.masked_fill(skip[skip_index[i]], 0)
@@ -531,11 +561,14 @@ def _lean_update_impl(params: Sequence[Tensor], updates: Sequence[Tensor], lrs: 
     "speedtronic::muon_lean_update_", mutates_args=("params",), device_types=None,
     schema="(Tensor(a!)[] params, Tensor[] updates, Tensor[] lrs, Tensor[] weight_decays, "
            "int[] hyper_index, float[] scales, Tensor? skip, int[] skip_index, "
-           "Tensor[] row_scales, Tensor[] col_scales) -> ()")
+           "Tensor[] row_scales, Tensor[] col_scales, Tensor[] grads, Tensor? kept, "
+           "int[] kept_index) -> ()")
 def muon_lean_update_(params: Sequence[Tensor], updates: Sequence[Tensor], lrs: Sequence[Tensor],
                       weight_decays: Sequence[Tensor], hyper_index: Sequence[int],
                       scales: Sequence[float], skip: Tensor | None, skip_index: Sequence[int],
-                      row_scales: Sequence[Tensor], col_scales: Sequence[Tensor]) -> None:
+                      row_scales: Sequence[Tensor], col_scales: Sequence[Tensor],
+                      grads: Sequence[Tensor], kept: Tensor | None,
+                      kept_index: Sequence[int]) -> None:
     """The lean Muon step's decoupled weight decay and update over every matrix of a step.
 
     ``p <- p (1 - lr wd) - scales[i] * (lr U)`` for ``p = params[i]`` (2-D, any strides) and
@@ -546,17 +579,60 @@ def muon_lean_update_(params: Sequence[Tensor], updates: Sequence[Tensor], lrs: 
     verdict) is true, the update is dropped and the decay kept. ``row_scales`` / ``col_scales``
     (both empty, or one fp32 vector per matrix of ``U``'s row / column count: Muon+, from
     :func:`muon_lean_plus_stats_`; a pair of empty tensors: none for that matrix) scale ``U`` to
-    ``(U_rc row_scales[r]) col_scales[c]`` in fp32 first. CUDA: 1 launch per 128 matrices of
-    one dtype pair."""
+    ``(U_rc row_scales[r]) col_scales[c]`` in fp32 first. ``grads`` (empty, or one per matrix:
+    fp32 with ``U``'s shape and strides; an empty tensor: none) is the cautious mask: entries
+    where ``U * g <= 0`` (tested before the Muon+ scales, as
+    :func:`muon_lean_cautious_count_` counts) are dropped, and with ``kept_index[i] >= 0`` the
+    rest are multiplied by ``numel / (kept[kept_index[i]] + 1)``. CUDA: 1 launch per 128
+    matrices of one dtype pair."""
     _lean_update_impl(params, updates, lrs, weight_decays, hyper_index, scales, skip, skip_index,
-                      row_scales, col_scales)
+                      row_scales, col_scales, grads, kept, kept_index)
 
 
 @muon_lean_update_.register_fake
 def _(params, updates, lrs, weight_decays, hyper_index, scales, skip, skip_index, row_scales,
-      col_scales):
+      col_scales, grads, kept, kept_index):
     _check_lean_update_args(params, updates, lrs, weight_decays, hyper_index, scales, skip,
-                            skip_index, row_scales, col_scales)
+                            skip_index, row_scales, col_scales, grads, kept, kept_index)
+
+
+def _check_lean_count_args(updates, grads, kept) -> None:
+    if len(grads) != len(updates):
+        raise ValueError(f"muon_lean_cautious_count_: {len(updates)} updates but {len(grads)} "
+                         "grads")
+    if kept.dim() != 1 or kept.dtype != torch.int64 or kept.shape[0] != len(updates):
+        raise ValueError("muon_lean_cautious_count_: kept must be a 1-D int64 tensor of "
+                         f"{len(updates)} entries, got {kept.dtype} {tuple(kept.shape)}")
+    for i, u in enumerate(updates):
+        if u.dim() != 2:
+            raise ValueError(f"muon_lean_cautious_count_: updates[{i}] must be 2-D, got "
+                             f"{tuple(u.shape)}")
+        if not _check_cautious_grad(grads[i], u, i, "muon_lean_cautious_count_") and u.numel():
+            raise ValueError(f"muon_lean_cautious_count_: grads[{i}] is empty")
+
+
+def _lean_cautious_count_impl(updates: Sequence[Tensor], grads: Sequence[Tensor],
+                              kept: Tensor) -> None:
+    _check_lean_count_args(updates, grads, kept)
+    for i, u in enumerate(updates):
+        kept[i] = ((u.float() * grads[i]) > 0).sum()
+
+
+@torch.library.custom_op(
+    "speedtronic::muon_lean_cautious_count_", mutates_args=("kept",), device_types=None,
+    schema="(Tensor[] updates, Tensor[] grads, Tensor(a!) kept) -> ()")
+def muon_lean_cautious_count_(updates: Sequence[Tensor], grads: Sequence[Tensor],
+                              kept: Tensor) -> None:
+    """The cautious mask's count for every matrix of a step, for :func:`muon_lean_update_`'s
+    rescale: ``kept[i]`` (int64) = the entries where ``updates[i] * grads[i] > 0`` (``grads[i]``
+    fp32 with ``updates[i]``'s shape and strides). CUDA: 1 launch to zero ``kept``, then 1 per
+    128 matrices of one dtype (integer atomics: exact in any order)."""
+    _lean_cautious_count_impl(updates, grads, kept)
+
+
+@muon_lean_cautious_count_.register_fake
+def _(updates, grads, kept):
+    _check_lean_count_args(updates, grads, kept)
 
 
 def _check_lean_plus_stats_args(updates, row_scales, col_scales, eps) -> None:
@@ -720,6 +796,7 @@ _PYTORCH_IMPLS: dict[str, Callable] = {
     "muon_lean_pre_": _lean_pre_impl,
     "muon_lean_update_": _lean_update_impl,
     "muon_lean_plus_stats_": _lean_plus_stats_impl,
+    "muon_lean_cautious_count_": _lean_cautious_count_impl,
 }
 
 # Every op's Python body, called directly off CUDA (see kernel_or_fallback); under no_grad, as

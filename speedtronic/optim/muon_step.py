@@ -431,6 +431,46 @@ class _UpdateCall:
     skip: Tensor | None = None                               # (K,) bool: the guard's verdicts
     row_scales: list[Tensor] = field(default_factory=list)   # Muon+: (rows,) fp32; (0,): none
     col_scales: list[Tensor] = field(default_factory=list)   # Muon+: (cols,) fp32; (0,): none
+    grads: list[Tensor] = field(default_factory=list)        # cautious: U's layout, fp32; (0,)
+    kept_index: list[int] = field(default_factory=list)      # into ``kept``; -1: no rescale
+    kept: Tensor | None = None                               # (K,) int64: kept entries
+
+
+def _slot_views(c: _Chunk, pt: _Part, slot: int) -> tuple[Tensor, Tensor]:
+    """A slot's NS result and gradient in its parameter's orientation (the update's view)."""
+    o, g = c.orth[slot - c.start], c.G[slot - c.start]               # (m, n), bank orientation
+    return (o.mT, g.mT) if pt.transposed else (o, g)
+
+
+def _cautious_counts(chunks: list[_Chunk], groups: list[dict[str, Any]], count: Any,
+                     device: torch.device) -> tuple[dict[tuple[int, int], tuple[Tensor, int]],
+                                                    Tensor | None]:
+    """The cautious mask on the fused route: one ``muon_lean_cautious_count_`` call over every
+    rescaled cautious matrix of the step (zeroing + 1 launch per 128 matrices); the update masks
+    and rescales as it writes. Returns ``{(id(chunk), slot): (gradient view, kept index)}`` and
+    the counts. Instead of a ``cautious_mask_`` call per group (3 launches: zero, count, apply)
+    and its read + write of the NS result. Chunks whose NS result is not laid out like the
+    gradient bank (the kernels read both through one pair of strides) keep that op."""
+    plan: dict[tuple[int, int], tuple[Tensor, int]] = {}
+    values, grads = [], []
+    for c in chunks:
+        group = groups[c.g.pgs[0]]
+        if not group["cautious"] or c.orth.stride() != c.G.stride():
+            continue
+        for pt, s, e in c.pieces:
+            for slot in range(s, e):
+                value, grad = _slot_views(c, pt, slot)
+                index = -1
+                if group["cautious_rescale"]:
+                    index = len(values)
+                    values.append(value)
+                    grads.append(grad)
+                plan[(id(c), slot)] = (grad, index)
+    kept = None
+    if values:
+        kept = torch.empty(len(values), dtype=torch.int64, device=device)  # the op zeroes it
+        count(values, grads, kept)
+    return plan, kept
 
 
 def _plus_stats(chunks: list[_Chunk], groups: list[dict[str, Any]], stats: Any,
@@ -482,6 +522,7 @@ def _fused_step(cache: StepCache, groups: list[dict[str, Any]]) -> None:
     pre = ops.kernel_or_fallback("muon_lean_pre_", device, [])
     update = ops.kernel_or_fallback("muon_lean_update_", device, [])
     stats = ops.kernel_or_fallback("muon_lean_plus_stats_", device, [])
+    count = ops.kernel_or_fallback("muon_lean_cautious_count_", device, [])
     newton_schulz = ops.kernel_or_fallback("newton_schulz", device, [])
     work = [(g, start) for g in cache.groups for start in range(0, g.momentum.shape[0], g.chunk)]
     batches = [work] if all(g.chunks == 1 for g in cache.groups) else [[w] for w in work]
@@ -526,26 +567,33 @@ def _fused_step(cache: StepCache, groups: list[dict[str, Any]]) -> None:
             done.append(c._replace(orth=orth))
         verdict = _guard(cache, done, fill=False)
         plus = _plus_stats(done, groups, stats, device)
-        none = torch.empty(0, dtype=torch.float32, device=device) if plus else None
-        up = _UpdateCall()
+        masks, kept = _cautious_counts(done, groups, count, device)
+        none = torch.empty(0, dtype=torch.float32, device=device)  # no launch
+        up = _UpdateCall(kept=kept)
         for c in done:
             flag = verdict.get(id(c))
             if flag is not None:
                 up.skip = flag[0]  # one guard tensor per device: every chunk's flags in it
+            folded = any(key[0] == id(c) for key in masks)
             for pt, slab in _update_slabs(c.g, groups[c.g.pgs[0]], c.pieces, c.start, c.G,
-                                          c.orth, fused=True):
+                                          c.orth, fused=True, mask=not folded):
                 for k in range(slab.stop - slab.start):
-                    up.params.append(pt.params[slab.start - pt.start + k])
+                    slot = slab.start + k
+                    up.params.append(pt.params[slot - pt.start])
                     up.updates.append(slab.value[k])
                     up.hyper_index.append(pos[pt.pg])
                     up.scales.append(float(pt.lr_scale))
                     up.skip_index.append(-1 if flag is None else flag[1])
                     if plus:
-                        row, col = plus.get((id(c), slab.start + k), (none, none))
+                        row, col = plus.get((id(c), slot), (none, none))
                         up.row_scales.append(row)
                         up.col_scales.append(col)
+                    if masks:
+                        grad, index = masks.get((id(c), slot), (none, -1))
+                        up.grads.append(grad)
+                        up.kept_index.append(index)
         update(up.params, up.updates, lrs, wds, up.hyper_index, up.scales, up.skip,
-               up.skip_index, up.row_scales, up.col_scales)
+               up.skip_index, up.row_scales, up.col_scales, up.grads, up.kept, up.kept_index)
 
 
 def _chunk_pieces(g: _Group, start: int) -> tuple[int, list[tuple[_Part, int, int]]]:
@@ -730,10 +778,11 @@ class _Slab(NamedTuple):
 
 
 def _update_slabs(g: _Group, group: dict[str, Any], pieces: list, start: int, G: Tensor,
-                  orth: Tensor, fused: bool = False) -> list[tuple[_Part, _Slab]]:
+                  orth: Tensor, fused: bool = False,
+                  mask: bool = True) -> list[tuple[_Part, _Slab]]:
     """Each piece's update direction in its parameters' orientation, after Muon+ (rows then
     columns of each part's logical matrix; not on the ``fused`` route, whose update applies
-    it) and the cautious mask."""
+    it) and the cautious mask (not with ``mask=False``: the fused update applies it)."""
     eps = float(group["norm_eps"])
     muon_plus = not fused and bool(group["muon_plus"])
     if muon_plus:
@@ -757,7 +806,7 @@ def _update_slabs(g: _Group, group: dict[str, Any], pieces: list, start: int, G:
         return out
     if muon_plus:
         orth = normalize(orth.float(), eps)                            # (c, m, n) fp32
-    if group["cautious"]:
+    if group["cautious"] and mask:
         # The fused route masks the NS result in its own dtype (the kernel computes in fp32 and
         # the fused update reads fp16 directly): no fp32 copy of it, 2 launches and a 340 MB
         # write + read fewer on GPT-2 small; the rescaled value is rounded once more to fp16

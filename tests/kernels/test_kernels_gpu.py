@@ -136,8 +136,8 @@ def test_lean_passes_match_their_pytorch_bodies(gen):
     lrs, wds = [torch.tensor(0.02, device="cuda")], [torch.tensor(0.1, device="cuda")]
     uargs = (lrs, wds, [0] * len(params), [1.5] * len(params), skip,
              [i % 3 - 1 for i in range(len(params))])
-    torch.ops.speedtronic.muon_lean_update_(params, updates, *uargs, [], [])
-    ops._lean_update_impl(ref, updates, *uargs, [], [])
+    torch.ops.speedtronic.muon_lean_update_(params, updates, *uargs, [], [], [], None, [])
+    ops._lean_update_impl(ref, updates, *uargs, [], [], [], None, [])
     for a, r in zip(params, ref, strict=True):
         _close(a, r, torch.float32, "lean update")
     # Muon+ folded into the update: the stats op on the logical views, then the scaled update
@@ -153,10 +153,23 @@ def test_lean_passes_match_their_pytorch_bodies(gen):
     rs = [c if i % 2 else r for i, (r, c) in enumerate(zip(rows_k, cols_k, strict=True))]
     cs = [r if i % 2 else c for i, (r, c) in enumerate(zip(rows_k, cols_k, strict=True))]
     ref = [p.clone() for p in params]
-    torch.ops.speedtronic.muon_lean_update_(params, updates, *uargs, rs, cs)
-    ops._lean_update_impl(ref, updates, *uargs, rs, cs)
+    # and the cautious mask: counts, then the masked, rescaled update (gradients laid out like
+    # the updates)
+    grads32 = [torch.randn(u.shape[::-1] if u.stride(0) == 1 else u.shape, device="cuda",
+                           generator=gen) for u in updates]
+    grads32 = [g.mT if u.stride(0) == 1 else g for g, u in zip(grads32, updates, strict=True)]
+    kept_k = torch.empty(len(updates), dtype=torch.int64, device="cuda")
+    kept_r = torch.empty_like(kept_k)
+    torch.ops.speedtronic.muon_lean_cautious_count_(updates, grads32, kept_k)
+    ops._lean_cautious_count_impl(updates, grads32, kept_r)
+    assert torch.equal(kept_k, kept_r), (kept_k, kept_r)
+    kept_index = [i if i % 2 else -1 for i in range(len(updates))]
+    ref = [p.clone() for p in params]
+    torch.ops.speedtronic.muon_lean_update_(params, updates, *uargs, rs, cs, grads32, kept_k,
+                                            kept_index)
+    ops._lean_update_impl(ref, updates, *uargs, rs, cs, grads32, kept_k, kept_index)
     for a, r in zip(params, ref, strict=True):
-        _close(a, r, torch.float32, "lean update with Muon+ scales")
+        _close(a, r, torch.float32, "lean update with Muon+ scales and the cautious mask")
 
 
 @pytest.mark.parametrize("shape", [(1, 67), (45, 1), (4, 37, 45), (2, 3072, 768)])

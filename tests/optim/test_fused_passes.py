@@ -78,6 +78,30 @@ def test_fused_muon_plus_scales_only_its_own_matrices_in_their_logical_orientati
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_a_ns_result_laid_out_unlike_the_gradients_keeps_the_cautious_op(monkeypatch):
+    """The folded mask reads the NS result and the gradient through one pair of strides; a
+    result in another layout is masked before the update (the per-group route), with the same
+    numbers."""
+    real, real_choice = muon_step._orthogonalizer, muon_step.ops.kernel_or_fallback
+    calls = []
+
+    def strided(group, compute, newton_schulz):
+        orthogonalize = real(group, compute, newton_schulz)
+        return lambda X: orthogonalize(X).mT.contiguous().mT         # (c, m, n), column-major
+
+    def recording(name, device, dtypes):
+        fn = real_choice(name, device, dtypes)
+        return lambda *args: calls.append(name) or fn(*args)
+
+    torch_route = _run(monkeypatch, False, cautious=True)
+    monkeypatch.setattr(muon_step, "_orthogonalizer", strided)
+    monkeypatch.setattr(muon_step.ops, "kernel_or_fallback", recording)
+    fused = _run(monkeypatch, True, cautious=True)
+    assert "muon_lean_update_" in calls and "muon_lean_cautious_count_" not in calls
+    for a, b in zip(fused, torch_route, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_fused_route_skips_a_non_finite_fp16_result_and_keeps_the_decay(monkeypatch):
     monkeypatch.setitem(muon_step.FUSED_ROUTE_OFF_CUDA, "cpu", True)
     p = nn.Parameter(torch.ones(8, 8))
@@ -100,16 +124,18 @@ def test_fused_route_through_the_emulated_kernels(monkeypatch):
     real = muon_step.ops.kernel_or_fallback
 
     def kernels(name, device, dtypes):
-        if name in ("muon_lean_pre_", "muon_lean_update_", "muon_lean_plus_stats_"):
+        if name.startswith("muon_lean_"):
             return getattr(emu, name)
         return real(name, device, dtypes)
 
-    torch_route = _run(monkeypatch, False, muon_plus=True)
+    kw = {"muon_plus": True, "cautious": True}
+    torch_route = _run(monkeypatch, False, **kw)
     monkeypatch.setattr(muon_step.ops, "kernel_or_fallback", kernels)
     launches = emu.stats()[0]
-    fused = _run(monkeypatch, True, muon_plus=True)
-    # per step, one table: pre 2 + Muon+ stats 4 (the apply is the update's) + update 1
-    assert emu.stats()[0] - launches == 3 * (2 + 4 + 1)
+    fused = _run(monkeypatch, True, **kw)
+    # per step, one table: pre 2 + Muon+ stats 4 + the cautious count 1 + update 1 (the count's
+    # zeroing is a torch op, not an emulated launch); the update applies both
+    assert emu.stats()[0] - launches == 3 * (2 + 4 + 1 + 1)
     for a, b in zip(fused, torch_route, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 

@@ -342,7 +342,8 @@ TORCH_LIBRARY(speedtronic_emu, m) {
         "Tensor[] mus, int[] mu_index, int[] nesterov, float[] eps) -> ()");
   m.def("muon_lean_update_(Tensor(a!)[] params, Tensor[] updates, Tensor[] lrs, Tensor[] weight_decays, "
         "int[] hyper_index, float[] scales, Tensor? skip, int[] skip_index, Tensor[] row_scales, "
-        "Tensor[] col_scales) -> ()");
+        "Tensor[] col_scales, Tensor[] grads, Tensor? kept, int[] kept_index) -> ()");
+  m.def("muon_lean_cautious_count_(Tensor[] updates, Tensor[] grads, Tensor(a!) kept) -> ()");
   m.def("muon_lean_plus_stats_(Tensor[] updates, Tensor(a!)[] row_scales, Tensor(b!)[] col_scales, "
         "float[] eps) -> ()");
   m.def("syrk(Tensor X, float alpha=1.0, float beta=0.0, Tensor? Y=None) -> Tensor");
@@ -399,8 +400,12 @@ TORCH_LIBRARY_IMPL(speedtronic_emu, CompositeExplicitAutograd, m) {  // also rea
   });
   m.impl("muon_lean_update_", [](at::TensorList p, at::TensorList u, at::TensorList lrs, at::TensorList wds,
                                  at::IntArrayRef hi, c10::ArrayRef<double> sc, const std::optional<at::Tensor>& sk,
-                                 at::IntArrayRef si, at::TensorList rs, at::TensorList cs) {
-    guarded([&] { g::muon_lean_update_(p, u, lrs, wds, hi, sc, sk, si, rs, cs); });
+                                 at::IntArrayRef si, at::TensorList rs, at::TensorList cs, at::TensorList gr,
+                                 const std::optional<at::Tensor>& kept, at::IntArrayRef ki) {
+    guarded([&] { g::muon_lean_update_(p, u, lrs, wds, hi, sc, sk, si, rs, cs, gr, kept, ki); });
+  });
+  m.impl("muon_lean_cautious_count_", [](at::TensorList u, at::TensorList gr, const at::Tensor& kept) {
+    guarded([&] { g::muon_lean_cautious_count_(u, gr, kept); });
   });
   m.impl("muon_lean_plus_stats_", [](at::TensorList u, at::TensorList rs, at::TensorList cs,
                                      c10::ArrayRef<double> eps) {

@@ -105,7 +105,8 @@ def test_lean_update_matches_reference(emu, sched, pdtype, udtype):
     lrs = [torch.tensor(0.02), torch.tensor(0.5)]
     wds = [torch.tensor(0.1), torch.tensor(0.0)]
     skip = torch.tensor([False, True])
-    args = (lrs, wds, [0, 1, 0, 1], [1.5, 1.0, 0.7, 2.0], skip, [0, 1, -1, 0], [], [])
+    args = (lrs, wds, [0, 1, 0, 1], [1.5, 1.0, 0.7, 2.0], skip, [0, 1, -1, 0], [], [], [], None,
+            [])
     ref = [p.clone() for p in params]
     emu.muon_lean_update_(params, updates, *args)
     ops._lean_update_impl(ref, updates, *args)
@@ -129,13 +130,14 @@ def test_lean_ops_reject_bad_input(emu):
                            [torch.tensor(0.9)], [0], [1], [1e-7])
     with pytest.raises(ValueError, match="updates\\[0\\] must match"):
         emu.muon_lean_update_(g, [torch.zeros(4, 3)], [torch.tensor(0.1)], [torch.tensor(0.0)],
-                              [0], [1.0], None, [-1], [], [])
+                              [0], [1.0], None, [-1], [], [], [], None, [])
     with pytest.raises(ValueError, match="skip_index"):
         emu.muon_lean_update_(g, [torch.zeros(4, 4)], [torch.tensor(0.1)], [torch.tensor(0.0)],
-                              [0], [1.0], None, [0], [], [])
+                              [0], [1.0], None, [0], [], [], [], None, [])
     with pytest.raises(ValueError, match="row_scales\\[0\\] must be a contiguous float32"):
         emu.muon_lean_update_(g, [torch.zeros(4, 4)], [torch.tensor(0.1)], [torch.tensor(0.0)],
-                              [0], [1.0], None, [-1], [torch.zeros(3)], [torch.zeros(4)])
+                              [0], [1.0], None, [-1], [torch.zeros(3)], [torch.zeros(4)], [],
+                              None, [])
     with pytest.raises(ValueError, match="col_scales\\[0\\]"):
         emu.muon_lean_plus_stats_(g, [torch.zeros(4)], [torch.zeros(4, dtype=torch.float16)],
                                   [1e-8])
@@ -188,12 +190,12 @@ def test_lean_update_applies_muon_plus_scales_in_either_walk(emu, sched, pdtype,
     cols = [torch.rand(70, generator=gen) + 0.5, torch.rand(70, generator=gen) + 0.5,
             torch.empty(0)]
     args = ([torch.tensor(0.03)], [torch.tensor(0.1)], [0, 0, 0], [1.0, 2.0, 1.5], None,
-            [-1, -1, -1], rows, cols)
+            [-1, -1, -1], rows, cols, [], None, [])
     ref = [p.clone() for p in params]
     plain = [p.clone() for p in params]
     emu.muon_lean_update_(params, updates, *args)
     ops._lean_update_impl(ref, updates, *args)
-    emu.muon_lean_update_(plain, updates, *args[:-2], [], [])
+    emu.muon_lean_update_(plain, updates, *args[:-5], [], [], [], None, [])
     tol = 1e-6 if pdtype == torch.float32 else 8e-3
     for p, r in zip(params, ref, strict=True):
         torch.testing.assert_close(p, r, rtol=tol, atol=tol)
@@ -217,3 +219,60 @@ def test_lean_plus_stats_many_matrices(emu):
     for x, y in zip(out["emu"], out["ref"], strict=True):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=0)
     assert torch.all(out["emu"][3] == 1e4)
+
+
+def _cautious_case(udtype, gen):
+    """Parameters and update directions as the fused step hands them over (dense, a bank slice
+    read as a stored-transposed parameter's update, an odd shape), with gradients laid out like
+    each update (the same view of an fp32 bank)."""
+    params = [torch.randn(33, 70, generator=gen), torch.randn(70, 33, generator=gen).mT,
+              torch.randn(9, 13, generator=gen)]
+    bank_u = torch.randn(2, 70, 33, generator=gen).to(udtype)
+    bank_g = torch.randn(2, 70, 33, generator=gen)
+    updates = [bank_u[0].mT, bank_u[1].mT, torch.randn(9, 13, generator=gen).to(udtype)]
+    grads = [bank_g[0].mT, bank_g[1].mT, torch.randn(9, 13, generator=gen)]
+    return params, updates, grads
+
+
+@pytest.mark.parametrize("udtype", [torch.float32, torch.float16])
+def test_lean_cautious_count_and_masked_update_match_reference(emu, sched, udtype):
+    gen = torch.Generator().manual_seed(8)
+    params, updates, grads = _cautious_case(udtype, gen)
+    kept = {"emu": torch.full((3,), -5, dtype=torch.int64),
+            "ref": torch.zeros(3, dtype=torch.int64)}
+    emu.muon_lean_cautious_count_(updates, grads, kept["emu"])   # zeroes it first
+    ops._lean_cautious_count_impl(updates, grads, kept["ref"])
+    assert torch.equal(kept["emu"], kept["ref"])
+    assert 0 < int(kept["emu"][0]) < updates[0].numel()
+    rows = [torch.rand(33, generator=gen) + 0.5, torch.empty(0), torch.empty(0)]
+    cols = [torch.rand(70, generator=gen) + 0.5, torch.empty(0), torch.empty(0)]
+    # matrix 0: Muon+ scales and a rescaled mask; 1: the mask without rescale; 2: no mask
+    args = ([torch.tensor(0.03)], [torch.tensor(0.1)], [0, 0, 0], [1.0, 2.0, 1.5], None,
+            [-1, -1, -1], rows, cols, [grads[0], grads[1], torch.empty(0)], kept["emu"],
+            [0, -1, -1])
+    ref = [p.clone() for p in params]
+    start = [p.clone() for p in params]
+    emu.muon_lean_update_(params, updates, *args)
+    ops._lean_update_impl(ref, updates, *args)
+    for p, r in zip(params, ref, strict=True):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-6)
+    # the reference itself: the standalone cautious op on the Muon+-scaled direction
+    u0 = updates[0].float() * rows[0][:, None] * cols[0][None, :]
+    ops.cautious_mask_([u0], [grads[0].contiguous()], True)
+    ops._lean_update_impl(start, [u0.contiguous()] + updates[1:], *args[:-5], [], [],
+                          [torch.empty(0), grads[1], torch.empty(0)], None,
+                          [-1, -1, -1])
+    torch.testing.assert_close(start[0], params[0], rtol=1e-6, atol=1e-6)
+
+
+def test_lean_cautious_ops_reject_mislaid_gradients(emu):
+    u = [torch.zeros(4, 6)]
+    with pytest.raises(ValueError, match="grads\\[0\\] must be float32 with updates\\[0\\]"):
+        emu.muon_lean_cautious_count_(u, [torch.zeros(6, 4).mT.contiguous().mT],
+                                      torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="kept must be a contiguous 1-D int64"):
+        emu.muon_lean_cautious_count_(u, [torch.zeros(4, 6)], torch.zeros(1))
+    with pytest.raises(ValueError, match="kept_index"):
+        emu.muon_lean_update_(u, u, [torch.tensor(0.1)], [torch.tensor(0.0)], [0], [1.0], None,
+                              [-1], [], [], [torch.zeros(4, 6)], torch.zeros(1, dtype=torch.int64),
+                              [3])
