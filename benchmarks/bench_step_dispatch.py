@@ -219,6 +219,9 @@ def count_full_size(name: str = "gpt2_small") -> dict:
     # off: the CUDA route of an install without the extension (torch's batched ops).
     for label, kw, fused in (("", {}, True), (" muon+", {"muon_plus": True}, True),
                              (" cautious", {"cautious": True}, True),
+                             (" cautious, no rescale", {"cautious": True,
+                                                        "cautious_rescale": False}, True),
+                             (" muon+ and cautious", {"muon_plus": True, "cautious": True}, True),
                              (", no extension (torch passes)", {}, False)):
         params = [torch.nn.Parameter(torch.empty(r, c, device="meta")) for r, c in shapes]
         for p in params:
@@ -280,9 +283,11 @@ def write_markdown(res: dict, path: Path) -> None:
              "On meta the step takes the CUDA extension's fused pre-pass and update "
              "(muon_lean_pre_ / muon_lean_update_: 3 launches for all matrices); the "
              "'no extension' row counts the CUDA route of an install without it. "
-             "On meta, Muon+ and the cautious mask dispatch as our fused CUDA-kernel ops (on "
-             "CPU they run their elementwise PyTorch fallbacks, hence the CPU rows' larger "
-             "counts). Launch estimate: speedtronic/kernels/counting.py.", ""]
+             "On meta, Muon+ and the cautious mask dispatch as our fused CUDA-kernel ops "
+             "(with the fused passes: muon_lean_plus_stats_ and muon_lean_cautious_count_, "
+             "applied by the update; on CPU they run their elementwise PyTorch fallbacks, "
+             "hence the CPU rows' larger counts). "
+             "Launch estimate: speedtronic/kernels/counting.py.", ""]
     for name, s in res["sets"].items():
         lines += [f"## {name} ({s['matrices']} matrices, /{s['scale']})", "",
                   "| step | ops | CUDA launches (est.) | host syncs | host time / step "
