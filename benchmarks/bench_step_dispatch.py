@@ -215,7 +215,7 @@ def count_full_size(name: str = "gpt2_small") -> dict:
     # The CUDA path at full size: fp16 NS on meta tensors dispatches what a GPU would (no
     # CPU-only branch such as the blocked symmetric products applies off the CPU), in no time.
     # Our ops with a CUDA kernel (Muon+, the cautious mask) dispatch as themselves on meta.
-    # Meta takes the extension's fused passes (muon_step._fused_step); the last row turns them
+    # Meta takes the extension's fused passes (muon_fused.fused_step); the last row turns them
     # off: the CUDA route of an install without the extension (torch's batched ops).
     for label, kw, fused in (("", {}, True), (" muon+", {"muon_plus": True}, True),
                              (" cautious", {"cautious": True}, True),

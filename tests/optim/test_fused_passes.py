@@ -1,4 +1,4 @@
-"""The lean step's fused route (muon_step._fused_step: one pre-pass and one update call over
+"""The lean step's fused route (muon_fused.fused_step: one pre-pass and one update call over
 every matrix of the step, as CUDA runs it with the extension) against the batched torch route
 the CPU runs: through the ops' PyTorch bodies, and through the real kernels on the CPU emulator."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from speedtronic.optim import Muon, muon_step
+from speedtronic.optim import Muon, muon_fused, muon_step
 
 # a square group, a wide/tall mixed group, an odd shape that is not a multiple of the 32 tile
 SHAPES = [(16, 16), (16, 16), (48, 16), (16, 48), (9, 13)]
@@ -82,7 +82,7 @@ def test_a_ns_result_laid_out_unlike_the_gradients_keeps_the_cautious_op(monkeyp
     """The folded mask reads the NS result and the gradient through one pair of strides; a
     result in another layout is masked before the update (the per-group route), with the same
     numbers."""
-    real, real_choice = muon_step._orthogonalizer, muon_step.ops.kernel_or_fallback
+    real, real_choice = muon_fused._orthogonalizer, muon_fused.ops.kernel_or_fallback
     calls = []
 
     def strided(group, compute, newton_schulz):
@@ -94,8 +94,8 @@ def test_a_ns_result_laid_out_unlike_the_gradients_keeps_the_cautious_op(monkeyp
         return lambda *args: calls.append(name) or fn(*args)
 
     torch_route = _run(monkeypatch, False, cautious=True)
-    monkeypatch.setattr(muon_step, "_orthogonalizer", strided)
-    monkeypatch.setattr(muon_step.ops, "kernel_or_fallback", recording)
+    monkeypatch.setattr(muon_fused, "_orthogonalizer", strided)
+    monkeypatch.setattr(muon_fused.ops, "kernel_or_fallback", recording)
     fused = _run(monkeypatch, True, cautious=True)
     assert "muon_lean_update_" in calls and "muon_lean_cautious_count_" not in calls
     for a, b in zip(fused, torch_route, strict=True):
@@ -121,7 +121,7 @@ def test_fused_route_through_the_emulated_kernels(monkeypatch):
 
     emu = load_emulator()
     emu.configure("random", 3)
-    real = muon_step.ops.kernel_or_fallback
+    real = muon_fused.ops.kernel_or_fallback
 
     def kernels(name, device, dtypes):
         if name.startswith("muon_lean_"):
@@ -130,7 +130,7 @@ def test_fused_route_through_the_emulated_kernels(monkeypatch):
 
     kw = {"muon_plus": True, "cautious": True}
     torch_route = _run(monkeypatch, False, **kw)
-    monkeypatch.setattr(muon_step.ops, "kernel_or_fallback", kernels)
+    monkeypatch.setattr(muon_fused.ops, "kernel_or_fallback", kernels)
     launches = emu.stats()[0]
     fused = _run(monkeypatch, True, **kw)
     # per step, one table: pre 2 + Muon+ stats 4 + the cautious count 1 + update 1 (the count's

@@ -300,7 +300,7 @@ def test_the_cuda_graph_key_changes_with_what_invalidates_a_capture():
 
 
 # The CUDA-path estimate (ns_dtype fp16 takes the 16-bit branches the GPU takes), with the
-# extension's fused passes (muon_step._fused_step): per table of up to 128 matrices (every
+# extension's fused passes (muon_fused.fused_step): per table of up to 128 matrices (every
 # group's matrices together) the pre-pass 2 launches (momentum + sums of squares, then scale +
 # cast) and the update 1 (decay, guard skip and update); the guard a sum per group + 3.
 # Newton-Schulz: standard (square groups) X X^T 1 + (a I + b A + c A^2) 2 (an add writing
@@ -404,7 +404,7 @@ def test_the_fused_cautious_branch_matches_the_batched_cpu_mask():
     """The CUDA branch hands each matrix to ``cautious_mask_``; its PyTorch body on CPU gives
     what the batched CPU formula gives."""
     from speedtronic.kernels import ops
-    from speedtronic.optim.muon_step import _cautious
+    from speedtronic.optim.muon_chunks import _cautious
 
     g = torch.Generator().manual_seed(0)
     orth, grad = torch.randn(3, 8, 16, generator=g), torch.randn(3, 8, 16, generator=g)
