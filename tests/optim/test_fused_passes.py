@@ -140,7 +140,9 @@ def test_fused_route_through_the_emulated_kernels(monkeypatch):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_fused_route_compiles_to_one_graph_under_an_lr_schedule(monkeypatch):
+@pytest.mark.parametrize("kw", [{}, {"muon_plus": True, "cautious": True, "ns_dtype": "fp16"}],
+                         ids=["plain", "muon_plus+cautious"])
+def test_fused_route_compiles_to_one_graph_under_an_lr_schedule(monkeypatch, kw):
     from torch._dynamo import utils as dynamo_utils
 
     monkeypatch.setitem(muon_step.FUSED_ROUTE_OFF_CUDA, "cpu", True)
@@ -148,7 +150,7 @@ def test_fused_route_compiles_to_one_graph_under_an_lr_schedule(monkeypatch):
     params = [nn.Parameter(torch.randn(r, c)) for r, c in SHAPES]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = Muon(params, lr=torch.tensor(0.02), weight_decay=0.01)
+    opt = Muon(params, lr=torch.tensor(0.02), weight_decay=0.01, **kw)
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0 / (i + 1))
     torch._dynamo.reset()
@@ -159,3 +161,22 @@ def test_fused_route_compiles_to_one_graph_under_an_lr_schedule(monkeypatch):
         sched.step()
     assert dynamo_utils.counters["stats"]["unique_graphs"] == 1
     assert not dynamo_utils.counters.get("recompiles")
+
+
+def test_fused_steps_with_muon_plus_and_cautious_repeat_the_same_op_stream(monkeypatch):
+    """What a captured CUDA graph replays: with Muon+ and the cautious mask on the fused route, a
+    later step dispatches exactly the ops (and scratch sizes) of the one before it, no sync."""
+    from speedtronic.kernels.counting import DispatchCounter
+
+    monkeypatch.setitem(muon_step.FUSED_ROUTE_OFF_CUDA, "cpu", True)
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(r, c)) for r, c in SHAPES]
+    opt = Muon(params, lr=0.02, weight_decay=0.1, muon_plus=True, cautious=True, ns_dtype="fp16")
+    streams = []
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        with DispatchCounter() as c:
+            opt.step()
+        streams.append((list(c.by_name.items()), c.host_syncs))
+    assert streams[1] == streams[2] and streams[1][1] == 0
