@@ -208,8 +208,10 @@ def _update_slabs(g: _Group, group: dict[str, Any], pieces: list, start: int, G:
     it) and the cautious mask (not with ``mask=False``: the fused update applies it)."""
     eps = float(group["norm_eps"])
     muon_plus = not fused and bool(group["muon_plus"])
+    cpu = orth.device.type == "cpu"
     if muon_plus:
-        normalize = ops.kernel_or_fallback("muon_plus_normalize", orth.device, [torch.float32])
+        normalize = (_muon_plus_cpu_ if cpu else
+                     ops.kernel_or_fallback("muon_plus_normalize", orth.device, [torch.float32]))
     if muon_plus and any(pt.flip for pt, _, _ in pieces):
         # Mixed orientations: normalize each piece in its logical orientation, (k, m, n) or
         # (k, n, m), and hand that straight to the update (no copy back, no cat: 2 launches
@@ -218,9 +220,12 @@ def _update_slabs(g: _Group, group: dict[str, Any], pieces: list, start: int, G:
         orth = orth.float()                                            # (c, m, n) fp32
         for pt, s, e in pieces:
             bank = orth[s - start:e - start]                           # (k, m, n)
-            # contiguous in, contiguous out, on every path (the kernel copies a strided input
-            # anyway, and the op's fake kernel promises a contiguous result)
-            logical = normalize(bank.mT.contiguous() if pt.flip else bank, eps)
+            if cpu:  # in place, through the transposed view: no copy
+                logical = normalize(bank.mT if pt.flip else bank, eps)
+            else:
+                # contiguous in, contiguous out (the kernel copies a strided input anyway, and
+                # the op's fake kernel promises a contiguous result)
+                logical = normalize(bank.mT.contiguous() if pt.flip else bank, eps)
             if group["cautious"]:
                 grad = G[s - start:e - start]                          # (k, m, n)
                 logical = _cautious(logical, grad.mT if pt.flip else grad, group, g.shape)
@@ -242,9 +247,21 @@ def _update_slabs(g: _Group, group: dict[str, Any], pieces: list, start: int, G:
     return out
 
 
+def _muon_plus_cpu_(X: Tensor, eps: float) -> Tensor:
+    """Muon+ in place on ``X (k, r, c)`` fp32, any strides: each row divided by
+    ``sqrt(sum of squares + eps)``, then each column of the result likewise (the math of the
+    ``muon_plus_normalize`` op). CPU: two norm reductions and two in-place scalings, where the
+    op's body makes three fresh tensors of ``X``'s size (each one above 32 MiB is page-faulted
+    in anew every step) and a transposed part needed a contiguous copy first."""
+    X.mul_(torch.linalg.vector_norm(X, dim=-1, keepdim=True).square_().add_(eps).rsqrt_())
+    X.mul_(torch.linalg.vector_norm(X, dim=-2, keepdim=True).square_().add_(eps).rsqrt_())
+    return X
+
+
 def _cautious(orth: Tensor, G: Tensor, group: dict[str, Any], shape: tuple[int, int]) -> Tensor:
     """Zero the entries of ``orth (k, m, n) fp32`` whose sign disagrees with ``G``, rescaled
-    by ``numel / (kept + 1)`` per matrix with ``cautious_rescale``."""
+    by ``numel / (kept + 1)`` per matrix with ``cautious_rescale``. On CPU in place, over
+    ``G`` as well: the gradient bank is not read again before the update overwrites it."""
     rescale = bool(group["cautious_rescale"])
     if orth.device.type in ("cuda", "meta"):
         # One fused op (1-3 launches) for the whole chunk instead of 5-7 elementwise passes;
@@ -252,9 +269,12 @@ def _cautious(orth: Tensor, G: Tensor, group: dict[str, Any], shape: tuple[int, 
         mask_ = ops.kernel_or_fallback("cautious_mask_", orth.device, [orth.dtype, G.dtype])
         mask_(list(orth.unbind(0)), list(G.contiguous().unbind(0)), rescale)  # 1 copy at most
         return orth
-    # CPU: batched over the chunk (the op's PyTorch body goes one matrix at a time)
-    mask = (orth * G) > 0
+    # CPU: batched over the chunk (the op's PyTorch body goes one matrix at a time), in place:
+    # the products and the mask overwrite the gradient bank (momentum has taken it, and the
+    # update writes lr * O there next), so no fresh tensor of the chunk's size is made (four
+    # before: product, mask, masked, rescaled; glibc page-faults each one above 32 MiB anew).
+    keep = G.mul_(orth).gt_(0)                                         # (k, m, n) 1.0 / 0.0
     if rescale:
-        kept = mask.sum(dim=(-2, -1), keepdim=True)                    # (k, 1, 1) int64
-        return orth * mask * ((shape[0] * shape[1]) / (kept + 1))
-    return orth * mask
+        kept = keep.sum(dim=(-2, -1), keepdim=True)                    # (k, 1, 1) fp32, exact
+        keep.mul_((shape[0] * shape[1]) / kept.add_(1))
+    return orth.mul_(keep)

@@ -410,7 +410,7 @@ def test_the_fused_cautious_branch_matches_the_batched_cpu_mask():
     orth, grad = torch.randn(3, 8, 16, generator=g), torch.randn(3, 8, 16, generator=g)
     for rescale in (True, False):
         group = {"cautious_rescale": rescale}
-        batched = _cautious(orth.clone(), grad, group, (8, 16))
+        batched = _cautious(orth.clone(), grad.clone(), group, (8, 16))  # in place on CPU
         per_matrix = orth.clone()
         ops.cautious_mask_(list(per_matrix.unbind(0)), list(grad.unbind(0)), rescale)
         torch.testing.assert_close(batched, per_matrix, rtol=1e-6, atol=0)
