@@ -394,11 +394,13 @@ def test_full_step_captures_in_a_cuda_graph(gen):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("mode", [True, "auto"])
-def test_muon_cuda_graph_option_matches_eager_under_a_schedule(gen, mode, caplog):
+@pytest.mark.parametrize("mode,kw", [(True, {}), ("auto", {}),
+                                     (True, {"muon_plus": True, "cautious": True})])
+def test_muon_cuda_graph_option_matches_eager_under_a_schedule(gen, mode, kw, caplog):
     """Muon(cuda_graph=True): warm-up, capture, replay with new gradient tensors each step and
     an LR schedule filling the lr tensor, equal to the eager step throughout. ``"auto"`` also
-    times both and logs its choice (whichever it keeps, the updates are the eager ones)."""
+    times both and logs its choice (whichever it keeps, the updates are the eager ones). With
+    Muon+ and the cautious mask the captured step holds their statistics and counts too."""
     from speedtronic.optim import Muon
 
     caplog.set_level("INFO", logger="speedtronic.optim")
@@ -408,7 +410,7 @@ def test_muon_cuda_graph_option_matches_eager_under_a_schedule(gen, mode, caplog
     runs = []
     for graphed in (False, mode):
         params = [torch.nn.Parameter(w.clone()) for w in init]
-        opt = Muon(params, lr=0.02, weight_decay=0.01, cuda_graph=graphed)
+        opt = Muon(params, lr=0.02, weight_decay=0.01, cuda_graph=graphed, **kw)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
         for step_grads in grads:
             for p, g in zip(params, step_grads, strict=True):
@@ -423,3 +425,33 @@ def test_muon_cuda_graph_option_matches_eager_under_a_schedule(gen, mode, caplog
         runs.append([p.detach().clone() for p in params])
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-5)
+
+
+@pytest.mark.parametrize("kw", [{}, {"muon_plus": True}, {"cautious": True},
+                                {"muon_plus": True, "cautious": True},
+                                {"cautious": True, "cautious_rescale": False}])
+def test_the_fused_step_matches_the_torch_route_on_cuda(gen, monkeypatch, kw):
+    """The whole Muon step on the extension's fused passes (muon_fused: pre-pass, Muon+
+    statistics, cautious counts, one update applying both) against the batched torch route on
+    the same GPU, GPT-2-like shapes with a tall part in a mixed group, fp16 Newton-Schulz."""
+    from speedtronic.optim import Muon, muon_step
+
+    shapes = [(768, 768)] * 3 + [(768, 3072), (3072, 768), (37, 45)]
+    init = [_rand(s, gen) for s in shapes]
+    grads = [[_rand(s, gen) for s in shapes] for _ in range(3)]
+    runs = {}
+    real = muon_step._fused_passes
+    for route in ("torch", "fused"):
+        monkeypatch.setattr(muon_step, "_fused_passes",
+                            lambda cache, r=route: r == "fused" and real(cache))
+        params = [torch.nn.Parameter(w.clone()) for w in init]
+        opt = Muon(params, lr=0.02, weight_decay=0.01, ns_dtype="fp16", **kw)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        torch.cuda.synchronize()
+        runs[route] = [p.detach().clone() for p in params]
+    assert real(opt.muon_cache), "the fused route is not taken on this GPU"
+    for a, b in zip(runs["fused"], runs["torch"], strict=True):
+        _close(a, b, torch.float16, f"fused step {kw}")
