@@ -292,7 +292,8 @@ inline void for_each_lean_lines_table(const LeanMat* mats, int n, float* partial
     t.partial = partial;
     int items = 0;
     for (int k = first; k < n && k < first + kLeanMats; ++k) {
-      if (mats[k].rows == 0 || mats[k].cols == 0) continue;
+      // an (r, 0) matrix still gets its r row scales, 1 / sqrt(eps) (no partials to sum)
+      if ((cols ? mats[k].cols : mats[k].rows) == 0) continue;
       LeanMat& mt = t.mat[t.count++];
       mt = mats[k];
       mt.tiles_c = (mats[k].cols + kLeanTile - 1) / kLeanTile;

@@ -275,6 +275,6 @@ def _cautious(orth: Tensor, G: Tensor, group: dict[str, Any], shape: tuple[int, 
     # before: product, mask, masked, rescaled; glibc page-faults each one above 32 MiB anew).
     keep = G.mul_(orth).gt_(0)                                         # (k, m, n) 1.0 / 0.0
     if rescale:
-        kept = keep.sum(dim=(-2, -1), keepdim=True)                    # (k, 1, 1) fp32, exact
+        kept = keep.sum(dim=(-2, -1), keepdim=True)  # (k, 1, 1) fp32: exact below 2^24 entries
         keep.mul_((shape[0] * shape[1]) / kept.add_(1))
     return orth.mul_(keep)

@@ -276,3 +276,16 @@ def test_lean_cautious_ops_reject_mislaid_gradients(emu):
         emu.muon_lean_update_(u, u, [torch.tensor(0.1)], [torch.tensor(0.0)], [0], [1.0], None,
                               [-1], [], [], [torch.zeros(4, 6)], torch.zeros(1, dtype=torch.int64),
                               [3])
+
+
+def test_lean_plus_stats_of_an_empty_dimension_are_one_over_sqrt_eps(emu):
+    """An (r, 0) or (0, c) matrix has no partials: its non-empty scales are 1 / sqrt(eps), as
+    the PyTorch body writes them."""
+    emu.configure("forward", 0)
+    updates = [torch.zeros(5, 0), torch.zeros(0, 7), torch.randn(3, 4)]
+    rows = [torch.full((u.shape[0],), float("nan")) for u in updates]
+    cols = [torch.full((u.shape[1],), float("nan")) for u in updates]
+    emu.muon_lean_plus_stats_(updates, rows, cols, [1e-8] * 3)
+    assert torch.equal(rows[0], torch.full((5,), 1e4))
+    assert torch.equal(cols[1], torch.full((7,), 1e4))
+    assert not rows[2].isnan().any() and not cols[2].isnan().any()
