@@ -2,7 +2,9 @@
 orthogonalizes its contiguous ceil(b / W) share of every shape group (counted in matrices and
 in FLOPs with torch's FlopCounterMode: the ranks' FLOPs add up to the replicated step's, none
 done twice), and the parameters come out bitwise equal on every rank and to the replicated
-step, for the plain, Muon+ and cautious steps."""
+step, for the plain, Muon+ and cautious steps, and for Muon+ with the cautious mask on the
+fused route (muon_fused: the statistics and counts over the gathered results, applied by the
+one update call; on CPU through the ops' PyTorch bodies)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,23 @@ from speedtronic.optim import Muon
 STEPS = 3
 # odd counts: a rank gets ceil(b / 2) slots, the other the rest (padding in the gather)
 SHAPES = [(16, 16)] * 5 + [(48, 16)] * 3 + [(16, 48)] * 2
-VARIANTS = {"plain": {}, "muon_plus": {"muon_plus": True}, "cautious": {"cautious": True}}
+VARIANTS = {"plain": {}, "muon_plus": {"muon_plus": True}, "cautious": {"cautious": True},
+            "fused muon_plus cautious": {"muon_plus": True, "cautious": True, "fused": True}}
+
+
+@contextlib.contextmanager
+def _route(kw: dict):
+    """The optimizer's keywords, with the fused route on for a variant that asks for it."""
+    from speedtronic.optim import muon_step
+
+    kw = dict(kw)
+    fused = kw.pop("fused", False)
+    before = muon_step.FUSED_ROUTE_OFF_CUDA["cpu"]
+    muon_step.FUSED_ROUTE_OFF_CUDA["cpu"] = fused
+    try:
+        yield kw
+    finally:
+        muon_step.FUSED_ROUTE_OFF_CUDA["cpu"] = before
 
 
 def _params() -> list[nn.Parameter]:
@@ -65,7 +83,7 @@ def _run(kw: dict, group) -> tuple[list[torch.Tensor], int, int]:
     steps dispatched (torch's FlopCounterMode: the matrix products)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with _counting_newton_schulz() as counted:
+    with _counting_newton_schulz() as counted, _route(kw) as kw:
         params = _params()
         opt = Muon(params, lr=0.02, weight_decay=0.01, process_group=group, **kw)
         flops = FlopCounterMode(display=False)
@@ -84,11 +102,12 @@ def _step_flops(shape: tuple[int, int], kw: dict) -> int:
 
     p = nn.Parameter(torch.randn(shape))
     p.grad = torch.randn(shape)
-    opt = Muon([p], lr=0.02, weight_decay=0.01, **kw)
-    opt.step()  # the first step builds banks and state
-    counter = FlopCounterMode(display=False)
-    with counter:
-        opt.step()
+    with _route(kw) as kw:
+        opt = Muon([p], lr=0.02, weight_decay=0.01, **kw)
+        opt.step()  # the first step builds banks and state
+        counter = FlopCounterMode(display=False)
+        with counter:
+            opt.step()
     return counter.get_total_flops()
 
 
