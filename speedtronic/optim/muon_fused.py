@@ -60,19 +60,22 @@ def _slot_views(c: _Chunk, pt: _Part, slot: int) -> tuple[Tensor, Tensor]:
 
 def _cautious_counts(chunks: list[_Chunk], groups: list[dict[str, Any]], count: Any,
                      device: torch.device) -> tuple[dict[tuple[int, int], tuple[Tensor, int]],
-                                                    Tensor | None]:
+                                                    Tensor | None, set[int]]:
     """The cautious mask on the fused route: one ``muon_lean_cautious_count_`` call over every
     rescaled cautious matrix of the step (zeroing + 1 launch per 128 matrices); the update masks
-    and rescales as it writes. Returns ``{(id(chunk), slot): (gradient view, kept index)}`` and
-    the counts. Instead of a ``cautious_mask_`` call per group (3 launches: zero, count, apply)
-    and its read + write of the NS result. Chunks whose NS result is not laid out like the
-    gradient bank (the kernels read both through one pair of strides) keep that op."""
+    and rescales as it writes. Returns ``{(id(chunk), slot): (gradient view, kept index)}``, the
+    counts, and the ids of the chunks whose mask the update applies. Instead of a
+    ``cautious_mask_`` call per group (3 launches: zero, count, apply) and its read + write of
+    the NS result. Chunks whose NS result is not laid out like the gradient bank (the kernels
+    read both through one pair of strides) keep that op."""
     plan: dict[tuple[int, int], tuple[Tensor, int]] = {}
+    folded: set[int] = set()
     values, grads = [], []
     for c in chunks:
         group = groups[c.g.pgs[0]]
         if not group["cautious"] or c.orth.stride() != c.G.stride():
             continue
+        folded.add(id(c))
         for pt, s, e in c.pieces:
             for slot in range(s, e):
                 value, grad = _slot_views(c, pt, slot)
@@ -86,7 +89,7 @@ def _cautious_counts(chunks: list[_Chunk], groups: list[dict[str, Any]], count: 
     if values:
         kept = torch.empty(len(values), dtype=torch.int64, device=device)  # the op zeroes it
         count(values, grads, kept)
-    return plan, kept
+    return plan, kept, folded
 
 
 def _plus_stats(chunks: list[_Chunk], groups: list[dict[str, Any]], stats: Any,
@@ -183,16 +186,16 @@ def fused_step(cache: StepCache, groups: list[dict[str, Any]]) -> None:
             done.append(c._replace(orth=orth))
         verdict = _guard(cache, done, fill=False)
         plus = _plus_stats(done, groups, stats, device)
-        masks, kept = _cautious_counts(done, groups, count, device)
+        masks, kept, folded = _cautious_counts(done, groups, count, device)
         none = torch.empty(0, dtype=torch.float32, device=device)  # no launch
         up = _UpdateCall(kept=kept)
         for c in done:
             flag = verdict.get(id(c))
             if flag is not None:
                 up.skip = flag[0]  # one guard tensor per device: every chunk's flags in it
-            folded = any(key[0] == id(c) for key in masks)
             for pt, slab in _update_slabs(c.g, groups[c.g.pgs[0]], c.pieces, c.start, c.G,
-                                          c.orth, fused=True, mask=not folded):
+                                          c.orth, fused=True,
+                                          mask=id(c) not in folded):
                 for k in range(slab.stop - slab.start):
                     slot = slab.start + k
                     up.params.append(pt.params[slot - pt.start])
