@@ -786,6 +786,15 @@ class DataParallelConfig:
     costs one parameter broadcast per step, about half of DDP's all-reduce traffic again:
     for a model whose state does not fit, not for speed. Checkpoints keep the plain format
     (a run resumes with it on or off). speedtronic/distributed/zero.py has the details."""
+    reduce_scatter_muon: bool = False
+    """Each Muon matrix gets one owning rank: its gradients are reduce-scattered to the owner
+    (they leave DDP's all-reduce), which alone keeps its momentum and steps it, and the updated
+    matrices are all-gathered. The step sends DDP's all-reduce bytes (not 1.17x, as
+    ``shard_muon``), every Muon pass (not only Newton-Schulz) runs on 1/world of the matrices,
+    Muon momentum per rank drops to ~1/world, for one extra fp32 buffer of the Muon
+    parameters. Supersedes ``shard_muon``; not combined with ``zero1``, ``fsdp``, fp16,
+    ``optimizer.cuda_graph``, torchft or hierarchical DiLoCo. speedtronic/distributed/
+    muon_owners.py has the details."""
     find_unused_parameters: bool = False
     """DDP's search for parameters a forward did not use (costs a graph walk per step; turn on
     only for models with such parameters: DDP then says so in its error)."""

@@ -54,6 +54,9 @@ def check_supported(cfg: SpeedtronicConfig, dp: DataParallel) -> None:
     from .zero import check_zero1
 
     check_zero1(cfg)
+    from .muon_owners import check_reduce_scatter_muon
+
+    check_reduce_scatter_muon(cfg)
     if cfg.optimizer.cuda_graph != "off" and cfg.data_parallel.shard_muon:
         raise ConfigError(
             f"optimizer.cuda_graph: {cfg.optimizer.cuda_graph} with data_parallel.shard_muon: "
@@ -84,13 +87,19 @@ def local_accumulation_steps(cfg: SpeedtronicConfig, world: int) -> int:
     return target // per_step
 
 
-def wrap_model(model: nn.Module, dp: DataParallel, cfg: SpeedtronicConfig) -> nn.Module:
+def wrap_model(model: nn.Module, dp: DataParallel, cfg: SpeedtronicConfig,
+               ignore: Sequence[str] = ()) -> nn.Module:
     """``DistributedDataParallel`` around ``model`` (already on ``dp.device``).
 
     ``static_graph`` stays off: the trainer accumulates under ``no_sync``, which static graphs
     do not support. Buffers are not broadcast each forward (the reference model's are constant
-    and every rank builds them alike), which saves one collective per micro-batch."""
+    and every rank builds them alike), which saves one collective per micro-batch. ``ignore``:
+    parameter names DDP leaves alone (the owned Muon matrices of ``reduce_scatter_muon``,
+    whose gradients travel in the optimizer's reduce-scatter)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if ignore:  # torch's (underscored, long-standing) switch for this; read at construction
+        DDP._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
 
     ids = [dp.local_rank] if dp.device.type == "cuda" else None
     # torch 2.13 renamed the per-forward buffer broadcast (and warns on the old name); 2.11,

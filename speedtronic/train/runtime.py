@@ -111,11 +111,17 @@ def build_optimizer(model: nn.Module, cfg: SpeedtronicConfig,
                     dp: DataParallel | None = None) -> torch.optim.Optimizer:
     """One optimizer over every trainable parameter (``speedtronic.optim.build_optimizer``);
     under torchrun with ``data_parallel.shard_muon`` each rank orthogonalizes its share, with
-    ``data_parallel.zero1`` each rank keeps the state of and steps its share (ZeRO-1)."""
+    ``data_parallel.zero1`` each rank keeps the state of and steps its share (ZeRO-1), with
+    ``data_parallel.reduce_scatter_muon`` each Muon matrix has one owning rank."""
     if dp is not None and cfg.data_parallel.zero1:  # each rank steps its share of everything
         from ..distributed.zero import zero1_optimizer
 
         return zero1_optimizer(optim.build_optimizer(model, cfg.optimizer))
+    if dp is not None and cfg.data_parallel.reduce_scatter_muon:  # one owner per matrix
+        from ..distributed.muon_owners import owner_sharded_optimizer
+
+        return owner_sharded_optimizer(optim.build_optimizer(model, cfg.optimizer),
+                                       bucket_cap_mb=cfg.data_parallel.bucket_cap_mb)
     group = None
     # under FSDP2 the DTensor Muon step splits the Newton-Schulz itself (shard_muon does not
     # apply) and refuses a process_group

@@ -153,8 +153,14 @@ class Trainer(TrainerState):
                 "data_parallel.fsdp: true but the model is not sharded: build the run with "
                 "build_trainer, or call speedtronic.distributed.fsdp.wrap_model_fsdp on the "
                 "model before building its optimizer")
-        self._ddp = (dp_step.wrap_model(model, data_parallel, config)
+        # reduce_scatter_muon: the optimizer moves the Muon gradients itself (DDP ignores them)
+        self._owned_muon = hasattr(optimizer, "finish_gradients")
+        ignore = (optimizer.ddp_ignored_names(model, optimizer)  # type: ignore[attr-defined]
+                  if self._owned_muon else ())
+        self._ddp = (dp_step.wrap_model(model, data_parallel, config, ignore=ignore)
                      if data_parallel is not None and not self._fsdp else None)
+        if self._owned_muon:
+            optimizer.attach(self._ddp)  # type: ignore[attr-defined]
         self.replicas: Any = None
         """torchft ``ddp`` replica groups (:class:`~speedtronic.distributed.torchft_groups.
         ReplicaGroups`; set by the runtime): a quorum started before each step, gradients
@@ -378,6 +384,8 @@ class Trainer(TrainerState):
         micro-batches were all padding: no gradient) only advances the schedule.
         """
         if not update:
+            if self._owned_muon:  # backward hooks started its reduce-scatters: end them
+                self.optimizer.finish_gradients()  # type: ignore[attr-defined]
             if need_norm:
                 self._lr_used = self.optimizer.param_groups[0]["lr"]
             self.optimizer.zero_grad(set_to_none=True)
@@ -399,6 +407,10 @@ class Trainer(TrainerState):
         if self._fsdp:  # DTensor gradients: the norm all-reduced into a plain device scalar
             if clip is not None or need_norm or self._skip_nonfinite:
                 norm = fsdp_step.grad_norm(self.params, clip)
+        elif self._owned_muon:  # each rank holds its share of the Muon gradients
+            self.optimizer.finish_gradients()  # type: ignore[attr-defined]
+            if clip is not None or need_norm or self._skip_nonfinite:
+                norm = self.optimizer.clip_grad_norm_(clip)  # type: ignore[attr-defined]
         elif clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
         elif need_norm or self._skip_nonfinite:

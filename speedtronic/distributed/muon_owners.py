@@ -1,0 +1,405 @@
+"""Muon matrices with one owner each under data parallelism: their gradients are
+reduce-scattered to the owner, the owner alone keeps their momentum and runs their step, and the
+updated matrices are all-gathered (``data_parallel.reduce_scatter_muon: true``).
+
+Why: with DDP every rank receives every averaged gradient (a ring all-reduce, ``2 f 4 P``
+bytes per rank for ``P`` fp32 gradient values, ``f = (W - 1) / W``) and then every rank runs
+the same Muon step. ``shard_muon`` splits the Newton-Schulz but adds an all-gather of the
+results on top (``+ f 2 P_m``: 1.17x DDP's bytes on GPT-2 small at W = 8). Here the ``P_m``
+Muon values leave DDP: a reduce-scatter gives each rank the averaged gradients of the whole
+matrices it owns (``f 4 P_m``), the owner runs momentum, Newton-Schulz, Muon+, the cautious
+mask and the update for them alone, and an all-gather of the updated fp32 matrices (``f 4
+P_m``) puts every rank back on the same weights. The rest stays in DDP's all-reduce (``2 f 4
+(P - P_m)``), so the step sends exactly DDP's ``2 f 4 P`` (padding aside) for 1/W of the
+Muon work: Newton-Schulz *and* the elementwise passes, which ``shard_muon`` still ran on
+every rank. Muon's momentum per rank drops to ~1/W (ZeRO-1 for the Muon state).
+
+What it costs: one persistent fp32 buffer of the ``P_m`` Muon values (the packed gradients,
+reused for the parameter gather) and the owner's 1/W received share. With ~(W - 1)/W of the
+momentum gone, W = 2 nets +0.5 ``P_m`` fp32 and W >= 3 saves memory.
+
+Overlap: the reduce-scatter of a bucket (matrices of one shape, in the order backward finishes
+them, at most ``bucket_cap_mb``) starts from a post-accumulate-grad hook as soon as its last
+gradient lands in the step's last micro-batch (DDP's ``require_backward_grad_sync`` says which
+one that is), so it runs behind the rest of the backward as DDP's bucketed all-reduce does.
+The collectives use a group of their own, so their order cannot interleave with DDP's.
+
+Ownership: tall matrices are packed transposed beside the wide ones of the same shape (GPT-2
+small: 48 x 768^2 and 24 x 768 x 3072, no padding at W = 8), each bucket is cut into W
+contiguous shares of ``ceil(b / W)`` whole matrices, and which rank takes which share rotates
+by the running Newton-Schulz cost (``m^2 n`` per matrix), as :mod:`speedtronic.optim.sharded`
+does per step: the ranks' costs differ by at most about one matrix.
+
+The clip norm is the norm of the averaged gradients: each rank's owned share (squares summed,
+one scalar all-reduce queued on the device, no host read) plus the replicated AdamW gradients.
+Checkpoints gather the momentum (a collective every rank joins when the trainer builds its
+state) and keep the plain single-process format: a run resumes with this on or off.
+
+Not combined with fp16 (the loss scaler's overflow check would see only this rank's share),
+``zero1``, ``fsdp``, ``optimizer.cuda_graph``, torchft or hierarchical DiLoCo (refused with
+the reason: :func:`check_reduce_scatter_muon`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ..config import ConfigError, SpeedtronicConfig
+from ..optim import HybridOptimizer
+from ..optim.muon_plan import _buffer_shape
+from ..optim.sharded import ShardSpec
+
+__all__ = ["OwnerShardedHybrid", "check_reduce_scatter_muon", "owner_sharded_optimizer"]
+
+logger = logging.getLogger("speedtronic.distributed")
+
+
+def check_reduce_scatter_muon(cfg: SpeedtronicConfig) -> None:
+    """Refuse what the owner-sharded Muon step does not combine with, with the reason."""
+    dp = cfg.data_parallel
+    if not dp.reduce_scatter_muon:
+        return
+    key = "data_parallel.reduce_scatter_muon: true"
+    clash = [
+        (dp.zero1, "data_parallel.zero1: true", "ZeRO-1 partitions every parameter its own way"),
+        (dp.fsdp, "data_parallel.fsdp: true", "FSDP2 shards the matrices by rows"),
+        (cfg.optimizer.cuda_graph != "off", f"optimizer.cuda_graph: {cfg.optimizer.cuda_graph}",
+         "the gather after the step is not part of a captured graph"),
+        (cfg.precision.mode == "fp16", "precision.mode: fp16",
+         "the loss scaler would check for overflow only in this rank's share of the Muon "
+         "gradients, so ranks could disagree on skipping a step"),
+        (cfg.distributed.enabled, "distributed.enabled: true (hierarchical DiLoCo)",
+         "not tested with the group relay"),
+        (cfg.torchft.mode != "off", f"torchft.mode: {cfg.torchft.mode}",
+         "each replica group is one process: nothing to shard"),
+    ]
+    for on, what, why in clash:
+        if on:
+            raise ConfigError(f"{key} with {what}: {why}; turn one of them off")
+    if cfg.optimizer.name != "muon":
+        raise ConfigError(f"{key} needs optimizer.name: muon (got "
+                          f"{cfg.optimizer.name!r}): it shards the Muon matrices")
+
+
+@dataclass
+class _Bucket:
+    """Matrices of one packed shape whose gradients travel in one reduce-scatter."""
+
+    params: list[Tensor]        # slot order: share s is slots [s * per, (s + 1) * per)
+    transposed: list[bool]      # packed as p.mT (a tall matrix beside the wide ones)
+    owner: list[int]            # rank that owns each param
+    per: int                    # slots per rank
+    packed: tuple[int, ...]     # one slot's shape
+    rotation: int               # rank r holds share (r - rotation) % W
+    buffer: Tensor | None = None  # (W * per, *packed) fp32: grads / W, then the params
+    share: Tensor | None = None   # (per, *packed): this rank's averaged gradients
+    ready: int = 0
+    work: Any = None
+    mine: list[int] = field(default_factory=list)  # indices into params that this rank owns
+
+    def view(self, t: Tensor, i: int) -> Tensor:
+        """Slot ``t`` seen in param ``i``'s own shape."""
+        return t.mT if self.transposed[i] else t.view(self.params[i].shape)
+
+
+def _reduce_scatter() -> Any:
+    """torch 2.13 renamed ``reduce_scatter_tensor`` (and warns on the old name); 2.11, the
+    H200's, only has the old one."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather() -> Any:
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _packed_shape(p: Tensor) -> tuple[tuple[int, ...], bool]:
+    """(slot shape, transposed?): 2-D tall matrices go in as their transpose."""
+    if p.dim() == 2 and p.shape[0] > p.shape[1]:
+        return (p.shape[1], p.shape[0]), True
+    return tuple(p.shape), False
+
+
+def _cost(shape: tuple[int, ...]) -> float:
+    m = shape[0]
+    n = math.prod(shape[1:]) if len(shape) > 1 else 1
+    return float(min(m, n)) ** 2 * max(m, n)
+
+
+class OwnerShardedHybrid(HybridOptimizer):
+    """:class:`~speedtronic.optim.HybridOptimizer` whose Muon matrices each have one owning rank
+    (see the module docstring). Build it with :func:`owner_sharded_optimizer`, wrap the model in
+    DDP with :meth:`ddp_ignored_names` ignored, then :meth:`attach` the DDP module.
+
+    Per step: :meth:`finish_gradients` (waits for the reduce-scatters; the owner's Muon
+    ``.grad`` become its averaged share, the others ``None``), :meth:`clip_grad_norm_`, then
+    ``step()`` (owned Muon matrices and every AdamW parameter, then the all-gather)."""
+
+    def __init__(self, param_groups: list[dict[str, Any]], *, group: Any = None,
+                 bucket_cap_mb: float = 25.0, workspace_budget: int | None = None) -> None:
+        super().__init__(param_groups, workspace_budget=workspace_budget)
+        self.comm = dist.new_group(backend=dist.get_backend(group)) if group is None else group
+        self.world = dist.get_world_size(self.comm)
+        self.rank = dist.get_rank(self.comm)
+        self._ddp: nn.Module | None = None
+        self._finished = False
+        muon = [p for g in self.param_groups if g["kind"] == "muon" for p in g["params"]]
+        self._layout = {p: g.get("layout", "matrix") for g in self.param_groups
+                        if g["kind"] == "muon" for p in g["params"]}
+        self.buckets = self._plan(muon, int(bucket_cap_mb * 2**20))
+        self.owned = [b.params[i] for b in self.buckets for i in b.mine]
+        self._owned_ids = {id(p) for p in self.owned}
+        self.others = [p for b in self.buckets for i, p in enumerate(b.params)
+                       if i not in b.mine]
+        self._adamw = [p for g in self.param_groups if g["kind"] == "adamw" for p in g["params"]]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in muon]
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+
+    # ---- planning ------------------------------------------------------------------------
+    def _plan(self, muon: list[Tensor], cap_bytes: int) -> list[_Bucket]:
+        """Buckets in the order backward finishes their gradients (the reverse of the
+        parameters' order), one packed shape each, at most ``cap_bytes`` (at least W
+        matrices), shares rotated by the running cost."""
+        spec = ShardSpec(self.comm)
+        runs: dict[tuple, list[tuple[Tensor, bool]]] = {}
+        order: list[tuple] = []
+        for p in reversed(muon):
+            packed, t = _packed_shape(p)
+            key = (packed, p.dtype, p.device)
+            if key not in runs:
+                runs[key], _ = [], order.append(key)
+            runs[key].append((p, t))
+        buckets = []
+        for key in order:
+            items = runs[key]
+            packed = key[0]
+            per_matrix = math.prod(packed) * 4
+            size = max(self.world, cap_bytes // max(1, per_matrix) // self.world * self.world)
+            for start in range(0, len(items), size):
+                chunk = items[start:start + size]
+                rotation = spec.place(len(chunk), _cost(packed))
+                per = math.ceil(len(chunk) / self.world)
+                params, transposed, owner = [], [], []
+                # share s = matrices [s * per, (s + 1) * per) of the chunk; rank r takes share
+                # (r - rotation) % W and packs it at slot r * per (the collective's layout)
+                for r in range(self.world):
+                    s = (r - rotation) % self.world
+                    for p, t in chunk[s * per:(s + 1) * per]:
+                        params.append(p)
+                        transposed.append(t)
+                        owner.append(r)
+                b = _Bucket(params, transposed, owner, per, packed, rotation)
+                b.mine = [i for i, r in enumerate(owner) if r == self.rank]
+                buckets.append(b)
+        return buckets
+
+    def _slots(self, b: _Bucket) -> list[int]:
+        """Slot of each param of ``b`` in its buffer (rank r's share starts at r * per)."""
+        out, seen = [], [0] * self.world
+        for r in b.owner:
+            out.append(r * b.per + seen[r])
+            seen[r] += 1
+        return out
+
+    # ---- gradients -----------------------------------------------------------------------
+    def attach(self, ddp: nn.Module | None) -> None:
+        """Start reduce-scatters from backward hooks in the micro-batch where ``ddp`` syncs,
+        and give every rank rank 0's Muon matrices (DDP does not broadcast what it ignores)."""
+        self._ddp = ddp
+        for b in self.buckets:
+            for p in b.params:
+                dist.broadcast(p.data, src=dist.get_global_rank(self.comm, 0), group=self.comm)
+
+    @staticmethod
+    def ddp_ignored_names(model: nn.Module, optimizer: OwnerShardedHybrid) -> list[str]:
+        """Names of ``model``'s parameters that DDP must leave alone (the Muon matrices)."""
+        ids = {id(p) for b in optimizer.buckets for p in b.params}
+        return [name for name, p in model.named_parameters() if id(p) in ids]
+
+    def _syncing(self) -> bool:
+        return self._ddp is not None and bool(getattr(self._ddp, "require_backward_grad_sync",
+                                                      True))
+
+    def _on_grad(self, p: Tensor) -> None:
+        if not self._syncing():
+            return  # a no_sync micro-batch: the gradient keeps accumulating locally
+        b = self._bucket_of[id(p)]
+        b.ready += 1
+        if b.ready == len(b.params) and b.work is None:
+            self._launch(b)
+
+    def _launch(self, b: _Bucket) -> None:
+        """Pack ``grad / W`` (DDP's pre-division, so the sum rounds as its all-reduce does) and
+        start the bucket's reduce-scatter."""
+        if b.buffer is None:
+            p0 = b.params[0]
+            b.buffer = torch.empty((self.world * b.per, *b.packed), dtype=p0.dtype,
+                                   device=p0.device)                  # (W * per, *packed)
+            b.share = torch.empty((b.per, *b.packed), dtype=p0.dtype, device=p0.device)
+        for i, slot in zip(range(len(b.params)), self._slots(b), strict=True):
+            g = b.params[i].grad
+            dst = b.view(b.buffer[slot], i)
+            if g is None:  # no gradient on this rank: it adds nothing to the sum
+                dst.zero_()
+            else:
+                torch.div(g, self.world, out=dst)
+        self._zero_padding(b)
+        b.work = _reduce_scatter()(b.share, b.buffer, group=self.comm, async_op=True)
+
+    def _zero_padding(self, b: _Bucket) -> None:
+        used = [0] * self.world
+        for r in b.owner:
+            used[r] += 1
+        for r in range(self.world):
+            if used[r] < b.per:
+                b.buffer[r * b.per + used[r]:(r + 1) * b.per].zero_()
+
+    def finish_gradients(self) -> None:
+        """Wait for every bucket's reduce-scatter (starting those no hook started); then each
+        owned Muon matrix's ``.grad`` is its averaged gradient and the others' is None."""
+        if self._finished:
+            return
+        for b in self.buckets:
+            if b.work is None:
+                self._launch(b)
+        for b in self.buckets:
+            b.work.wait()
+            b.work, b.ready = None, 0
+            assert b.share is not None
+            for j, i in enumerate(b.mine):
+                b.params[i].grad = b.view(b.share[j], i)
+        for p in self.others:
+            p.grad = None
+        self._finished = True
+
+    def clip_grad_norm_(self, max_norm: float | None) -> Tensor:
+        """The norm of the averaged gradients (a device scalar, not read on the host); with
+        ``max_norm`` the gradients are scaled as ``torch.nn.utils.clip_grad_norm_`` does."""
+        self.finish_gradients()
+        shares = [b.share for b in self.buckets if b.share is not None]
+        device = (shares[0] if shares else self._adamw[0]).device
+        owned = torch.zeros((), dtype=torch.float32, device=device)
+        if shares:  # padding slots are zero: whole shares may be summed
+            owned = torch.stack([torch.linalg.vector_norm(s, dtype=torch.float32)
+                                 for s in shares]).square().sum()
+        dist.all_reduce(owned, group=self.comm)
+        grads = [p.grad for p in self._adamw if p.grad is not None]
+        rest = (torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+                .square().sum() if grads else torch.zeros_like(owned))
+        norm = (owned + rest).sqrt()
+        if max_norm is not None:
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_([*shares, *grads], coef.to(shares[0].dtype if shares
+                                                          else grads[0].dtype))
+        return norm
+
+    # ---- step ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        """Owned Muon matrices and every AdamW parameter, then the all-gather of the Muon
+        matrices (every rank ends on the owners' values)."""
+        self.finish_gradients()
+        loss = super().step(closure)
+        works = []
+        for b in self.buckets:
+            assert b.buffer is not None and b.share is not None
+            for j, i in enumerate(b.mine):
+                b.view(b.share[j], i).copy_(b.params[i])
+            works.append(_all_gather()(b.buffer, b.share, group=self.comm, async_op=True))
+        for b, work in zip(self.buckets, works, strict=True):
+            work.wait()
+            assert b.buffer is not None
+            for i, slot in enumerate(self._slots(b)):
+                if b.owner[i] != self.rank:
+                    b.params[i].copy_(b.view(b.buffer[slot], i))
+        self._finished = False
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._finished = False
+
+    # ---- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The plain :class:`HybridOptimizer` state dict with every Muon momentum (a
+        collective: each owner's buffers are all-gathered; every rank gets the whole dict)."""
+        have = [p for p in self.owned if "momentum_buffer" in self.state.get(p, {})]
+        count = torch.tensor([len(have)], dtype=torch.int64)
+        dist.all_reduce(count, group=self._control())
+        if int(count) == 0:  # no step yet on any rank: nothing to gather
+            return super().state_dict()
+        added = []
+        for b in self.buckets:
+            numel = math.prod(b.packed)
+            p0 = b.params[0]
+            mine = torch.zeros((b.per, numel), dtype=torch.float32, device=p0.device)
+            for j, i in enumerate(b.mine):
+                buf = self.state.get(b.params[i], {}).get("momentum_buffer")
+                if buf is not None:
+                    mine[j].copy_(buf.reshape(-1))
+            every = torch.empty((self.world * b.per, numel), dtype=torch.float32,
+                                device=p0.device)
+            _all_gather()(every, mine, group=self.comm)
+            for i, slot in enumerate(self._slots(b)):
+                p = b.params[i]
+                if b.owner[i] != self.rank:
+                    shape = _buffer_shape(p, self._layout[p])
+                    self.state[p]["momentum_buffer"] = every[slot].view(shape).clone()
+                    added.append(p)
+        try:
+            return super().state_dict()
+        finally:
+            for p in added:
+                self.state.pop(p, None)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        for p in self.others:  # another rank owns it: its momentum lives there
+            self.state.pop(p, None)
+        self._finished = False
+
+    def _control(self) -> Any:
+        """A gloo group for the host-side count (the comm group may be NCCL)."""
+        if dist.get_backend(self.comm) == "gloo":
+            return self.comm
+        if not hasattr(self, "_gloo"):
+            self._gloo = dist.new_group(backend="gloo")
+        return self._gloo
+
+    def bytes_per_step(self) -> dict[str, int]:
+        """Bytes each rank sends per step in a ring: the reduce-scatter and the all-gather of
+        the Muon buckets (padding included)."""
+        f = (self.world - 1) / self.world
+        total = sum(self.world * b.per * math.prod(b.packed) * b.params[0].element_size()
+                    for b in self.buckets)
+        return {"reduce_scatter": int(f * total), "all_gather": int(f * total)}
+
+
+def owner_sharded_optimizer(optimizer: HybridOptimizer, *, bucket_cap_mb: float = 25.0,
+                            group: Any = None) -> OwnerShardedHybrid:
+    """Rebuild a freshly built :class:`HybridOptimizer` with owned Muon matrices (see the
+    module docstring); logs what this rank owns."""
+    if not isinstance(optimizer, HybridOptimizer):
+        raise TypeError("owner_sharded_optimizer takes a HybridOptimizer, got "
+                        f"{type(optimizer).__name__}")
+    if optimizer.state:
+        raise ValueError("owner_sharded_optimizer: build it before the first step (the "
+                         "optimizer already holds state)")
+    groups = [dict(g, params=list(g["params"])) for g in optimizer.param_groups]
+    opt = OwnerShardedHybrid(groups, group=group, bucket_cap_mb=bucket_cap_mb,
+                             workspace_budget=optimizer.workspace_budget)
+    total = sum(len(b.params) for b in opt.buckets)
+    elements = sum(p.numel() for b in opt.buckets for p in b.params)
+    sent = opt.bytes_per_step()
+    logger.info("data parallel: reduce-scatter Muon: rank %d of %d owns %d of %d matrices "
+                "(%d of %d elements) in %d buckets; per step it sends %d bytes "
+                "(reduce-scatter) + %d (all-gather)", opt.rank, opt.world,
+                len(opt.owned), total, sum(p.numel() for p in opt.owned), elements,
+                len(opt.buckets), sent["reduce_scatter"], sent["all_gather"])
+    return opt
