@@ -7,8 +7,12 @@ Two measurements, each side by side in one invocation:
   from rank 0's ``metrics.jsonl``: median of the log rows after the first). Rounds interleave
   the three so a noisy neighbour hits them alike.
 * **the Muon step per rank**, replicated (every rank orthogonalizes every matrix) against
-  sharded (``process_group=``: each rank 1/W of each shape group, then an all-gather), on 2 gloo
-  ranks, 1 thread each, interleaved step by step; median step time per rank.
+  sharded (``process_group=``: each rank 1/W of each shape group, then an all-gather), ZeRO-1
+  and owned matrices (``data_parallel.reduce_scatter_muon``: a reduce-scatter of the gradients
+  to each matrix's owner, its step, an all-gather of the matrices), on 2 gloo ranks, 1 thread
+  each, interleaved step by step; median time per rank of the step alone and of the gradient
+  exchange plus the step (an all-reduce of the flat gradient buffer, as DDP's bucket, for the
+  first three; the reduce-scatter for owned matrices), since the last one moves the exchange.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_torchrun_cpu.py [--rounds 3] [--steps 60]
 
@@ -46,7 +50,8 @@ def _env(threads: int) -> dict[str, str]:
 
 
 def engine_config(tmp: Path, name: str, steps: int, threads: int) -> Path:
-    """The bench job; a name starting with ``zero`` turns on ``data_parallel.zero1``."""
+    """The bench job; a name starting with ``zero`` turns on ``data_parallel.zero1``, one
+    starting with ``owned`` ``data_parallel.reduce_scatter_muon``."""
     raw = {
         "run": {"name": name, "output_dir": str(tmp), "max_steps": steps, "eval_every": 0,
                 "seed": 0, "device": "cpu", "num_threads": threads},
@@ -57,7 +62,8 @@ def engine_config(tmp: Path, name: str, steps: int, threads: int) -> Path:
         "checkpoint": {"enabled": False},
         "shape_validation": {"enabled": False},
         "compile": False,
-        "data_parallel": {"zero1": name.startswith("zero")},
+        "data_parallel": {"zero1": name.startswith("zero"),
+                          "reduce_scatter_muon": name.startswith("owned")},
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
@@ -84,33 +90,53 @@ def muon_step_worker(steps: int, out: str) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from speedtronic.optim import Muon
+    from speedtronic.distributed.muon_owners import owner_sharded_optimizer
+    from speedtronic.optim import HybridOptimizer, Muon
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     g = torch.Generator().manual_seed(0)
-    times: dict[str, list[float]] = {"replicated": [], "sharded": [], "zero1": []}
+    modes = ("replicated", "sharded", "zero1", "owned")
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    exchange: dict[str, list[float]] = {m: [] for m in modes}
     opts: dict = {}
-    for mode in times:
+    grads: dict = {}
+    for mode in modes:
         params = [nn.Parameter(torch.randn(s, generator=g) * 0.02) for s in MUON_SHAPES]
-        for p in params:
-            p.grad = torch.randn(p.shape, generator=g)
+        flat = torch.randn(sum(p.numel() for p in params), generator=g)  # DDP's bucket
+        views = list(flat.split([p.numel() for p in params]))
+        grads[mode] = (params, flat, [v.view(p.shape) for v, p in zip(views, params,
+                                                                        strict=True)])
         if mode == "zero1":  # what data_parallel.zero1 builds (torch's ZeRO-1, our Muon inside)
             opts[mode] = ZeroRedundancyOptimizer(params, optimizer_class=Muon, lr=0.02)
+        elif mode == "owned":  # what data_parallel.reduce_scatter_muon builds
+            opts[mode] = owner_sharded_optimizer(HybridOptimizer(
+                [{"kind": "muon", "params": params, "lr": 0.02}]))
         else:
             opts[mode] = Muon(params, lr=0.02, process_group=dist.group.WORLD
                               if mode == "sharded" else None)
     for i in range(steps + 3):
         for mode, opt in opts.items():
+            params, flat, views = grads[mode]
+            for p, v in zip(params, views, strict=True):
+                p.grad = v
             dist.barrier()
             t0 = time.perf_counter()
+            if mode == "owned":
+                opt.finish_gradients()  # the reduce-scatter to the owners
+            else:
+                dist.all_reduce(flat)  # DDP's gradient all-reduce
+            t1 = time.perf_counter()
             opt.step()
-            dt = time.perf_counter() - t0
+            t2 = time.perf_counter()
             if i >= 3:  # the first steps build banks and state
-                times[mode].append(dt)
+                times[mode].append(t2 - t1)
+                exchange[mode].append(t2 - t0)
+            flat.mul_(0.5)  # keep the gradients' scale from growing over the all-reduces
     medians: dict = {m: statistics.median(v) for m, v in times.items()}
+    medians.update({f"{m}_with_exchange": statistics.median(v) for m, v in exchange.items()})
     for mode, opt in opts.items():  # optimizer state this rank holds
         local = getattr(opt, "optim", opt)
         medians[f"{mode}_state_bytes"] = sum(t.numel() * t.element_size()
@@ -147,8 +173,9 @@ def main() -> None:
 
     rows: dict[str, list[float]] = {"1 process, 2 threads": [], "1 process, 1 thread": [],
                                     "torchrun 2 ranks, 1 thread each": [],
-                                    "torchrun 2 ranks, 1 thread each, zero1": []}
-    plan = [("one2", 2, 1), ("one1", 1, 1), ("dp2", 1, 2), ("zero2", 1, 2)]
+                                    "torchrun 2 ranks, 1 thread each, zero1": [],
+                                    "torchrun 2 ranks, 1 thread each, reduce_scatter_muon": []}
+    plan = [("one2", 2, 1), ("one1", 1, 1), ("dp2", 1, 2), ("zero2", 1, 2), ("owned2", 1, 2)]
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for (name, threads, nproc), row in zip(plan, rows, strict=True):
@@ -175,16 +202,17 @@ def main() -> None:
         med = statistics.median(rates)
         lines.append(f"| {name} | {med:.0f} | {med / base:.2f}x |")
     lines += ["", "Muon step per rank, 2 gloo ranks, 1 thread each ("
-              f"{meta['muon_shapes']}), median of {args.steps} interleaved steps:", "",
-              "| rank | replicated (ms) | sharded (ms) | sharded / replicated | zero1 (ms) | "
-              "zero1 / replicated | state MiB: replicated / sharded / zero1 |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+              f"{meta['muon_shapes']}), median of {args.steps} interleaved steps; 'with "
+              "exchange' adds the gradient all-reduce (replicated, sharded, zero1) or the "
+              "reduce-scatter to the owners (owned):", "",
+              "| rank | mode | step (ms) | with exchange (ms) | vs replicated, with exchange "
+              "| state MiB |", "|---|---|---:|---:|---:|---:|"]
     for rank, m in enumerate(muon):
-        mib = " / ".join(f"{m[f'{k}_state_bytes'] / 2**20:.1f}"
-                         for k in ("replicated", "sharded", "zero1"))
-        lines.append(f"| {rank} | {1e3 * m['replicated']:.1f} | {1e3 * m['sharded']:.1f} | "
-                     f"{m['sharded'] / m['replicated']:.2f} | {1e3 * m['zero1']:.1f} | "
-                     f"{m['zero1'] / m['replicated']:.2f} | {mib} |")
+        for mode in ("replicated", "sharded", "zero1", "owned"):
+            lines.append(f"| {rank} | {mode} | {1e3 * m[mode]:.1f} | "
+                         f"{1e3 * m[f'{mode}_with_exchange']:.1f} | "
+                         f"{m[f'{mode}_with_exchange'] / m['replicated_with_exchange']:.2f} | "
+                         f"{m[f'{mode}_state_bytes'] / 2**20:.1f} |")
     (RESULTS / "torchrun_cpu.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
