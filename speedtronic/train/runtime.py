@@ -421,22 +421,29 @@ def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: 
                             callbacks=callbacks, model=model, data=data)
     # Not beside DataLoader workers: they are forked, and forking while another thread holds an
     # import lock can leave a child waiting on it forever.
-    if plot and trainer.config.data.num_workers == 0:
-        _preload_plotting()
+    plots = plot and (trainer.dp is None or trainer.dp.is_main)  # rank 0 alone plots
+    preload = (_preload_plotting() if plots and trainer.config.data.num_workers == 0
+               else None)
     try:
         result = trainer.fit()
     finally:
+        if preload is not None:
+            # A daemon thread still inside matplotlib's C++ import when the interpreter exits
+            # is unwound through noexcept frames: "terminate called without an active
+            # exception", SIGABRT (seen at the end of short torchrun test jobs, where every
+            # rank preloaded and the non-plotting ones exited first). Wait for it instead.
+            preload.join(timeout=60)
         trainer.metrics.close()
         _remove_log_handlers(trainer.log_handlers)
         trainer.release_run_lock()
         if trainer.dp is not None:
             trainer.dp.close()
-    if plot and (trainer.dp is None or trainer.dp.is_main):
+    if plots:
         _write_plot(result.run_dir)
     return result
 
 
-def _preload_plotting() -> None:
+def _preload_plotting() -> threading.Thread | None:
     """Import matplotlib on a background thread while the model trains (the ops of a training
     step release the GIL): the end-of-run plot then skips 0.3-0.5 s of imports. A failure here
     is ignored; the plot reports it itself."""
@@ -448,8 +455,11 @@ def _preload_plotting() -> None:
         except Exception:  # noqa: BLE001 - the plot at the end reports a broken matplotlib
             pass
 
-    if plot.matplotlib_available():
-        threading.Thread(target=run, name="speedtronic-plot-preload", daemon=True).start()
+    if not plot.matplotlib_available():
+        return None
+    thread = threading.Thread(target=run, name="speedtronic-plot-preload", daemon=True)
+    thread.start()
+    return thread
 
 
 def _write_plot(run_dir: Path) -> None:

@@ -78,3 +78,37 @@ def test_compile_setting_is_strict():
     assert load_config({}).compile == "auto"
     with pytest.raises(ConfigError, match="compile"):
         load_config({"compile": "yes"})
+
+
+def test_a_run_that_fails_leaves_no_plot_preload_thread_running(tmp_path, monkeypatch):
+    """The matplotlib preload runs on a daemon thread; one still importing C++ extensions when
+    the interpreter exits is aborted ("terminate called without an active exception", SIGABRT:
+    seen at the end of short torchrun jobs). train_from_config waits for it, also when the run
+    raises."""
+    import threading
+
+    from _engine_fixtures import FixedData, tiny_config
+
+    from speedtronic.train import plot, runtime
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow_preload() -> None:  # an import still running when the run ends
+        started.set()
+        release.wait(timeout=60)
+        sum(i * i for i in range(2_000_000))  # ~0.1 s of work left after the run raised
+
+    class FailAtFirstStep:
+        name = "fail"
+
+        def after_optimizer_step(self, trainer, step: int) -> None:
+            assert started.wait(timeout=60)  # the preload is under way
+            release.set()  # its last work starts now; only a join makes the caller wait
+            raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(plot, "matplotlib_available", lambda: True)
+    monkeypatch.setattr(plot, "preload", slow_preload)
+    cfg = tiny_config(tmp_path, checkpoint={"enabled": False})
+    with pytest.raises(RuntimeError, match="planted failure"):
+        runtime.train_from_config(cfg, data=FixedData(), callbacks=[FailAtFirstStep()])
+    assert not [t for t in threading.enumerate() if t.name == "speedtronic-plot-preload"]
