@@ -793,7 +793,7 @@ class DataParallelConfig:
     ``shard_muon``), every Muon pass (not only Newton-Schulz) runs on 1/world of the matrices,
     Muon momentum per rank drops to ~1/world, for one extra fp32 buffer of the Muon
     parameters. Supersedes ``shard_muon``; not combined with ``zero1``, ``fsdp``, fp16,
-    ``optimizer.cuda_graph``, torchft or hierarchical DiLoCo. speedtronic/distributed/
+    ``optimizer.cuda_graph`` or torchft. speedtronic/distributed/
     muon_owners.py has the details."""
     find_unused_parameters: bool = False
     """DDP's search for parameters a forward did not use (costs a graph walk per step; turn on

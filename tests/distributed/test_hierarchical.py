@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
@@ -22,7 +23,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _config(tmp: Path, name: str, node: str, shard: int) -> Path:
+def _config(tmp: Path, name: str, node: str, shard: int, owned: bool = False) -> Path:
     raw = {
         "run": {"name": name, "output_dir": str(tmp / "runs"), "max_steps": 16, "seed": 1,
                 "eval_every": 0, "eval_batches": 2, "device": "cpu", "num_threads": 1},
@@ -37,15 +38,20 @@ def _config(tmp: Path, name: str, node: str, shard: int) -> Path:
                         "expected_workers": 2, "reset_inner_optimizer": True,
                         "final_sync_timeout": 60, "start_timeout": 60,
                         "master_idle_timeout": 60},
-        "data_parallel": {"timeout_s": 300},
+        "data_parallel": {"timeout_s": 300, "reduce_scatter_muon": owned},
+        "optimizer": {"name": "muon" if owned else "adamw"},
     }
     path = tmp / f"{name}.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
 
 
-def test_a_torchrun_group_is_one_diloco_worker(tmp_path):
-    group_cfg = _config(tmp_path, "group", "g0", 0)
+@pytest.mark.parametrize("owned", [False, True], ids=["ddp", "reduce_scatter_muon"])
+def test_a_torchrun_group_is_one_diloco_worker(tmp_path, owned):
+    """Also with reduce_scatter_muon: the relayed resets clear each owner's momentum, the
+    broadcast weights are the gathered ones, and the checkpoint's momentum gather is joined
+    by every rank."""
+    group_cfg = _config(tmp_path, "group", "g0", 0, owned)
     single_cfg = _config(tmp_path, "single", "s1", 1)
     env = _env()
     master = subprocess.Popen([sys.executable, "-m", "speedtronic.diloco", "master", "--config",
@@ -75,8 +81,6 @@ def test_a_torchrun_group_is_one_diloco_worker(tmp_path):
 
 
 def test_what_a_worker_group_cannot_be_is_refused_before_it_starts():
-    import pytest
-
     from speedtronic.config import ConfigError, load_config
     from speedtronic.distributed.hierarchical import check_hierarchical
 
