@@ -820,9 +820,10 @@ class DataParallelConfig:
 @dataclass
 class TorchftConfig:
     """Fault-tolerant replica groups on torchft (``pip install 'speedtronic[ft]'``): each group
-    is one ``speedtronic train`` process; a torchft Lighthouse admits the groups alive at each
-    step (``ddp``) or round (``diloco``), a group that dies is dropped and one that (re)starts
-    is healed from a live peer over HTTP. docs/scaling.md#torchft has the commands."""
+    is one ``speedtronic train`` process or one torchrun job (DDP inside the group); a torchft
+    Lighthouse admits the groups alive at each step (``ddp``) or round (``diloco``), a group
+    that dies is dropped and one that (re)starts is healed from a live peer over HTTP.
+    docs/scaling.md#torchft has the commands."""
 
     mode: Literal["off", "ddp", "diloco"] = "off"
     """``ddp``: gradients averaged over the live groups every step, a step committed only when

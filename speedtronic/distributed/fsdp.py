@@ -62,9 +62,9 @@ def check_fsdp(cfg: SpeedtronicConfig) -> None:
                           "gradients when its backward ends, before the out-of-order scheduler "
                           "has computed the deferred weight gradients; set ooo_backprop: false")
     if cfg.torchft.mode != "off":
-        raise ConfigError(f"{key} with torchft.mode: {cfg.torchft.mode}: a torchft replica "
-                          "group is one process here, there is nothing to shard; set "
-                          "torchft.mode: off or data_parallel.fsdp: false")
+        raise ConfigError(f"{key} with torchft.mode: {cfg.torchft.mode}: FSDP2 inside a "
+                          "torchft replica group (HSDP) is not built (a group of torchrun "
+                          "ranks runs DDP); set torchft.mode: off or data_parallel.fsdp: false")
     if cfg.distributed.enabled:
         raise ConfigError(f"{key} with distributed.enabled: true (hierarchical DiLoCo): the "
                           "worker group's relay and outer step read and install whole "

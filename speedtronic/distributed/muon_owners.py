@@ -79,7 +79,7 @@ def check_reduce_scatter_muon(cfg: SpeedtronicConfig) -> None:
          "the loss scaler would check for overflow only in this rank's share of the Muon "
          "gradients, so ranks could disagree on skipping a step"),
         (cfg.torchft.mode != "off", f"torchft.mode: {cfg.torchft.mode}",
-         "each replica group is one process: nothing to shard"),
+         "the average across replica groups needs every rank's whole gradient"),
     ]
     for on, what, why in clash:
         if on:

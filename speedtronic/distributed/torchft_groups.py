@@ -1,6 +1,8 @@
 """Fault-tolerant replica groups on torchft: ``torchft.mode: ddp`` and ``torchft.mode: diloco``.
 
-A *replica group* is one ``speedtronic train`` process holding a full replica. A torchft
+A *replica group* is one ``speedtronic train`` process holding a full replica, or a torchrun
+job of W ranks (DDP inside the group; every rank runs a Manager, rank 0's talks to the
+Lighthouse, and rank r is paired with rank r of the other groups). A torchft
 Lighthouse (``torchft_lighthouse``, one per job) decides at each step which groups are alive
 (the *quorum*); every group runs a torchft ``Manager`` that joins the quorum, reconfigures the
 cross-group process group when it changes, and *heals* a group that is behind (restarted, or
@@ -77,6 +79,14 @@ def require_torchft() -> Any:
     return torchft
 
 
+def _all_gather() -> Any:
+    """torch 2.13 renamed ``all_gather_into_tensor`` (and warns on the old name); 2.11, the
+    H200's, only has the old one."""
+    import torch.distributed as dist
+
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 class _NoFlightRecorderNotice(logging.Filter):
     """Drops torchft's warning, at every quorum change, that it cannot reset NCCL's flight
     recorder: it says nothing about training (gloo has no flight recorder at all)."""
@@ -89,10 +99,15 @@ def check_supported(cfg: SpeedtronicConfig) -> None:
     """Refuse, before anything is built, what does not run correctly with torchft groups."""
     ft = cfg.torchft
     mode = f"torchft.mode: {ft.mode}"
-    if torchrun_world_size() > 1:
-        raise ConfigError(f"{mode} under torchrun (WORLD_SIZE={torchrun_world_size()}): a replica "
-                          "group of several ranks is not built yet; start each group as one "
-                          "process (speedtronic train), or use torchrun without torchft")
+    if torchrun_world_size() > 1:  # a replica group of several ranks (DDP inside it)
+        dp = cfg.data_parallel
+        for on, what, why in [
+                (dp.zero1, "data_parallel.zero1: true", "a healing peer's optimizer state "
+                 "would be gathered by one rank, outside the lock-step of the others"),
+                (dp.reduce_scatter_muon, "data_parallel.reduce_scatter_muon: true",
+                 "the average across groups needs every rank's whole gradient")]:
+            if on:
+                raise ConfigError(f"{mode} under torchrun with {what}: {why}; turn it off")
     if cfg.distributed.enabled:
         raise ConfigError(f"{mode} with distributed.enabled: true: torchft groups and "
                           "object-store DiLoCo are two ways to combine replicas; pick one "
@@ -144,10 +159,18 @@ class ReplicaGroups:
         """Groups in the last quorum."""
         timeout = datetime.timedelta(seconds=ft.timeout_s)
         host = ft.hostname or socket.gethostname()
-        # The Manager needs a TCPStore of its group; torchrun would host one, a lone process
-        # hosts its own (port 0: any free one). Other groups reach it at `host`.
-        self._store = torch.distributed.TCPStore(host, 0, is_master=True,
-                                                 wait_for_workers=False, timeout=timeout)
+        dp = trainer.dp
+        # The Manager needs a TCPStore of its group. Under torchrun the group's ranks share
+        # torchrun's (torchft keeps its keys under its own prefix); a lone process hosts its
+        # own (port 0: any free one). Other groups reach the Manager at `host`.
+        self._store: Any = None
+        if dp is None:
+            self._store = torch.distributed.TCPStore(host, 0, is_master=True,
+                                                     wait_for_workers=False, timeout=timeout)
+            self._store_at = (host, self._store.port)
+        else:
+            self._store_at = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+        self.group_rank, self.group_size = (0, 1) if dp is None else (dp.rank, dp.world_size)
         on_cuda = trainer.device.type == "cuda"
         pg = ProcessGroupNCCL(timeout=timeout) if on_cuda else ProcessGroupGloo(timeout=timeout)
         try:
@@ -171,9 +194,10 @@ class ReplicaGroups:
             self._diloco._step_post_hook = self._explained(self._diloco._step_post_hook)
             self._diloco.__enter__()  # hooks the optimizer's step (the wrapped hook above)
             self._round_start = self.manager.current_step()
-        logger.info("torchft: replica group %d of %d (%s), lighthouse %s, min_replica_size %d, "
-                    "%s", self.group, ft.replica_groups, ft.mode, ft.lighthouse,
-                    ft.min_replica_size, "gloo" if not on_cuda else "nccl")
+        logger.info("torchft: replica group %d of %d (%s), %d rank(s), lighthouse %s, "
+                    "min_replica_size %d, %s", self.group, ft.replica_groups, ft.mode,
+                    self.group_size, ft.lighthouse, ft.min_replica_size,
+                    "gloo" if not on_cuda else "nccl")
 
     def _no_quorum(self, exc: BaseException, what: str) -> SpeedtronicError:
         return SpeedtronicError(
@@ -206,8 +230,9 @@ class ReplicaGroups:
             # refuses otherwise) and asks for it only at a round's end.
             use_async_quorum=ft.mode == "ddp",
             timeout=timeout, quorum_timeout=datetime.timedelta(seconds=ft.quorum_timeout_s),
-            connect_timeout=timeout, rank=0, world_size=1, store_addr=host,
-            store_port=self._store.port, lighthouse_addr=ft.lighthouse,
+            connect_timeout=timeout, rank=self.group_rank, world_size=self.group_size,
+            store_addr=self._store_at[0], store_port=self._store_at[1],
+            lighthouse_addr=ft.lighthouse,
             replica_id=f"speedtronic_{self.group}", port=ft.manager_port, hostname=host,
             # every group builds the same initial weights from run.seed: no transfer at step 0
             init_sync=False)
@@ -249,7 +274,12 @@ class ReplicaGroups:
         One flat all-reduce per gradient dtype (a parameter without a gradient sends zeros, so
         every group sends the same buffers). A group being healed sends zeros too and torchft
         divides by the groups that count; it then loads its peer's state here, before the
-        update, and applies the same averaged gradient: it leaves the step bitwise equal."""
+        update, and applies the same averaged gradient: it leaves the step bitwise equal.
+
+        A group of W torchrun ranks holds one gradient, DDP's average, on every rank: rank r
+        averages only slice r of the flat buffer with rank r of the other groups (torchft pairs
+        equal group ranks), and an all-gather inside the group reassembles it. Across groups
+        each rank then sends 1/W of the gradient, not all of it W times over."""
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in params:
             if p.grad is None:
@@ -258,15 +288,22 @@ class ReplicaGroups:
         for dtype, group in by_dtype.items():
             grads = [p.grad for p in group]
             # one flat buffer per dtype, allocated once: the same size every step
-            flat = self._flat.get(dtype)
-            if flat is None:
-                flat = self._flat[dtype] = torch.empty(sum(g.numel() for g in grads),
-                                                       dtype=dtype, device=grads[0].device)
+            n = sum(g.numel() for g in grads)  # type: ignore[union-attr]
+            per = -(-n // self.group_size)  # slice per group rank (the last one padded)
+            padded = self._flat.get(dtype)
+            if padded is None:
+                padded = self._flat[dtype] = torch.zeros(per * self.group_size, dtype=dtype,
+                                                         device=grads[0].device)
+            flat = padded[:n]
             torch.cat([g.reshape(-1) for g in grads], out=flat)  # type: ignore[union-attr]
+            mine = padded if self.group_size == 1 else \
+                padded[self.group_rank * per:(self.group_rank + 1) * per].clone()
             try:  # waits for the quorum: a Lighthouse that never forms one raises here
-                self.manager.allreduce(flat).wait()
+                self.manager.allreduce(mine).wait()
             except Exception as exc:  # noqa: BLE001 - torchft raises plain exceptions
                 raise self._no_quorum(exc, f"step {self.trainer.step + 1}") from exc
+            if self.group_size > 1:  # every rank of the group gets every averaged slice
+                _all_gather()(padded, mine)
             sizes = [g.numel() for g in grads]  # type: ignore[union-attr]
             torch._foreach_copy_(grads, [f.view_as(g) for f, g in  # type: ignore[arg-type]
                                          zip(flat.split(sizes), grads, strict=True)])

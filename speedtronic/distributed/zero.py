@@ -23,7 +23,8 @@ What it buys and what it costs (W ranks, P parameters):
   rank keeps its share.
 
 Not combined with ``optimizer.cuda_graph`` (the broadcast is outside the captured step) or
-torchft replica groups (one process per group: nothing to shard).
+torchft replica groups (a healing peer's state would be gathered by one rank, outside the
+lock-step of the others: refused).
 """
 
 from __future__ import annotations

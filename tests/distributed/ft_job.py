@@ -7,7 +7,9 @@ given config, with the test's fault and pacing hooks.
 ``--wait-at N --gate FILE`` holds this group after step N until FILE exists (the test's
 condition for "the restarted group is up", not a timed pause); ``--announce FILE`` creates
 FILE once this group's torchft Manager is running (it heartbeats from then on);
-``--wait-start FILE`` holds the first step until FILE exists (both groups in the first quorum).
+``--wait-start FILE`` holds the first step until FILE exists (both groups in the first quorum);
+``--save-weights DIR`` writes this rank's final weights to DIR/rank{RANK}.pt (a torchrun group:
+every rank's, not only rank 0's checkpoint).
 """
 
 from __future__ import annotations
@@ -63,9 +65,25 @@ def main() -> None:
     p.add_argument("--gate")
     p.add_argument("--announce")
     p.add_argument("--wait-start")
+    p.add_argument("--save-weights")
     args = p.parse_args()
-    result = train_from_config(args.config, resume=args.resume, callbacks=[Faults(args)],
+    weights: dict = {}
+
+    class KeepWeights:  # the trainer's model, read at the end (train_from_config returns no model)
+        name = "keep_weights"
+
+        def on_train_end(self, trainer) -> None:
+            weights.update({k: v.clone() for k, v in trainer.model.state_dict().items()})
+
+    callbacks = [Faults(args)] + ([KeepWeights()] if args.save_weights else [])
+    result = train_from_config(args.config, resume=args.resume, callbacks=callbacks,
                                plot=False)
+    if args.save_weights:
+        import torch
+
+        out = Path(args.save_weights)
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(weights, out / f"rank{os.environ.get('RANK', '0')}.pt")
     print(f"done: steps={result.steps}")
 
 

@@ -97,13 +97,17 @@ def test_combinations_that_cannot_work_are_refused(tmp_path, over, message):
         check_supported(cfg)
 
 
-def test_a_torchrun_group_is_refused_until_built(tmp_path, monkeypatch):
+@pytest.mark.parametrize("over, message", [
+    ({"zero1": True}, "zero1.*healing peer"),
+    ({"reduce_scatter_muon": True}, "reduce_scatter_muon.*whole gradient")])
+def test_what_a_torchrun_replica_group_cannot_shard_is_refused(tmp_path, monkeypatch, over,
+                                                               message):
     from speedtronic.distributed.torchft_groups import check_supported
 
-    cfg = load_config(_write(tmp_path, _raw(tmp_path, "cfg", 0,
+    cfg = load_config(_write(tmp_path, _raw(tmp_path, "cfg", 0, data_parallel=over,
                                             torchft={"lighthouse": "http://h:1"})))
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match="one process"):
+    with pytest.raises(ConfigError, match=message):
         check_supported(cfg)
 
 
@@ -264,3 +268,106 @@ def test_a_quorum_that_never_forms_is_a_clear_error_in_both_modes(tmp_path, mode
     assert proc.returncode != 0, out[-3000:]
     assert "torchft: no quorum for" in out and "Traceback" not in out, out[-3000:]
     assert ("DiLoCo round" in out) == (mode == "diloco"), out[-3000:]
+
+
+def _torchrun(args: list[str], lh: Lighthouse) -> subprocess.Popen:
+    """A replica group of 2 torchrun ranks running ``args`` (a script or ``-m module``)."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                             "--nproc-per-node=2", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=_env(lh), cwd=ROOT)
+
+
+def _every_rank(tmp: Path, dirs: tuple[str, ...]) -> list[dict[str, torch.Tensor]]:
+    """Final weights ft_job.py --save-weights wrote for each rank of each group."""
+    return [torch.load(tmp / d / f"rank{r}.pt", weights_only=True) for d in dirs
+            for r in (0, 1)]
+
+
+def test_replica_groups_of_two_torchrun_ranks_train_what_four_ddp_ranks_train(tmp_path):
+    """Two groups of 2 torchrun ranks each (DDP inside a group, torchft across, each rank
+    averaging its half of the gradient with its peer rank): the groups end bitwise equal, on
+    the weights of one 4-rank DDP job over the same samples (group g's rank r reads shard
+    g + 2 r of 4, what DDP's rank g + 2 r reads)."""
+    steps = {"run": {"max_steps": 6, "eval_every": 3}, "checkpoint": {"every_steps": 3}}
+    lighthouse = Lighthouse(min_replicas=2)
+    try:
+        procs = [_torchrun([str(HERE / "ft_job.py"),
+                            str(_write(tmp_path, _raw(tmp_path, "hsdp", g, **steps))),
+                            "--save-weights", str(tmp_path / f"w{g}")], lighthouse)
+                 for g in (0, 1)]
+        for proc in procs:
+            _finish(proc)
+    finally:
+        lighthouse.close()
+    ref = _raw(tmp_path, "ddp4", 0, data={"target_batch_size": 16}, **steps)
+    ref["torchft"] = {"mode": "off"}
+    ref_path = tmp_path / "ddp4.yaml"
+    ref_path.write_text(yaml.safe_dump(ref))
+    plain = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node=4", "-m", "speedtronic", "train", "--config",
+                            str(ref_path)], capture_output=True, text=True, cwd=ROOT,
+                           env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
+                           timeout=300)
+    assert plain.returncode == 0, plain.stdout[-2000:] + plain.stderr[-2000:]
+    w0 = _final_weights(_run_dir(tmp_path, "hsdp", 0))
+    ranks = _every_rank(tmp_path, ("w0", "w1"))
+    expected = _final_weights(tmp_path / "runs" / "ddp4")
+    for key in w0:
+        assert all(torch.equal(w[key], w0[key]) for w in ranks), key  # 4 ranks, 2 groups
+        torch.testing.assert_close(w0[key], expected[key], rtol=0, atol=2e-5, msg=key)
+    assert [r["loss"] for r in _rows(_run_dir(tmp_path, "hsdp", 0), "train_step")] != \
+        [r["loss"] for r in _rows(_run_dir(tmp_path, "hsdp", 1), "train_step")]
+
+
+def test_a_killed_torchrun_group_is_survived_and_its_restart_heals_rank_by_rank(
+        tmp_path, lighthouse):
+    """Groups of 2 torchrun ranks under ddp: both ranks of group 1 die (SIGKILL) after step 6,
+    torchrun ends that group, group 0 trains on alone; group 1 restarted from its checkpoint
+    heals each rank from the same rank of group 0 and ends bitwise equal to it."""
+    over = {"run": {"max_steps": 24}}
+    cfgs = [_write(tmp_path, _raw(tmp_path, "heal-group", g, **over)) for g in (0, 1)]
+    gate, up = tmp_path / "restarted", tmp_path / "doomed-up"
+    job = str(HERE / "ft_job.py")
+    survivor = _torchrun([job, str(cfgs[0]), "--wait-start", str(up), "--wait-at", "16",
+                          "--gate", str(gate), "--save-weights", str(tmp_path / "w0")],
+                         lighthouse)
+    doomed = _torchrun([job, str(cfgs[1]), "--announce", str(up), "--die-at", "6"],
+                       lighthouse)
+    out, _ = doomed.communicate(timeout=240)
+    assert doomed.returncode != 0, out[-3000:]  # torchrun reports its killed ranks
+    restarted = _torchrun([job, str(cfgs[1]), "--resume", "--announce", str(gate),
+                           "--save-weights", str(tmp_path / "w1")], lighthouse)
+    _finish(survivor)
+    out1 = _finish(restarted)
+    g0, g1 = _run_dir(tmp_path, "heal-group", 0), _run_dir(tmp_path, "heal-group", 1)
+    assert [r["step"] for r in _rows(g0, "train_step")][-1] == 24
+    heals = _rows(g1, "torchft_heal")  # rank 0's record (the other rank writes no metrics)
+    assert heals and heals[-1]["step"] >= 16, out1[-3000:]
+    assert _rows(g1, "train_start")[-1]["step"] == 4  # its last checkpoint before the kill
+    w0 = _final_weights(g0)
+    for key in w0:  # every rank of both groups: each rank healed from its peer rank
+        assert all(torch.equal(w[key], w0[key]) for w in _every_rank(tmp_path, ("w0", "w1"))), key
+
+
+def test_torchrun_groups_under_torchft_diloco_end_on_one_global(tmp_path):
+    """torchft.mode: diloco with groups of 2 torchrun ranks: inner steps under DDP inside each
+    group, the outer step on torchft's group rank by rank; after the last round all 4 ranks
+    hold one model, and it learned."""
+    over = {"run": {"max_steps": 8, "eval_every": 4},
+            "torchft": {"mode": "diloco", "inner_steps": 4}}
+    lighthouse = Lighthouse(min_replicas=2)
+    try:
+        procs = [_torchrun([str(HERE / "ft_job.py"),
+                            str(_write(tmp_path, _raw(tmp_path, "hdiloco", g, **over))),
+                            "--save-weights", str(tmp_path / f"w{g}")], lighthouse)
+                 for g in (0, 1)]
+        for proc in procs:
+            _finish(proc)
+    finally:
+        lighthouse.close()
+    ranks = _every_rank(tmp_path, ("w0", "w1"))
+    for key in ranks[0]:
+        assert all(torch.equal(w[key], ranks[0][key]) for w in ranks), key
+    evals = [r["eval_loss"] for r in _rows(_run_dir(tmp_path, "hdiloco", 0), "eval")]
+    assert evals == [r["eval_loss"] for r in _rows(_run_dir(tmp_path, "hdiloco", 1), "eval")]
+    assert len(evals) == 3 and evals[-1] < evals[0]
