@@ -118,8 +118,8 @@ def test_what_fsdp_cannot_run_is_refused(tmp_path, over, message):
 
 
 def test_fsdp_with_torchft_is_refused_in_one_process(tmp_path):
-    """A torchft replica group is one process (no torchrun): data_parallel.fsdp is refused
-    there too rather than silently ignored."""
+    """A torchft replica group of one process (no torchrun): data_parallel.fsdp is refused
+    there too rather than silently ignored (FSDP2 inside a replica group is not built)."""
     cfg = engine_config(tmp_path, "ft", data_parallel={"fsdp": True},
                         torchft={"mode": "ddp", "lighthouse": "http://127.0.0.1:9",
                                  "replica_group": 0})

@@ -28,10 +28,12 @@ from .test_torchrun import _final_weights, _ok, _rows, engine_config, torchrun  
 
 STEPS = 4
 MICRO = 2  # micro-batches per step from step 1 on (step 0 has one: see _first_launch)
-VARIANTS = {"plain": ({}, 25.0),
+VARIANTS = {"plain": ({}, 25.0, True),
             # a 2 KB bucket cap: several buckets per shape, shares rotated across them
             "muon_plus cautious, small buckets": ({"muon_plus": True, "cautious": True},
-                                                  0.002)}
+                                                  0.002, True),
+            # gloo's default: an all-reduce of each bucket, this rank's chunk kept
+            "plain, gloo all-reduce": ({}, 0.002, False)}
 
 
 def _model() -> nn.Module:
@@ -163,8 +165,13 @@ def _rank(rank: int, world: int, init_file: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
     try:
-        torch.save({name: _run(kw, cap) for name, (kw, cap) in VARIANTS.items()},
-                   f"{out}.{rank}")
+        from speedtronic.distributed import muon_owners
+
+        results = {}
+        for name, (kw, cap, reduce_scatter) in VARIANTS.items():
+            muon_owners.GLOO_REDUCE_SCATTER = reduce_scatter
+            results[name] = _run(kw, cap)
+        torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
@@ -213,6 +220,9 @@ def test_owned_matrices_step_like_the_replicated_step_with_ddps_bytes(tmp_path, 
         f = (world - 1) / world
         for res in results:
             sent = res["sent"]
+            if not VARIANTS[name][2]:  # the all-reduce stand-in: no reduce-scatter at all
+                assert sent["reduce_scatter"] == 0 and sent["all_gather"] > 0
+                continue
             assert sent["reduce_scatter"] == sent["all_gather"]
             padded = res["muon_numel"] + sum(res["slot_numel"])
             assert sent["reduce_scatter"] == STEPS * 4 * padded
@@ -274,3 +284,70 @@ def test_the_engine_under_torchrun_trains_what_ddp_trains_and_resumes_bitwise(tm
     for k in wp:
         torch.testing.assert_close(_final_weights(runs / "off")[k], wp[k], rtol=0, atol=1e-6,
                                    msg=k)
+
+
+class _SkipOnRank1(nn.Module):
+    """Four square Muon matrices; ``skip`` (bias-free: DDP has nothing of it to wait for) is
+    used by rank 0 only, so its gradient hook never fires on rank 1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = (nn.Linear(16, 16) for _ in range(3))
+        self.skip = nn.Linear(16, 16, bias=False)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if dist.get_rank() == 0:
+            h = h + torch.tanh(self.skip(h))
+        return self.out(torch.tanh(self.c(torch.tanh(self.b(h)))))
+
+
+def _uneven_rank(rank: int, world: int, init_file: str, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from speedtronic.config import OptimizerConfig
+    from speedtronic.distributed import muon_owners
+    from speedtronic.optim import build_optimizer
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    muon_owners.GLOO_REDUCE_SCATTER = True
+    try:
+        finals = []
+        for owner in (False, True):
+            model = _SkipOnRank1()
+            opt = build_optimizer(model, OptimizerConfig(name="muon", lr=1e-2))
+            if owner:  # 2 KB buckets: two squares each, the one holding `skip` due first
+                opt = muon_owners.owner_sharded_optimizer(opt, bucket_cap_mb=0.002)
+                DDP._set_params_and_buffers_to_ignore_for_model(
+                    model, opt.ddp_ignored_names(model, opt))
+            ddp = DDP(model, find_unused_parameters=not owner)
+            if owner:
+                opt.attach(ddp)
+            for step in range(3):
+                x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step + 10 * rank))
+                ddp(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            finals.append([p.detach().clone() for p in model.parameters()])
+        torch.save(finals, f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")
+def test_a_matrix_unused_on_one_rank_delays_its_buckets_instead_of_misordering_them(tmp_path):
+    """Buckets start in one plan order on every rank: rank 1, whose hook for `skip` never
+    fires, starts nothing until the step, and its collectives still pair with rank 0's (out of
+    order, same-sized buckets would have been summed with the wrong partner, silently). The
+    result is DDP's with find_unused_parameters (the unused gradient counts as zero)."""
+    out = str(tmp_path / "uneven")
+    mp.spawn(_uneven_rank, args=(2, str(tmp_path / "init"), out), nprocs=2, join=True)
+    ranks = [torch.load(f"{out}.{r}", weights_only=True) for r in range(2)]
+    for replicated, owned in zip(ranks[0][0], ranks[0][1], strict=True):
+        assert torch.equal(replicated, owned)
+    for a, b in zip(ranks[0][1], ranks[1][1], strict=True):
+        assert torch.equal(a, b)
