@@ -22,7 +22,10 @@ Overlap: the reduce-scatter of a bucket (matrices of one shape, in the order bac
 them, at most ``bucket_cap_mb``) starts from a post-accumulate-grad hook as soon as its last
 gradient lands in the step's last micro-batch (DDP's ``require_backward_grad_sync`` says which
 one that is), so it runs behind the rest of the backward as DDP's bucketed all-reduce does.
-The collectives use a group of their own, so their order cannot interleave with DDP's.
+The collectives use a group of their own, so their order cannot interleave with DDP's, and
+buckets start in one plan order on every rank (a matrix unused on one rank delays the buckets
+after it there, instead of misordering them). On gloo a bucket is all-reduced instead of
+reduce-scattered (:data:`GLOO_REDUCE_SCATTER` has the measurement).
 
 Ownership: tall matrices are packed transposed beside the wide ones of the same shape (GPT-2
 small: 48 x 768^2 and 24 x 768 x 3072, no padding at W = 8), each bucket is cut into W
@@ -65,10 +68,10 @@ logger = logging.getLogger("speedtronic.distributed")
 
 GLOO_REDUCE_SCATTER = False
 """On gloo, all-reduce each bucket and keep this rank's chunk instead of a reduce-scatter:
-gloo's reduce-scatter of 19 MB took 21.8 ms against 11.8 ms for its all-reduce of the same
-buffer (2 ranks, 1 thread each, the 2-vCPU box), so on loopback the extra bytes are cheaper
-than gloo's reduce-scatter. NCCL always reduce-scatters. Tests set this to exercise the
-reduce-scatter path on CPU."""
+gloo's reduce-scatter of 18.9 MB took 21.1-21.6 ms against 12.7 ms for its all-reduce of the
+same buffer (2 ranks, 1 thread each, benchmarks/results/gloo_collectives_cpu.md), so on
+loopback the extra bytes are cheaper than gloo's reduce-scatter. NCCL always reduce-scatters.
+Tests set this to exercise the reduce-scatter path on CPU."""
 
 
 def check_reduce_scatter_muon(cfg: SpeedtronicConfig) -> None:
