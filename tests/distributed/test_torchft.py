@@ -283,22 +283,28 @@ def _every_rank(tmp: Path, dirs: tuple[str, ...]) -> list[dict[str, torch.Tensor
             for r in (0, 1)]
 
 
+def _two_torchrun_groups(tmp: Path, name: str, over: dict) -> None:
+    """Groups 0 and 1 of `name`, 2 torchrun ranks each, started together to the end; every
+    rank's final weights in tmp/w<group>/rank<r>.pt."""
+    lighthouse = Lighthouse(min_replicas=2)
+    try:
+        procs = [_torchrun([str(HERE / "ft_job.py"),
+                            str(_write(tmp, _raw(tmp, name, g, **over))),
+                            "--save-weights", str(tmp / f"w{g}")], lighthouse)
+                 for g in (0, 1)]
+        for proc in procs:
+            _finish(proc)
+    finally:
+        lighthouse.close()
+
+
 def test_replica_groups_of_two_torchrun_ranks_train_what_four_ddp_ranks_train(tmp_path):
     """Two groups of 2 torchrun ranks each (DDP inside a group, torchft across, each rank
     averaging its half of the gradient with its peer rank): the groups end bitwise equal, on
     the weights of one 4-rank DDP job over the same samples (group g's rank r reads shard
     g + 2 r of 4, what DDP's rank g + 2 r reads)."""
     steps = {"run": {"max_steps": 6, "eval_every": 3}, "checkpoint": {"every_steps": 3}}
-    lighthouse = Lighthouse(min_replicas=2)
-    try:
-        procs = [_torchrun([str(HERE / "ft_job.py"),
-                            str(_write(tmp_path, _raw(tmp_path, "hsdp", g, **steps))),
-                            "--save-weights", str(tmp_path / f"w{g}")], lighthouse)
-                 for g in (0, 1)]
-        for proc in procs:
-            _finish(proc)
-    finally:
-        lighthouse.close()
+    _two_torchrun_groups(tmp_path, "hsdp", steps)
     ref = _raw(tmp_path, "ddp4", 0, data={"target_batch_size": 16}, **steps)
     ref["torchft"] = {"mode": "off"}
     ref_path = tmp_path / "ddp4.yaml"
@@ -355,16 +361,7 @@ def test_torchrun_groups_under_torchft_diloco_end_on_one_global(tmp_path):
     hold one model, and it learned."""
     over = {"run": {"max_steps": 8, "eval_every": 4},
             "torchft": {"mode": "diloco", "inner_steps": 4}}
-    lighthouse = Lighthouse(min_replicas=2)
-    try:
-        procs = [_torchrun([str(HERE / "ft_job.py"),
-                            str(_write(tmp_path, _raw(tmp_path, "hdiloco", g, **over))),
-                            "--save-weights", str(tmp_path / f"w{g}")], lighthouse)
-                 for g in (0, 1)]
-        for proc in procs:
-            _finish(proc)
-    finally:
-        lighthouse.close()
+    _two_torchrun_groups(tmp_path, "hdiloco", over)
     ranks = _every_rank(tmp_path, ("w0", "w1"))
     for key in ranks[0]:
         assert all(torch.equal(w[key], ranks[0][key]) for w in ranks), key
