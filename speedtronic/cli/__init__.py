@@ -382,6 +382,11 @@ def console_main() -> None:
         sys.path.append(os.getcwd())
     code = main()
     gc.freeze()
+    if os.environ.get("WORLD_SIZE", "1").strip() not in ("", "0", "1"):
+        # a torchrun rank (its process group is destroyed by now): see exit_after_distributed
+        from ..distributed.process_group import exit_after_distributed
+
+        exit_after_distributed(code)
     sys.exit(code)
 
 

@@ -103,7 +103,7 @@ def check_reduce_scatter_muon(cfg: SpeedtronicConfig) -> None:
 class _Bucket:
     """Matrices of one packed shape whose gradients travel in one reduce-scatter."""
 
-    params: list[Tensor]        # slot order: share s is slots [s * per, (s + 1) * per)
+    params: list[Tensor]        # by owning rank: rank r's fill slots [r * per, (r + 1) * per)
     transposed: list[bool]      # packed as p.mT (a tall matrix beside the wide ones)
     owner: list[int]            # rank that owns each param
     per: int                    # slots per rank
@@ -167,7 +167,6 @@ class OwnerShardedHybrid(HybridOptimizer):
         self._next = 0  # buckets start in plan order: every rank issues them alike
         self._gather_whole = dist.get_backend(self.comm) == "gloo" and not GLOO_REDUCE_SCATTER
         self.owned = [b.params[i] for b in self.buckets for i in b.mine]
-        self._owned_ids = {id(p) for p in self.owned}
         self.others = [p for b in self.buckets for i, p in enumerate(b.params)
                        if i not in b.mine]
         self._adamw = [p for g in self.param_groups if g["kind"] == "adamw" for p in g["params"]]
@@ -192,7 +191,7 @@ class OwnerShardedHybrid(HybridOptimizer):
         for key in order:
             items = runs[key]
             packed = key[0]
-            per_matrix = math.prod(packed) * 4
+            per_matrix = math.prod(packed) * torch.empty((), dtype=key[1]).element_size()
             size = max(self.world, cap_bytes // max(1, per_matrix) // self.world * self.world)
             for start in range(0, len(items), size):
                 chunk = items[start:start + size]

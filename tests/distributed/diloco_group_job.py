@@ -28,6 +28,9 @@ def main(config: str, out: Path) -> None:
                out / f"rank{os.environ.get('RANK', '0')}.pt")
     if trainer.dp is not None:
         trainer.dp.close()
+        from speedtronic.distributed.process_group import exit_after_distributed
+
+        exit_after_distributed(0)  # a gloo rank can abort in finalization: see its docstring
 
 
 if __name__ == "__main__":

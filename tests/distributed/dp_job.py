@@ -97,6 +97,9 @@ def main(out: Path) -> None:
                out / f"weights_rank{rank}.pt")
     if trainer.dp is not None:
         trainer.dp.close()
+        from speedtronic.distributed.process_group import exit_after_distributed
+
+        exit_after_distributed(0)  # a gloo rank can abort in finalization: see its docstring
 
 
 if __name__ == "__main__":

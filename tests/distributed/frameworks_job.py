@@ -83,3 +83,10 @@ if __name__ == "__main__":
     out.mkdir(parents=True, exist_ok=True)
     torch.save({k: v.detach().clone() for k, v in net.state_dict().items()},
                out / f"{which}_rank{rank}.pt")
+    import torch.distributed as dist
+
+    from speedtronic.distributed.process_group import exit_after_distributed
+
+    if dist.is_initialized():  # accelerate leaves its process group to the interpreter's exit
+        dist.destroy_process_group()
+    exit_after_distributed(0)  # a gloo rank can abort in finalization: see its docstring

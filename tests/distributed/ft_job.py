@@ -85,6 +85,9 @@ def main() -> None:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(weights, out / f"rank{os.environ.get('RANK', '0')}.pt")
     print(f"done: steps={result.steps}")
+    from speedtronic.distributed.process_group import exit_after_distributed
+
+    exit_after_distributed(0)  # torchft's and torchrun's gloo groups: see its docstring
 
 
 if __name__ == "__main__":

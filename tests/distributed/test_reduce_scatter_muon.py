@@ -174,6 +174,9 @@ def _rank(rank: int, world: int, init_file: str, out: str) -> None:
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+    from speedtronic.distributed.process_group import exit_after_distributed
+
+    exit_after_distributed(0)  # only after success: a gloo rank can abort in finalization
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")
@@ -336,6 +339,9 @@ def _uneven_rank(rank: int, world: int, init_file: str, out: str) -> None:
         torch.save(finals, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+    from speedtronic.distributed.process_group import exit_after_distributed
+
+    exit_after_distributed(0)  # only after success: a gloo rank can abort in finalization
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")

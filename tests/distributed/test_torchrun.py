@@ -269,3 +269,19 @@ def test_two_nodes_rendezvous_like_torchrun_multi_node_and_only_global_rank0_wri
     wa, wb = _final_weights(nodes_dir), _final_weights(one_dir)
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=2e-5, msg=k)
+
+
+def test_a_rank_ends_without_finalization_but_with_its_output_and_exit_code():
+    """exit_after_distributed: buffered stdout and log records still reach the pipe, and the
+    code is the process's exit status (torchrun reads it)."""
+    code = ("import logging, sys\n"
+            "from speedtronic.distributed.process_group import exit_after_distributed\n"
+            "logging.basicConfig(stream=sys.stderr)\n"
+            "print('written before exit')\n"
+            "logging.getLogger('x').warning('logged before exit')\n"
+            "exit_after_distributed(3)\n"
+            "print('never')\n")
+    proc = one_process(["-c", code])
+    assert proc.returncode == 3
+    assert proc.stdout == "written before exit\n"
+    assert "logged before exit" in proc.stderr

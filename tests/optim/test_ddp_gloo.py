@@ -56,6 +56,9 @@ def _rank(rank: int, init_file: str, out: str) -> None:
         torch.save(_train(ddp, rank), f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+    from speedtronic.distributed.process_group import exit_after_distributed
+
+    exit_after_distributed(0)  # only after success: a gloo rank can abort in finalization
 
 
 @pytest.mark.skipif(not dist.is_available() or sys.platform == "win32",

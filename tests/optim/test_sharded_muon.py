@@ -120,6 +120,9 @@ def _rank(rank: int, world: int, init_file: str, out: str) -> None:
         torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+    from speedtronic.distributed.process_group import exit_after_distributed
+
+    exit_after_distributed(0)  # only after success: a gloo rank can abort in finalization
 
 
 def _share(b: int, world: int, rank: int) -> int:
@@ -242,6 +245,9 @@ def _fsdp_rank(rank: int, world: int, init_file: str, out: str) -> None:
                    f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+    from speedtronic.distributed.process_group import exit_after_distributed
+
+    exit_after_distributed(0)  # only after success: a gloo rank can abort in finalization
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")
@@ -314,6 +320,9 @@ def _fsdp_resume_rank(rank: int, world: int, init_file: str, out: str) -> None:
                                  for st in opt_b.state.values()}}, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
+    from speedtronic.distributed.process_group import exit_after_distributed
+
+    exit_after_distributed(0)  # only after success: a gloo rank can abort in finalization
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="gloo file rendezvous")
