@@ -91,7 +91,8 @@ def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carr
               master_ratio: float, worker_ratio: float, timing_seed: int,
               push_pull: float = 0.0, horizon: float | None = None,
               adaptive: bool = False, lookahead: float = 0.0, rebase: bool = False,
-              outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM)) -> dict:
+              outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM),
+              method: str = "delayed_nesterov") -> dict:
     """One asynchronous run on the simulated clock; ``horizon`` (time units) stops every worker
     there (equal wall-clock), else each trains ``steps`` inner steps (equal tokens)."""
     rng = random.Random(timing_seed)
@@ -102,7 +103,7 @@ def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carr
         nodes, master, workers = _setup(cfg, Path(tmp), M, limits, consistent_base=carry,
                                         adaptive_inner_steps=adaptive,
                                         carry_lookahead=lookahead, outer=tuple(outer),
-                                        rebase_within_round=rebase)
+                                        rebase_within_round=rebase, outer_optimizer=method)
         now = [0.0]
         master._clock = lambda: now[0]
         for w in workers:
@@ -254,6 +255,10 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
         "consistent base + lookahead 0.25 + rebase, master poll 1 round": {
             "carry": True, "master_ratio": 1.0, "worker_ratio": 0.25, "lookahead": 0.25,
             "rebase": True},
+        # eager Nesterov (outer.py): each arrival's own Nesterov share applied at once
+        **{f"consistent base + lookahead 0.25 + rebase + eager Nesterov, master poll {r} "
+           "round": {"carry": True, "master_ratio": r, "worker_ratio": 0.25, "lookahead": 0.25,
+                     "rebase": True, "method": "eager_nesterov"} for r in (0.05, 0.25, 1)},
         "consistent base + rebase, master poll 0.05 round": {
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "rebase": True},
         "no carry, master poll 0.05 round": {"carry": False, "master_ratio": 0.05,
@@ -272,6 +277,10 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
         variants[f"consistent base + lookahead 0.25 + rebase, master poll 0.05 round, outer "
                  f"{lr}/{mu}"] = {"carry": True, "master_ratio": 0.05, "worker_ratio": 0.25,
                                   "lookahead": 0.25, "rebase": True, "outer": (lr, mu)}
+        variants[f"consistent base + lookahead 0.25 + rebase + eager Nesterov, master poll "
+                 f"0.05 round, outer {lr}/{mu}"] = {
+            "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25,
+            "rebase": True, "outer": (lr, mu), "method": "eager_nesterov"}
     for name, kw in variants.items():
         for seed in timing_seeds:
             rows[f"{name} | t{seed}"] = ("async", {"M": M, "steps": steps,
@@ -304,6 +313,12 @@ def plan_uneven(steps: int, timing_seeds: list[int]) -> dict:
             "async", {"M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed,
                       "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25,
                       "horizon": horizon, "adaptive": True, "lookahead": 0.25, "rebase": True})
+        rows[f"uneven: consistent base + adaptive H + lookahead 0.25 + rebase + eager Nesterov "
+             f"| t{seed}"] = ("async", {
+                 "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed, "carry": True,
+                 "master_ratio": 0.05, "worker_ratio": 0.25, "horizon": horizon,
+                 "adaptive": True, "lookahead": 0.25, "rebase": True,
+                 "method": "eager_nesterov"})
         rows[f"uneven: async as shipped | t{seed}"] = ("async", {
             "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed, "carry": False,
             "master_ratio": 1.0, "worker_ratio": 1.0, "horizon": horizon})
