@@ -5,8 +5,10 @@ schedule; here the same config runs the way users run it (``speedtronic train`` 
 ``python -m speedtronic.diloco master``), with real threads, polling and staleness. Rows (eval
 cross-entropy of the final global, nats/byte, 20 held-out batches of 16 x 64 bytes):
 
-* DiLoCo, M workers, H inner steps, outer delayed Nesterov 0.5/0.5, no inner reset, one row per
+* DiLoCo, M workers, H inner steps, outer 0.5/0.5, no inner reset, one row per
   ``--polls`` value (every node's poll_interval; a round of H steps takes about 1 s here)
+* with ``--methods a,b``, one row per ``distributed.outer_optimizer`` value for each poll
+  (interleaved like the repeats), else the config default
 * optionally the same rows with the code at ``--before DIR`` (a checkout put first on
   PYTHONPATH), to compare two versions side by side in one run; ``--repeats N`` interleaves
   N runs of every setting (poll x version) and reports each setting's median and range
@@ -14,7 +16,8 @@ cross-entropy of the final global, nats/byte, 20 held-out batches of 16 x 64 byt
 * one node with an M x batch (the equal-compute data-parallel reference)
 
     OMP_NUM_THREADS=1 python benchmarks/bench_diloco_processes.py [--steps 1200] [--workers 3]
-        [--polls 1,3] [--before /path/to/old/checkout] [--out benchmarks/results]
+        [--polls 1,3] [--methods delayed_nesterov,eager_nesterov] [--before /old/checkout]
+        [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -111,7 +114,8 @@ def report(meta: dict, rows: dict, repeats: int) -> list[str]:
              f"`{meta['command']}` (OMP_NUM_THREADS=1), torch {meta['torch']}, Python "
              f"{meta['python']}, {meta['cores']} cores ({meta['cpu_flags']}), fp32 on CPU. "
              f"{meta['workers']} workers x {meta['steps']} steps, H={meta['inner_steps']} (a "
-             "round takes about 1 s), outer delayed Nesterov 0.5/0.5, no inner reset; eval = "
+             "round takes about 1 s), outer 0.5/0.5 (the method a row names, else the config "
+             "default), no inner reset; eval = "
              "the final global's eval loss (nats/byte; the highest of the workers' final "
              "evals).", "",
              "| run | repeat | eval loss | versions | wall s |", "|---|---|---:|---:|---:|"]
@@ -139,6 +143,8 @@ def main() -> None:
     ap.add_argument("--inner-steps", type=int, default=20)
     ap.add_argument("--polls", default="1,3", help="poll_interval values (s), one row each")
     ap.add_argument("--before", default="", help="an older checkout for a side-by-side row")
+    ap.add_argument("--methods", default="", help="outer_optimizer values, one row each "
+                    "(default: the config default)")
     ap.add_argument("--no-baselines", action="store_true", help="DiLoCo rows only")
     ap.add_argument("--repeats", type=int, default=1, help="interleaved runs per setting")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -151,17 +157,23 @@ def main() -> None:
         if args.before:
             versions.append((f", {Path(args.before).name}", args.before))
         polls = [float(p) for p in args.polls.split(",")]
+        methods = [m for m in args.methods.split(",") if m] or [None]
         for repeat in range(args.repeats):
             for poll in polls:
-                for tag, pythonpath in versions:
-                    name = f"DiLoCo, poll {poll:g} s{tag}"
-                    if args.repeats > 1:
-                        name += f" | r{repeat}"
-                    tmp = base / f"run{len(rows)}"
-                    tmp.mkdir()
-                    cfg = make_config(tmp, args.steps, args.workers, args.inner_steps, poll)
-                    rows[name] = run_diloco(cfg, tmp, args.workers, pythonpath)
-                    print(name, rows[name], flush=True)
+                for method in methods:
+                    for tag, pythonpath in versions:
+                        name = f"DiLoCo, poll {poll:g} s{tag}"
+                        if method is not None:
+                            name += f", {method}"
+                        if args.repeats > 1:
+                            name += f" | r{repeat}"
+                        tmp = base / f"run{len(rows)}"
+                        tmp.mkdir()
+                        cfg = make_config(tmp, args.steps, args.workers, args.inner_steps, poll)
+                        if method is not None:
+                            cfg["distributed"]["outer_optimizer"] = method
+                        rows[name] = run_diloco(cfg, tmp, args.workers, pythonpath)
+                        print(name, rows[name], flush=True)
         if not args.no_baselines:
             cfg = make_config(base, args.steps, args.workers, args.inner_steps, polls[0])
             rows["one node alone"] = run_single(cfg, base, 16)

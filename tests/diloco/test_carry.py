@@ -26,7 +26,8 @@ H = 3
 
 @pytest.mark.parametrize("method,lr,mu", [("delayed_nesterov", 0.5, 0.5),
                                           ("delayed_nesterov", 0.7, 0.9), ("sgd", 1.0, 0.0),
-                                          ("nesterov", 0.5, 0.5)])
+                                          ("nesterov", 0.5, 0.5), ("eager_nesterov", 0.5, 0.5),
+                                          ("eager_nesterov", 0.7, 0.9)])
 def test_carry_weight_is_the_total_weight_the_outer_step_gives_one_delta(method, lr, mu):
     """One delta d among M=2 arrivals, then only empty rounds: the global ends up moved by
     -c * d, c = lr / (M (1 - mu)) (lr / M without momentum)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -34,16 +35,41 @@ def test_nesterov_matches_torch_sgd():
         torch.testing.assert_close(theta["w"], ref.detach(), rtol=0, atol=1e-6, msg=f"step {i}")
 
 
-def test_delayed_nesterov_equals_nesterov_when_a_round_arrives_together():
+@pytest.mark.parametrize("method", ["delayed_nesterov", "eager_nesterov"])
+def test_round_methods_equal_nesterov_when_a_round_arrives_together(method):
     torch.manual_seed(1)
     a = {"w": torch.randn(6)}
     b = {"w": a["w"].clone()}
-    dn, nest = OuterOptimizer("delayed_nesterov", 0.7, 0.9), OuterOptimizer("nesterov", 0.7, 0.9)
+    dn, nest = OuterOptimizer(method, 0.7, 0.9), OuterOptimizer("nesterov", 0.7, 0.9)
     for _ in range(4):
         ds = [({"w": torch.randn(6)}, 1.0) for _ in range(3)]
         dn.step(a, ds, workers=3)
         nest.step(b, ds)
         torch.testing.assert_close(a["w"], b["w"])
+
+
+def test_eager_nesterov_applies_each_arrival_share_at_once_and_the_round_total_at_its_close():
+    """Deltas arriving one per poll (M=3, 4 rounds): mid-round, eager Nesterov is ahead of
+    delayed Nesterov by exactly ``lr * mu * (sum of the round's arrivals so far) / M`` (the
+    share delayed Nesterov holds back until the round's last arrival); at every round's close
+    the two are equal again."""
+    torch.manual_seed(2)
+    lr, mu, M = 0.5, 0.6, 3
+    eager_w = {"w": torch.randn(5)}
+    delayed_w = {"w": eager_w["w"].clone()}
+    eager, delayed = OuterOptimizer("eager_nesterov", lr, mu), OuterOptimizer(
+        "delayed_nesterov", lr, mu)
+    for _ in range(4):
+        arrived = torch.zeros(5)
+        for j in range(M):
+            d = {"w": torch.randn(5)}
+            arrived += d["w"]
+            eager.step(eager_w, [(d, 1.0)], workers=M)
+            delayed.step(delayed_w, [(d, 1.0)], workers=M)
+            gap = delayed_w["w"] - eager_w["w"]
+            expected = lr * mu * arrived / M if j < M - 1 else torch.zeros(5)
+            torch.testing.assert_close(gap, expected, rtol=0, atol=1e-5)
+        assert eager.arrived == 0 and not eager.acc  # the round closed
 
 
 def test_outer_step_moves_downhill():
