@@ -281,6 +281,11 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
                  f"0.05 round, outer {lr}/{mu}"] = {
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25,
             "rebase": True, "outer": (lr, mu), "method": "eager_nesterov"}
+    # the carry lookahead under eager Nesterov (0.25 was chosen with delayed Nesterov)
+    for la in (0.0, 0.125):
+        variants[f"consistent base + rebase + eager Nesterov, lookahead {la:g}, master poll "
+                 "0.05 round"] = {"carry": True, "master_ratio": 0.05, "worker_ratio": 0.25,
+                                  "lookahead": la, "rebase": True, "method": "eager_nesterov"}
     for name, kw in variants.items():
         for seed in timing_seeds:
             rows[f"{name} | t{seed}"] = ("async", {"M": M, "steps": steps,
