@@ -147,6 +147,9 @@ def _diloco_setup(cfg, tmp: Path, horizons: list[int], workers: int = M,
                   tokens_per_step: int = 16 * 64, **dist):
     """A store, ``workers`` nodes with their Worker callbacks and a master holding the lease
     (bench_diloco_async.py builds its schedule on the same setup)."""
+    # bench_diloco.md's rows (and bench_diloco_async's lock-step rows) ran with delayed Nesterov,
+    # the default until eager Nesterov replaced it; a row that wants another method names it
+    dist.setdefault("outer_optimizer", "delayed_nesterov")
     d = replace(cfg.distributed, enabled=True, store=f"file://{tmp}", inner_steps=H,
                 poll_interval=1e6, lease_ttl=1e7, start_timeout=60, keep_versions=3,
                 expected_workers=workers, max_staleness=100, **dist)

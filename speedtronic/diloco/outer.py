@@ -8,14 +8,14 @@ Four methods (``distributed.outer_optimizer``):
     with the pseudo-gradient as ``.grad``. Right for a synchronous schedule (every worker's delta
     arrives in the same poll). With uneven workers it applies momentum to small stale arrivals
     and trailed delayed Nesterov in our uneven-worker ladder (benchmarks/results/bench_diloco.md).
-``delayed_nesterov`` (default)
+``delayed_nesterov``
     Delayed Nesterov (Liu et al. 2024, "Asynchronous Local-SGD"): each update takes a
     momentum-free step ``lr * g`` with ``g = sum(w_i * d_i) / M`` (M = workers per round), adds
     ``g`` to an accumulator, and once M deltas have arrived refreshes the momentum with the
     accumulated round: ``buf = mu * buf + acc; theta -= lr * (g + mu * buf)``. When all M deltas
     of a round arrive together this *is* the Nesterov step above, so the synchronous case loses
     nothing; when they trickle in, momentum moves once per round instead of once per arrival.
-``eager_nesterov``
+``eager_nesterov`` (default)
     Delayed Nesterov with the arriving delta's own Nesterov share applied at once: each update
     steps ``lr * (1 + mu) * g`` and adds ``g`` to the accumulator; the M-th arrival applies the
     old momentum's share ``lr * mu^2 * buf`` and refreshes ``buf = mu * buf + acc``. With
@@ -78,14 +78,14 @@ def staleness_weight(staleness: int, policy: str) -> float:
 class OuterOptimizer:
     """Applies weighted pseudo-gradients to a dict of fp32 CPU tensors in place."""
 
-    def __init__(self, method: str = "delayed_nesterov", lr: float = 0.7,
+    def __init__(self, method: str = "eager_nesterov", lr: float = 0.7,
                  momentum: float = 0.9) -> None:
         if method not in METHODS:
             raise ValueError(f"unknown outer_optimizer {method!r}; valid: {', '.join(METHODS)}")
         self.method, self.lr, self.momentum = method, lr, momentum
         self.buf: dict[str, torch.Tensor] = {}
         self.acc: dict[str, torch.Tensor] = {}
-        self.arrived = 0.0  # delayed Nesterov: deltas counted towards the current round
+        self.arrived = 0.0  # eager/delayed Nesterov: deltas counted towards the current round
 
     @torch.no_grad()
     def step(self, params: dict[str, torch.Tensor],
