@@ -92,7 +92,7 @@ def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carr
               push_pull: float = 0.0, horizon: float | None = None,
               adaptive: bool = False, lookahead: float = 0.0, rebase: bool = False,
               outer: tuple[float, float] = (OUTER_LR, OUTER_MOMENTUM),
-              method: str = "delayed_nesterov") -> dict:
+              method: str = "delayed_nesterov", eager_share: float = 1.0) -> dict:
     """One asynchronous run on the simulated clock; ``horizon`` (time units) stops every worker
     there (equal wall-clock), else each trains ``steps`` inner steps (equal tokens)."""
     rng = random.Random(timing_seed)
@@ -103,7 +103,8 @@ def run_async(cfg, evals, *, M: int, steps: int, speeds: tuple[float, ...], carr
         nodes, master, workers = _setup(cfg, Path(tmp), M, limits, consistent_base=carry,
                                         adaptive_inner_steps=adaptive,
                                         carry_lookahead=lookahead, outer=tuple(outer),
-                                        rebase_within_round=rebase, outer_optimizer=method)
+                                        rebase_within_round=rebase, outer_optimizer=method,
+                                        eager_share=eager_share)
         now = [0.0]
         master._clock = lambda: now[0]
         for w in workers:
@@ -259,6 +260,11 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
         **{f"consistent base + lookahead 0.25 + rebase + eager Nesterov, master poll {r} "
            "round": {"carry": True, "master_ratio": r, "worker_ratio": 0.25, "lookahead": 0.25,
                      "rebase": True, "method": "eager_nesterov"} for r in (0.05, 0.25, 1)},
+        # half of each delta's momentum share on arrival, half at the round's close
+        **{f"consistent base + lookahead 0.25 + rebase + eager Nesterov share 0.5, master poll "
+           f"{r} round": {"carry": True, "master_ratio": r, "worker_ratio": 0.25,
+                          "lookahead": 0.25, "rebase": True, "method": "eager_nesterov",
+                          "eager_share": 0.5} for r in (0.05, 0.25, 1)},
         "consistent base + rebase, master poll 0.05 round": {
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "rebase": True},
         "no carry, master poll 0.05 round": {"carry": False, "master_ratio": 0.05,
@@ -324,6 +330,12 @@ def plan_uneven(steps: int, timing_seeds: list[int]) -> dict:
                  "master_ratio": 0.05, "worker_ratio": 0.25, "horizon": horizon,
                  "adaptive": True, "lookahead": 0.25, "rebase": True,
                  "method": "eager_nesterov"})
+        rows[f"uneven: consistent base + adaptive H + lookahead 0.25 + rebase + eager Nesterov "
+             f"share 0.5 | t{seed}"] = ("async", {
+                 "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed, "carry": True,
+                 "master_ratio": 0.05, "worker_ratio": 0.25, "horizon": horizon,
+                 "adaptive": True, "lookahead": 0.25, "rebase": True,
+                 "method": "eager_nesterov", "eager_share": 0.5})
         rows[f"uneven: async as shipped | t{seed}"] = ("async", {
             "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed, "carry": False,
             "master_ratio": 1.0, "worker_ratio": 1.0, "horizon": horizon})

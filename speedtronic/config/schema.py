@@ -663,6 +663,11 @@ class DistributedConfig:
     momentum step at the round's last arrival; the same round total.
     ``nesterov``: torch SGD-Nesterov on the mean of each poll's deltas (synchronous DiLoCo).
     ``sgd``: momentum-free, each delta weighted 1/M (outer_lr 1 = plain parameter averaging)."""
+    eager_share: float = 1.0
+    """``eager_nesterov`` only: the part of each delta's momentum share ``lr mu / M`` applied on
+    arrival, the rest at the round's close (1: all of it; 0: delayed Nesterov; every value gives
+    the same round total). In the simulated schedule 0.5 avoided a bad timing seed that 1 had
+    at M=3 (docs/diloco.md#outer-optimizer)."""
     expected_workers: int | None = None
     """Deltas per round (M) for delayed Nesterov, and how many finished nodes a master waits
     for before it stops; None = nodes that sent a delta recently / every node it has seen."""
@@ -735,6 +740,8 @@ class DistributedConfig:
         _check(self.grace_window >= 0, f"{p}.grace_window", "must be >= 0")
         _check(self.max_unapplied >= 1, f"{p}.max_unapplied", "must be >= 1")
         _check(0 <= self.carry_lookahead <= 1, f"{p}.carry_lookahead", "must be in [0, 1]")
+        _check(0 <= self.eager_share <= 1, f"{p}.eager_share",
+               f"must be in [0, 1], got {self.eager_share}")
         _check(self.unapplied_wait >= 0, f"{p}.unapplied_wait", "must be >= 0")
         _check(self.push_pull_timeout >= 0, f"{p}.push_pull_timeout", "must be >= 0")
         _check(self.outer_lr > 0, f"{p}.outer_lr", f"must be > 0, got {self.outer_lr}")

@@ -109,7 +109,8 @@ class Master:
         self.session = uuid.uuid4().hex[:10]
         self._initial = initial_weights
         self._log_metrics = log_metrics
-        self.outer = OuterOptimizer(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum)
+        self.outer = OuterOptimizer(cfg.outer_optimizer, cfg.outer_lr, cfg.outer_momentum,
+                                    cfg.eager_share)
         self._warned_round_length = False
         self.weights: dict[str, torch.Tensor] = {}
         self.pointer: Pointer | None = None

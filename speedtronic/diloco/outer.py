@@ -26,6 +26,9 @@ Four methods (``distributed.outer_optimizer``):
     arrivals spread over the round (workers out of phase) that held-back part is progress the
     global - and so every worker's base - lacks; applying it on arrival took asynchronous
     DiLoCo from 1.023x to 1.011x lock-step (M=4, 1200 steps, bench_diloco_async.md).
+    ``distributed.eager_share`` s in [0, 1] applies ``lr * (1 + s * mu) * g`` on arrival and
+    the rest, ``lr * mu * (1 - s) * acc``, at the round's close: 1 is the above, 0 is delayed
+    Nesterov, and every s applies the same round total.
 ``sgd``
     ``theta -= lr * g`` with ``g = sum(w_i * d_i) / M`` as in delayed Nesterov, so ``lr=1`` is
     plain parameter averaging (LocalSGD) whether a round's deltas arrive in one poll or one per
@@ -79,10 +82,15 @@ class OuterOptimizer:
     """Applies weighted pseudo-gradients to a dict of fp32 CPU tensors in place."""
 
     def __init__(self, method: str = "eager_nesterov", lr: float = 0.7,
-                 momentum: float = 0.9) -> None:
+                 momentum: float = 0.9, eager_share: float = 1.0) -> None:
         if method not in METHODS:
             raise ValueError(f"unknown outer_optimizer {method!r}; valid: {', '.join(METHODS)}")
+        if not 0.0 <= eager_share <= 1.0:
+            raise ValueError(f"eager_share must be in [0, 1], got {eager_share}")
         self.method, self.lr, self.momentum = method, lr, momentum
+        # eager Nesterov: the part of each delta's momentum share lr*mu*d/M applied on arrival
+        # (1: all of it; 0: none, which is delayed Nesterov)
+        self.eager_share = eager_share
         self.buf: dict[str, torch.Tensor] = {}
         self.acc: dict[str, torch.Tensor] = {}
         self.arrived = 0.0  # eager/delayed Nesterov: deltas counted towards the current round
@@ -139,8 +147,11 @@ class OuterOptimizer:
             acc = self.acc[key] = torch.zeros_like(g)
         acc.add_(g)
         if self.method == "eager_nesterov":
-            theta.sub_(g.to(theta.dtype), alpha=lr * (1.0 + mu))  # this arrival's share, now
-            if self.arrived + n >= workers:  # the round closes: the old momentum's share
+            share = self.eager_share
+            theta.sub_(g.to(theta.dtype), alpha=lr * (1.0 + share * mu))  # this arrival's share
+            if self.arrived + n >= workers:  # the round closes: the rest and the old momentum's
+                if share < 1.0:
+                    theta.sub_(acc.to(theta.dtype), alpha=lr * mu * (1.0 - share))
                 buf = self.buf.get(key)
                 if buf is None:
                     self.buf[key] = acc.clone()
