@@ -94,6 +94,8 @@ def test_distributed_config_validation():
         load_config({"distributed": {"shard": 2, "num_shards": 2}})
     with pytest.raises(ConfigError, match="outer_optimizer"):
         load_config({"distributed": {"outer_optimizer": "adam"}})
+    with pytest.raises(ConfigError, match="eager_share"):
+        load_config({"distributed": {"eager_share": 1.5}})
 
 
 def _put_global(store, weights: dict, version: int) -> codec.Pointer:

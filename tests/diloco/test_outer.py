@@ -17,7 +17,7 @@ from harness import (  # noqa: E402
     eval_loss,
 )
 
-from speedtronic.diloco.outer import OuterOptimizer  # noqa: E402
+from speedtronic.diloco.outer import OuterOptimizer, carry_weight  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- outer step
@@ -70,6 +70,51 @@ def test_eager_nesterov_applies_each_arrival_share_at_once_and_the_round_total_a
             expected = lr * mu * arrived / M if j < M - 1 else torch.zeros(5)
             torch.testing.assert_close(gap, expected, rtol=0, atol=1e-5)
         assert eager.arrived == 0 and not eager.acc  # the round closed
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_eager_share_splits_each_delta_momentum_share_between_arrival_and_round_close(share):
+    """``eager_share`` s: mid-round the weights trail full eager Nesterov by exactly
+    ``lr * mu * (1 - s) * arrived / M``; at each round's close every s agrees; s = 0 is delayed
+    Nesterov step for step."""
+    torch.manual_seed(4)
+    lr, mu, M = 0.5, 0.6, 3
+    start = torch.randn(5)
+    part, full, delayed = ({"w": start.clone()} for _ in range(3))
+    opt_part = OuterOptimizer("eager_nesterov", lr, mu, eager_share=share)
+    opt_full = OuterOptimizer("eager_nesterov", lr, mu)
+    opt_delayed = OuterOptimizer("delayed_nesterov", lr, mu)
+    for _ in range(3):
+        arrived = torch.zeros(5)
+        for j in range(M):
+            d = {"w": torch.randn(5)}
+            arrived += d["w"]
+            for opt, theta in ((opt_part, part), (opt_full, full), (opt_delayed, delayed)):
+                opt.step(theta, [(d, 1.0)], workers=M)
+            expected = lr * mu * (1 - share) * arrived / M if j < M - 1 else torch.zeros(5)
+            torch.testing.assert_close(part["w"] - full["w"], expected, rtol=0, atol=1e-5)
+            if share == 0.0:
+                torch.testing.assert_close(part["w"], delayed["w"], rtol=0, atol=1e-5)
+
+
+def test_eager_share_keeps_the_carry_weight():
+    """One delta among M=2, then only empty rounds: at share 0.5 the global still ends up moved by
+    the carry weight c = lr / (M (1 - mu)) that workers subtract."""
+    lr, mu, M = 0.5, 0.5, 2
+    theta = {"w": torch.zeros(3, dtype=torch.float64)}
+    d = {"w": torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)}
+    zero = {"w": torch.zeros(3, dtype=torch.float64)}
+    outer = OuterOptimizer("eager_nesterov", lr, mu, eager_share=0.5)
+    outer.step(theta, [(d, 1.0), (zero, 1.0)], workers=M)
+    for _ in range(400):
+        outer.step(theta, [(zero, 1.0), (zero, 1.0)], workers=M)
+    c = carry_weight("eager_nesterov", lr, mu, M)
+    torch.testing.assert_close(theta["w"], -c * d["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_eager_share_outside_0_1_is_refused():
+    with pytest.raises(ValueError, match="eager_share"):
+        OuterOptimizer("eager_nesterov", 0.5, 0.5, eager_share=1.5)
 
 
 def test_outer_step_moves_downhill():
