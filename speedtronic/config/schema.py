@@ -655,10 +655,11 @@ class DistributedConfig:
     outer_optimizer: Literal["eager_nesterov", "delayed_nesterov", "nesterov", "sgd"] = \
         "eager_nesterov"
     """Master update rule. ``eager_nesterov`` (default): each arriving delta's own Nesterov share
-    ``lr (1 + mu) / M`` applied at once, the old momentum's share and the refresh once per round
-    of ``expected_workers`` deltas - ``nesterov`` when a round arrives together; with arrivals
-    spread over the round it measured closer to lock-step than delayed Nesterov (M=4, 1200
-    steps: 1.011-1.015x against 1.022-1.023x; docs/diloco.md#outer-optimizer).
+    ``lr (1 + eager_share * mu) / M`` applied at once, the rest of it, the old momentum's share
+    and the refresh once per round of ``expected_workers`` deltas - ``nesterov`` when a round
+    arrives together; with arrivals spread over the round it measured closer to lock-step than
+    delayed Nesterov (M=4, 1200 steps, share 0.5: 1.011-1.019x against 1.022-1.023x;
+    docs/diloco.md#outer-optimizer).
     ``delayed_nesterov`` (Liu et al. 2024): momentum-free steps as deltas arrive, the whole
     momentum step at the round's last arrival; the same round total.
     ``nesterov``: torch SGD-Nesterov on the mean of each poll's deltas (synchronous DiLoCo).
