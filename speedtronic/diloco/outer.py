@@ -48,6 +48,7 @@ from collections.abc import Sequence
 import torch
 
 METHODS = ("nesterov", "delayed_nesterov", "eager_nesterov", "sgd")
+ROUND_METHODS = ("delayed_nesterov", "eager_nesterov")  # momentum refreshed once per round of M
 WEIGHTINGS = ("none", "inverse", "inverse_sqrt")
 
 
@@ -94,6 +95,11 @@ class OuterOptimizer:
         self.buf: dict[str, torch.Tensor] = {}
         self.acc: dict[str, torch.Tensor] = {}
         self.arrived = 0.0  # eager/delayed Nesterov: deltas counted towards the current round
+        # The method and share the round in progress started with. A restart with another
+        # round method or share finishes that round as it began (its arrivals already applied
+        # their part; closing it with the new share would misapply lr*mu*(s_new - s_old)*acc),
+        # then switches at the next round.
+        self.round_method, self.round_share = method, eager_share
 
     @torch.no_grad()
     def step(self, params: dict[str, torch.Tensor],
@@ -114,7 +120,7 @@ class OuterOptimizer:
         whatever the backlog. ``weighted_sum`` is consumed (scaled in place)."""
         if count <= 0:
             return
-        rounds = self.method in ("delayed_nesterov", "eager_nesterov")
+        rounds = self.method in ROUND_METHODS
         if rounds or self.method == "sgd":
             denom = max(float(workers), 1.0)
         else:
@@ -127,6 +133,7 @@ class OuterOptimizer:
             if self.arrived >= workers:  # the round closed inside _apply: start the next one
                 self.arrived = math.fmod(self.arrived, max(float(workers), 1.0))
                 self.acc.clear()
+                self.round_method, self.round_share = self.method, self.eager_share
 
     def _apply(self, key: str, theta: torch.Tensor, g: torch.Tensor, n: int,
                workers: float) -> None:
@@ -146,8 +153,8 @@ class OuterOptimizer:
         if acc is None:
             acc = self.acc[key] = torch.zeros_like(g)
         acc.add_(g)
-        if self.method == "eager_nesterov":
-            share = self.eager_share
+        if self.round_method == "eager_nesterov":
+            share = self.round_share
             theta.sub_(g.to(theta.dtype), alpha=lr * (1.0 + share * mu))  # this arrival's share
             if self.arrived + n >= workers:  # the round closes: the rest and the old momentum's
                 if share < 1.0:
@@ -178,13 +185,25 @@ class OuterOptimizer:
 
     def state_meta(self) -> dict:
         return {"method": self.method, "lr": self.lr, "momentum": self.momentum,
-                "arrived": self.arrived}
+                "eager_share": self.eager_share, "arrived": self.arrived,
+                "round_method": self.round_method, "round_share": self.round_share}
 
     def load(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Restore saved state. The momentum is kept across any change of method (it means
+        the same in all three momentum methods). A round in progress under delayed or eager
+        Nesterov is finished as it began when the configured method is one of the two (a
+        restart from the old default, delayed, to eager loses nothing); switching to
+        ``nesterov`` or ``sgd`` mid-round drops that round's held-back momentum share."""
         self.buf = {k[4:]: v.float().clone() for k, v in tensors.items() if k.startswith("buf/")}
         self.acc = {k[4:]: v.float().clone() for k, v in tensors.items() if k.startswith("acc/")}
         self.arrived = float(meta.get("arrived", 0.0))
-        if meta.get("method", self.method) != self.method:
-            # Switching method mid-run: keep the momentum (same meaning), drop the DN round.
-            self.acc.clear()
-            self.arrived = 0.0
+        saved_method = str(meta.get("round_method", meta.get("method", self.method)))
+        # States saved before the share was recorded ran the configured share.
+        saved_share = float(meta.get("round_share", meta.get("eager_share", self.eager_share)))
+        self.round_method, self.round_share = self.method, self.eager_share
+        if self.method not in ROUND_METHODS or saved_method not in ROUND_METHODS:
+            if saved_method != self.method:
+                self.acc.clear()
+                self.arrived = 0.0
+        elif self.arrived > 0.0:
+            self.round_method, self.round_share = saved_method, saved_share

@@ -112,6 +112,63 @@ def test_eager_share_keeps_the_carry_weight():
     torch.testing.assert_close(theta["w"], -c * d["w"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("saved, restarted", [
+    (("eager_nesterov", 0.5), ("eager_nesterov", 1.0)),
+    (("delayed_nesterov", 1.0), ("eager_nesterov", 0.5)),  # the old default to the new one
+    (("eager_nesterov", 1.0), ("delayed_nesterov", 1.0)),
+])
+def test_a_restart_with_another_round_method_or_share_finishes_the_round_as_it_began(
+        saved, restarted):
+    """A master saved mid-round and restarted with another share or round method: the round in
+    progress closes exactly as an uninterrupted run would have closed it (its arrivals already
+    applied their part at the saved share), and the next round runs the new setting."""
+    torch.manual_seed(5)
+    lr, mu, M = 0.5, 0.6, 3
+    start = torch.randn(5)
+    deltas = [{"w": torch.randn(5)} for _ in range(2 * M)]
+    # Uninterrupted reference: the first round at the saved setting, the second at the new one.
+    ref_w = {"w": start.clone()}
+    ref = OuterOptimizer(saved[0], lr, mu, eager_share=saved[1])
+    for d in deltas[:M]:
+        ref.step(ref_w, [(d, 1.0)], workers=M)
+    ref.method, ref.eager_share = restarted[0], restarted[1]
+    ref.round_method, ref.round_share = restarted  # the round boundary: switch now
+    for d in deltas[M:]:
+        ref.step(ref_w, [(d, 1.0)], workers=M)
+
+    run_w = {"w": start.clone()}
+    first = OuterOptimizer(saved[0], lr, mu, eager_share=saved[1])
+    for d in deltas[:1]:
+        first.step(run_w, [(d, 1.0)], workers=M)
+    second = OuterOptimizer(restarted[0], lr, mu, eager_share=restarted[1])
+    second.load(first.state_tensors(), first.state_meta())
+    for i, d in enumerate(deltas[1:], start=1):
+        second.step(run_w, [(d, 1.0)], workers=M)
+        if i == M - 1:  # the interrupted round closed: equal to the reference there
+            assert (second.round_method, second.round_share) == restarted
+    torch.testing.assert_close(run_w["w"], ref_w["w"], rtol=0, atol=1e-6)
+
+
+def test_a_restart_that_drops_the_share_mid_round_differs_from_one_that_keeps_it():
+    """The pinning above matters: closing a share-0.5 round at share 1 skips
+    ``lr * mu * 0.5 * arrived / M``, which is what a state saved before the share was recorded
+    (read as the configured share) does."""
+    lr, mu, M = 0.5, 0.6, 2
+    d = {"w": torch.ones(3)}
+    saved = OuterOptimizer("eager_nesterov", lr, mu, eager_share=0.5)
+    theta = {"w": torch.zeros(3)}
+    saved.step(theta, [(d, 1.0)], workers=M)
+    meta = saved.state_meta()
+    pinned = OuterOptimizer("eager_nesterov", lr, mu, eager_share=1.0)
+    pinned.load(saved.state_tensors(), meta)
+    unpinned = OuterOptimizer("eager_nesterov", lr, mu, eager_share=1.0)
+    unpinned.load(saved.state_tensors(), {k: meta[k] for k in ("method", "arrived")})
+    a, b = {"w": theta["w"].clone()}, {"w": theta["w"].clone()}
+    pinned.step(a, [({"w": torch.zeros(3)}, 1.0)], workers=M)
+    unpinned.step(b, [({"w": torch.zeros(3)}, 1.0)], workers=M)
+    torch.testing.assert_close(b["w"] - a["w"], torch.full((3,), lr * mu * 0.5 / M))
+
+
 def test_eager_share_outside_0_1_is_refused():
     with pytest.raises(ValueError, match="eager_share"):
         OuterOptimizer("eager_nesterov", 0.5, 0.5, eager_share=1.5)
