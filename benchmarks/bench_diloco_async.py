@@ -287,6 +287,10 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
                  f"0.05 round, outer {lr}/{mu}"] = {
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25,
             "rebase": True, "outer": (lr, mu), "method": "eager_nesterov"}
+        variants[f"consistent base + lookahead 0.25 + rebase + eager Nesterov share 0.5, master "
+                 f"poll 0.05 round, outer {lr}/{mu}"] = {
+            "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25,
+            "rebase": True, "outer": (lr, mu), "method": "eager_nesterov", "eager_share": 0.5}
     # the carry lookahead under eager Nesterov (0.25 was chosen with delayed Nesterov)
     for la in (0.0, 0.125):
         variants[f"consistent base + rebase + eager Nesterov, lookahead {la:g}, master poll "
