@@ -58,6 +58,8 @@ JITTER = 0.15
 RESULTS = Path(__file__).parent / "results" / "bench_diloco_async"
 UNEVEN = (1.0, 1.0, 0.7, 0.35)
 OUTER_SWEEP = ((0.4, 0.5), (0.7, 0.5), (0.5, 0.7), (0.6, 0.6))  # (outer lr, outer momentum)
+# Larger outer steps, lock-step only: where lock-step DiLoCo itself stops gaining
+LOCKSTEP_SWEEP = ((0.8, 0.6), (0.9, 0.5), (1.0, 0.5))
 
 
 def bench_cfg(seed: int):
@@ -291,6 +293,9 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
                  f"poll 0.05 round, outer {lr}/{mu}"] = {
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25,
             "rebase": True, "outer": (lr, mu), "method": "eager_nesterov", "eager_share": 0.5}
+    for lr, mu in LOCKSTEP_SWEEP:
+        rows[f"lock-step DiLoCo, outer {lr}/{mu}"] = ("lockstep", {"M": M, "steps": steps,
+                                                                  "outer": (lr, mu)})
     # the carry lookahead under eager Nesterov (0.25 was chosen with delayed Nesterov)
     for la in (0.0, 0.125):
         variants[f"consistent base + rebase + eager Nesterov, lookahead {la:g}, master poll "
@@ -434,18 +439,20 @@ def report(done: dict) -> str:
              "installed global lacked, per install (the consistent base carries them). "
              "Outer settings are lr/momentum 0.5/0.5 unless a row says `outer lr/mu`; such a "
              "row's `mean / lock-step` is against lock-step DiLoCo at its settings (a "
-             "lock-step row's against lock-step at 0.5/0.5).", "",
+             "lock-step row's against lock-step at 0.5/0.5). `mean / DP`: against one node "
+             "with an M-fold batch (data parallelism on the same tokens, #31's DP target).", "",
              f"meta: `{json.dumps(done.get('meta', {}))}`", ""]
     for (M, steps, mseed), rows in sorted(groups.items()):
         lines += [f"## M={M}, {steps} steps per worker, model seed {mseed}", "",
                   "| row | eval CE mean | worst | spread (% of mean) | mean / lock-step | "
-                  "worst / one node | lag mean | runs |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "mean / DP | worst / one node | lag mean | runs |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
         def ref(name: str, rows: dict = rows) -> float | None:
             return statistics.mean(r["eval"] for r in rows[name]) if name in rows else None
 
         lock, alone = ref("lock-step DiLoCo"), ref("one node")
+        data_parallel = ref(f"one node, {M}x batch")
         # baselines first, then the asynchronous rows in the order they were run
         order = sorted(rows, key=lambda n: (not n.startswith(("one node", "lock-step")),
                                             not n.startswith("one node")))
@@ -466,8 +473,10 @@ def report(done: dict) -> str:
                 same = lock
             vs_lock = f"{mean / same:.3f}" if same and name != "lock-step DiLoCo" else "-"
             vs_alone = f"{max(ev) / alone:.3f}" if alone and name != "one node" else "-"
+            vs_dp = (f"{mean / data_parallel:.3f}" if data_parallel and not name.startswith(
+                "one node") else "-")
             lines.append(f"| {name} | {mean:.4f} | {max(ev):.4f} | {spread:.1f} | {vs_lock} | "
-                         f"{vs_alone} | {lag} | {len(rs)} |")
+                         f"{vs_dp} | {vs_alone} | {lag} | {len(rs)} |")
         lines.append("")
     return "\n".join(lines)
 
