@@ -267,6 +267,11 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
            f"{r} round": {"carry": True, "master_ratio": r, "worker_ratio": 0.25,
                           "lookahead": 0.25, "rebase": True, "method": "eager_nesterov",
                           "eager_share": 0.5} for r in (0.05, 0.25, 1)},
+        # workers polling 5x as often (every 1/20 round): each newer global is absorbed sooner
+        "consistent base + lookahead 0.25 + rebase + eager Nesterov share 0.5, master poll 0.05 "
+        "round, worker poll 0.05 round": {
+            "carry": True, "master_ratio": 0.05, "worker_ratio": 0.05, "lookahead": 0.25,
+            "rebase": True, "method": "eager_nesterov", "eager_share": 0.5},
         "consistent base + rebase, master poll 0.05 round": {
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "rebase": True},
         "no carry, master poll 0.05 round": {"carry": False, "master_ratio": 0.05,
@@ -292,6 +297,10 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
         variants[f"consistent base + lookahead 0.25 + rebase + eager Nesterov share 0.5, master "
                  f"poll 0.05 round, outer {lr}/{mu}"] = {
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25,
+            "rebase": True, "outer": (lr, mu), "method": "eager_nesterov", "eager_share": 0.5}
+        variants[f"consistent base + lookahead 0.25 + rebase + eager Nesterov share 0.5, master "
+                 f"poll 0.05 round, worker poll 0.05 round, outer {lr}/{mu}"] = {
+            "carry": True, "master_ratio": 0.05, "worker_ratio": 0.05, "lookahead": 0.25,
             "rebase": True, "outer": (lr, mu), "method": "eager_nesterov", "eager_share": 0.5}
     for lr, mu in LOCKSTEP_SWEEP:
         rows[f"lock-step DiLoCo, outer {lr}/{mu}"] = ("lockstep", {"M": M, "steps": steps,
