@@ -604,7 +604,9 @@ class DistributedConfig:
     poll_interval: float = 60.0
     """Seconds between a worker's background polls of the global pointer (and the master's
     listings when ``master_poll_interval`` is null). Keep it under ~1/4 of a round: a worker
-    warns when it is longer."""
+    warns when it is longer. About 1/20 of a round measured better still: a poll is one small
+    GET, and a global is downloaded only once per new version (bench_diloco_async.md, M=4,
+    outer 0.7/0.5: 1.028x -> 1.012x lock-step)."""
     master_poll_interval: float | None = None
     """Seconds between the master's listings of new deltas; null = ``poll_interval`` capped at
     1 s. The master should apply a delta within a small part of a round: in the simulated
