@@ -60,6 +60,14 @@ UNEVEN = (1.0, 1.0, 0.7, 0.35)
 OUTER_SWEEP = ((0.4, 0.5), (0.7, 0.5), (0.5, 0.7), (0.6, 0.6))  # (outer lr, outer momentum)
 # Larger outer steps, lock-step only: where lock-step DiLoCo itself stops gaining
 LOCKSTEP_SWEEP = ((0.8, 0.6), (0.9, 0.5), (1.0, 0.5))
+# The shipped defaults' schedule (consistent base, lookahead, rebase, eager Nesterov share 0.5,
+# master listing every 1/20 round, worker polls every 1/4): rows vary it with _default(...)
+DEFAULT_SCHEDULE = {"carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25,
+                    "rebase": True, "method": "eager_nesterov", "eager_share": 0.5}
+
+
+def _default(**changes) -> dict:
+    return {**DEFAULT_SCHEDULE, **changes}
 
 
 def bench_cfg(seed: int):
@@ -264,14 +272,10 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
                      "rebase": True, "method": "eager_nesterov"} for r in (0.05, 0.25, 1)},
         # half of each delta's momentum share on arrival, half at the round's close
         **{f"consistent base + lookahead 0.25 + rebase + eager Nesterov share 0.5, master poll "
-           f"{r} round": {"carry": True, "master_ratio": r, "worker_ratio": 0.25,
-                          "lookahead": 0.25, "rebase": True, "method": "eager_nesterov",
-                          "eager_share": 0.5} for r in (0.05, 0.25, 1)},
+           f"{r} round": _default(master_ratio=r) for r in (0.05, 0.25, 1)},
         # workers polling 5x as often (every 1/20 round): each newer global is absorbed sooner
         "consistent base + lookahead 0.25 + rebase + eager Nesterov share 0.5, master poll 0.05 "
-        "round, worker poll 0.05 round": {
-            "carry": True, "master_ratio": 0.05, "worker_ratio": 0.05, "lookahead": 0.25,
-            "rebase": True, "method": "eager_nesterov", "eager_share": 0.5},
+        "round, worker poll 0.05 round": _default(worker_ratio=0.05),
         "consistent base + rebase, master poll 0.05 round": {
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "rebase": True},
         "no carry, master poll 0.05 round": {"carry": False, "master_ratio": 0.05,
@@ -295,13 +299,10 @@ def plan(M: int, steps: int, timing_seeds: list[int]) -> dict:
             "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25,
             "rebase": True, "outer": (lr, mu), "method": "eager_nesterov"}
         variants[f"consistent base + lookahead 0.25 + rebase + eager Nesterov share 0.5, master "
-                 f"poll 0.05 round, outer {lr}/{mu}"] = {
-            "carry": True, "master_ratio": 0.05, "worker_ratio": 0.25, "lookahead": 0.25,
-            "rebase": True, "outer": (lr, mu), "method": "eager_nesterov", "eager_share": 0.5}
+                 f"poll 0.05 round, outer {lr}/{mu}"] = _default(outer=(lr, mu))
         variants[f"consistent base + lookahead 0.25 + rebase + eager Nesterov share 0.5, master "
-                 f"poll 0.05 round, worker poll 0.05 round, outer {lr}/{mu}"] = {
-            "carry": True, "master_ratio": 0.05, "worker_ratio": 0.05, "lookahead": 0.25,
-            "rebase": True, "outer": (lr, mu), "method": "eager_nesterov", "eager_share": 0.5}
+                 f"poll 0.05 round, worker poll 0.05 round, outer {lr}/{mu}"] = _default(
+            worker_ratio=0.05, outer=(lr, mu))
     for lr, mu in LOCKSTEP_SWEEP:
         rows[f"lock-step DiLoCo, outer {lr}/{mu}"] = ("lockstep", {"M": M, "steps": steps,
                                                                   "outer": (lr, mu)})
@@ -350,10 +351,8 @@ def plan_uneven(steps: int, timing_seeds: list[int]) -> dict:
                  "method": "eager_nesterov"})
         rows[f"uneven: consistent base + adaptive H + lookahead 0.25 + rebase + eager Nesterov "
              f"share 0.5 | t{seed}"] = ("async", {
-                 "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed, "carry": True,
-                 "master_ratio": 0.05, "worker_ratio": 0.25, "horizon": horizon,
-                 "adaptive": True, "lookahead": 0.25, "rebase": True,
-                 "method": "eager_nesterov", "eager_share": 0.5})
+                 "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed,
+                 "horizon": horizon, **_default(adaptive=True)})
         rows[f"uneven: async as shipped | t{seed}"] = ("async", {
             "M": M, "steps": steps, "speeds": UNEVEN, "timing_seed": seed, "carry": False,
             "master_ratio": 1.0, "worker_ratio": 1.0, "horizon": horizon})
