@@ -66,8 +66,12 @@ def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(host_memory._glibc() is None or resource.getpagesize() != 4096 or _PRELOADED,
                     reason="glibc's own malloc with 4 KiB pages (the fault counts assume them)")
 def test_tuned_malloc_stops_refaulting_freed_step_memory():
-    default_line, default_faults = _steps(opt_out=True)
-    tuned_line, tuned_faults = _steps(opt_out=False)
+    # Fewest faults of two runs each: other processes (the rest of the suite in CI) only add
+    # faults; one full-suite run measured 3,138 against 1,217, a 2.6x cut, where alone it is 5x+.
+    default_runs = [_steps(opt_out=True) for _ in range(2)]
+    tuned_runs = [_steps(opt_out=False) for _ in range(2)]
+    default_line, default_faults = default_runs[0][0], min(f for _, f in default_runs)
+    tuned_line, tuned_faults = tuned_runs[0][0], min(f for _, f in tuned_runs)
     assert default_line == "host malloc: glibc defaults kept (SPEEDTRONIC_HOST_MALLOC=0)"
     assert tuned_line.startswith("host malloc: glibc ") and "keeps freed memory" in tuned_line
     # glibc's defaults hand freed activations back to the kernel and fault them in again next
