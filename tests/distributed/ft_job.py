@@ -5,8 +5,10 @@ given config, with the test's fault and pacing hooks.
 
 ``--die-at N`` kills this process (SIGKILL: no cleanup, as a lost machine) after step N;
 ``--wait-at N --gate FILE`` holds this group after step N until FILE exists (the test's
-condition for "the restarted group is up", not a timed pause); ``--announce FILE`` creates
-FILE once this group's torchft Manager is running (it heartbeats from then on);
+condition for "the restarted group is up", not a timed pause), and ``--reached FILE``
+creates FILE when it gets there (the test starts the restarted group only then);
+``--announce FILE`` creates FILE once this group's torchft Manager is running (it heartbeats
+from then on);
 ``--wait-start FILE`` holds the first step until FILE exists (both groups in the first quorum);
 ``--save-weights DIR`` writes this rank's final weights to DIR/rank{RANK}.pt (a torchrun group:
 every rank's, not only rank 0's checkpoint).
@@ -44,6 +46,8 @@ class Faults:
         if a.die_at is not None and step >= a.die_at:
             os.kill(os.getpid(), signal.SIGKILL)
         if a.wait_at is not None and step == a.wait_at:
+            if a.reached:
+                Path(a.reached).write_text(str(step))
             _wait_for(Path(a.gate))
 
 
@@ -63,6 +67,7 @@ def main() -> None:
     p.add_argument("--die-at", type=int)
     p.add_argument("--wait-at", type=int)
     p.add_argument("--gate")
+    p.add_argument("--reached")
     p.add_argument("--announce")
     p.add_argument("--wait-start")
     p.add_argument("--save-weights")

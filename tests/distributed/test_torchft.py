@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -197,11 +198,18 @@ def test_a_killed_group_is_survived_and_a_restarted_one_heals(tmp_path, lighthou
     cfgs = [_write(tmp_path, _raw(tmp_path, name, g, **over)) for g in (0, 1)]
     gate, up = tmp_path / "restarted", tmp_path / "doomed-up"
     job = str(HERE / "ft_job.py")
+    reached = tmp_path / "survivor-at-20"
     survivor = _start([job, str(cfgs[0]), "--wait-start", str(up), "--wait-at", "20",
-                       "--gate", str(gate)], lighthouse)
+                       "--gate", str(gate), "--reached", str(reached)], lighthouse)
     doomed = _start([job, str(cfgs[1]), "--announce", str(up), "--die-at", "6"], lighthouse)
     out, _ = doomed.communicate(timeout=240)
     assert doomed.returncode == -9, out[-3000:]  # SIGKILL after step 6: no cleanup at all
+    # Restart only once the survivor holds at step 20: a restart that came up while a loaded
+    # survivor was still near step 6 healed there (seen once in CI).
+    deadline = time.monotonic() + 240
+    while not reached.exists() and survivor.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)  # polls a condition the survivor sets, not a timed pause
+    assert reached.exists(), "the survivor never reached step 20"
     restarted = _start([job, str(cfgs[1]), "--resume", "--announce", str(gate)], lighthouse)
     _finish(survivor)
     out1 = _finish(restarted)
