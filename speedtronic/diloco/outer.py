@@ -28,7 +28,8 @@ Four methods (``distributed.outer_optimizer``):
     DiLoCo from 1.023x to 1.011x lock-step (M=4, 1200 steps, bench_diloco_async.md).
     ``distributed.eager_share`` s in [0, 1] applies ``lr * (1 + s * mu) * g`` on arrival and
     the rest, ``lr * mu * (1 - s) * acc``, at the round's close: 1 is the above, 0 is delayed
-    Nesterov, and every s applies the same round total.
+    Nesterov, and every s applies the same round total. The default 0.5 (the config's and this
+    class's) measured best at M=3/4 (docs/diloco.md).
 ``sgd``
     ``theta -= lr * g`` with ``g = sum(w_i * d_i) / M`` as in delayed Nesterov, so ``lr=1`` is
     plain parameter averaging (LocalSGD) whether a round's deltas arrive in one poll or one per
@@ -83,7 +84,7 @@ class OuterOptimizer:
     """Applies weighted pseudo-gradients to a dict of fp32 CPU tensors in place."""
 
     def __init__(self, method: str = "eager_nesterov", lr: float = 0.7,
-                 momentum: float = 0.9, eager_share: float = 1.0) -> None:
+                 momentum: float = 0.9, eager_share: float = 0.5) -> None:
         if method not in METHODS:
             raise ValueError(f"unknown outer_optimizer {method!r}; valid: {', '.join(METHODS)}")
         if not 0.0 <= eager_share <= 1.0:

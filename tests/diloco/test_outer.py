@@ -57,7 +57,7 @@ def test_eager_nesterov_applies_each_arrival_share_at_once_and_the_round_total_a
     lr, mu, M = 0.5, 0.6, 3
     eager_w = {"w": torch.randn(5)}
     delayed_w = {"w": eager_w["w"].clone()}
-    eager, delayed = OuterOptimizer("eager_nesterov", lr, mu), OuterOptimizer(
+    eager, delayed = OuterOptimizer("eager_nesterov", lr, mu, eager_share=1.0), OuterOptimizer(
         "delayed_nesterov", lr, mu)
     for _ in range(4):
         arrived = torch.zeros(5)
@@ -82,7 +82,7 @@ def test_eager_share_splits_each_delta_momentum_share_between_arrival_and_round_
     start = torch.randn(5)
     part, full, delayed = ({"w": start.clone()} for _ in range(3))
     opt_part = OuterOptimizer("eager_nesterov", lr, mu, eager_share=share)
-    opt_full = OuterOptimizer("eager_nesterov", lr, mu)
+    opt_full = OuterOptimizer("eager_nesterov", lr, mu, eager_share=1.0)
     opt_delayed = OuterOptimizer("delayed_nesterov", lr, mu)
     for _ in range(3):
         arrived = torch.zeros(5)
