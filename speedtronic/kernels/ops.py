@@ -362,14 +362,23 @@ def _muon_post_impl(params: Sequence[Tensor], orth: Tensor, grads: Sequence[Tens
     _decay_and_add_(list(params), views, 1.0 - lr * weight_decay, -lr * lr_scale)
 
 
-def _decay_and_add_(params: list[Tensor], updates: Sequence[Tensor], decay: float,
-                    alpha: float) -> None:
+def _decay_and_add_(params: list[Tensor], updates: Sequence[Tensor], decay: float | Tensor,
+                    alpha: float | Tensor) -> None:
     """``p <- p * decay + alpha * u`` with fp32 math whatever the parameter dtype.
 
     torch's foreach ops round a Python scalar to the tensor's dtype: on a bf16 parameter,
     ``decay = 0.998`` became 0.996 (twice the intended weight decay) and any decay closer to 1
     than ~0.002 became exactly 1.0 (no decay at all). Low-precision parameters are therefore
-    updated through an fp32 copy and rounded once, as the CUDA kernels do."""
+    updated through an fp32 copy and rounded once, as the CUDA kernels do. ``decay`` and
+    ``alpha`` may be 0-d tensors (a tensor lr traced by torch.compile)."""
+    if isinstance(decay, Tensor) or isinstance(alpha, Tensor):
+        # no `decay != 1.0` test (a data-dependent branch) and no alpha= (Python scalars only)
+        for i, q in enumerate(params):
+            q32 = q if q.dtype in (torch.float32, torch.float64) else q.float()
+            q32.mul_(decay).add_(updates[i].to(q32.dtype) * alpha)
+            if q32 is not q:
+                q.copy_(q32)
+        return
     full = [i for i, q in enumerate(params) if q.dtype in (torch.float32, torch.float64)]
     if full:
         fp = [params[i] for i in full]

@@ -110,18 +110,20 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
     if not params:
         return
     beta1, beta2 = group["betas"]
-    lr = float(group["lr"])
     if torch.compiler.is_compiling():
         # Under torch.compile: torch's fused kernel is compiler-disabled (a graph break) and the
         # op below needs each step as a Python int (.item(), another break). Trace the same math
-        # per parameter with its step tensor instead; inductor fuses it.
+        # per parameter with its step tensor instead; inductor fuses it. A tensor lr stays a
+        # tensor: float() of it broke the graph and recompiled on every scheduler step.
+        lr_traced = group["lr"]
         for i, p in enumerate(params):
             steps[i] = state[owners[i]]["step"] = steps[i] + 1
-            ops.adamw_traceable([p], [grads[i]], [exp_avgs[i]], [exp_avg_sqs[i]], lr,
+            ops.adamw_traceable([p], [grads[i]], [exp_avgs[i]], [exp_avg_sqs[i]], lr_traced,
                                 float(beta1), float(beta2), float(group["eps"]),
                                 float(group["weight_decay"]), steps[i], bool(group["cautious"]),
                                 bool(group["cautious_rescale"]))
         return
+    lr = float(group["lr"])  # eager: a CPU scalar for the kernels below
     if _use_fused(group, params):
         # torch's fused kernel wants each step on its parameter's device.
         for i, p in enumerate(params):

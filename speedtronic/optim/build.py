@@ -94,8 +94,10 @@ class HybridOptimizer(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.o
         super().load_state_dict(state_dict)
 
     def reset_state(self) -> None:
-        """Clear the inner state of both branches (keeps hyperparameters and the lr)."""
+        """Clear the inner state of both branches (keeps hyperparameters and the lr): the next
+        step starts Muon's momentum and AdamW's moments at zero, as a fresh optimizer would."""
         self.state.clear()
+        self.drop_muon_plan()
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

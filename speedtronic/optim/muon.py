@@ -250,7 +250,7 @@ def muon_step(state: dict, groups: Sequence[dict[str, Any]],
         dtensor_muon_step(state, list(groups), sharded)
     writebacks: list[tuple[Tensor, Tensor]] = []
     entries = _step_entries(state, groups, writebacks)
-    lean_muon_step(cache if cache is not None else StepCache(), list(groups), entries)
+    lean_muon_step(cache if cache is not None else StepCache(), list(groups), entries, state)
     for source, destination in writebacks:  # transposed_split / channels_last copies
         destination.copy_(source)
 
@@ -287,7 +287,19 @@ class MuonCacheMixin:
             graph = self.__dict__["_muon_graph"] = GraphState(
                 mode="auto" if self.cuda_graph == "auto" else "on")
         graphed_step(graph, groups, lambda: muon_step(state, groups, cache),
-                     lambda: planted(cache))
+                     lambda: planted(cache, state))
+
+    def drop_muon_plan(self) -> None:
+        """Forget the step's plan and its CUDA graph: the next step builds new banks from
+        the momentum buffers in ``state`` (none: zeros). ``load_state_dict`` and
+        ``reset_state`` call it, so a compiled step (which does not re-check the plan) and a
+        captured graph (which would replay the old banks) see the new state too."""
+        self.__dict__.pop("_muon_cache", None)
+        self.__dict__.pop("_muon_graph", None)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        self.drop_muon_plan()
 
     @property
     def muon_cache(self) -> StepCache:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -135,7 +135,7 @@ class StepCache:
     shard: Any = None  # sharded.ShardSpec: Newton-Schulz split across data-parallel ranks
     signature: tuple | None = None
     groups: list[_Group] = field(default_factory=list)
-    views: list[tuple[dict, Tensor]] = field(default_factory=list)  # (state, planted view)
+    views: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # (param, planted view)
     guards: dict[str, _Guard] = field(default_factory=dict)  # per device, 16-bit NS only
     ones: dict[str, Tensor] = field(default_factory=dict)    # per device: a 0-d fp32 one
     kernel_dtypes: bool = False  # every parameter, gradient and NS dtype has a CUDA kernel
@@ -266,7 +266,7 @@ def _build(cache: StepCache, entries: list[StepEntry], groups: list[dict[str, An
                         bank[first:i + 1].reshape(-1, *shape[1:]) if blocks > 1 else bank[i])
                 view = view.view(_buffer_shape(p, group.get("layout", "matrix")))
                 st["momentum_buffer"] = view
-                cache.views.append((st, view))
+                cache.views.append((p, view))
         budget = cache.budget_bytes or default_budget_bytes(device)
         per = workspace_bytes_per_matrix(min(shape), max(shape), compute)
         chunk = max(1, min(b, budget // max(1, per)))
@@ -297,7 +297,13 @@ def _buffer_shape(p: Tensor, layout: str) -> tuple[int, ...]:
     return tuple(p.mT.shape) if layout.startswith("transposed_split") else tuple(p.shape)
 
 
-def planted(cache: StepCache) -> bool:
-    """Every momentum buffer is still the bank view the plan planted (``load_state_dict`` and
-    ``reset_state`` replace them)."""
-    return all(st.get("momentum_buffer") is view for st, view in cache.views)
+def planted(cache: StepCache, state: Mapping[Tensor, dict]) -> bool:
+    """Every momentum buffer in the optimizer's *current* ``state`` is still the bank view the
+    plan planted. Looked up in ``state`` itself, not in the per-parameter dicts the plan saw:
+    ``load_state_dict`` replaces those dicts and ``state.clear()`` (``reset_state``) drops them,
+    and a check on the old dicts kept stepping the old momentum after either."""
+    for p, view in cache.views:
+        st = state.get(p)  # .get: a defaultdict must not grow an entry here
+        if st is None or st.get("momentum_buffer") is not view:
+            return False
+    return True

@@ -39,6 +39,7 @@ public names are re-exported here.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -67,16 +68,20 @@ __all__ = ["FUSED_ROUTE_OFF_CUDA", "HYPER_KEYS", "NS_DTYPES", "StepCache", "Step
 
 
 def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]],
-                   entries: list[StepEntry]) -> None:
-    """One Muon step over ``entries``, one per matrix in a stable order."""
+                   entries: list[StepEntry], state: Mapping[Tensor, dict] | None = None) -> None:
+    """One Muon step over ``entries``, one per matrix in a stable order; ``state`` is the
+    optimizer's state (None: the state dicts the entries carry)."""
     if not entries:
         return
     if torch.compiler.is_compiling():
         # Traced: dynamo guards on the tensors and the groups; rebuilding inside a graph would
         # allocate banks there, so a plan must exist (the first eager step, or `warmup`).
+        # load_state_dict and reset_state drop the plan eagerly (MuonCacheMixin).
         fresh = cache.signature is None
     else:
-        fresh = cache.signature != _signature(entries, groups) or not planted(cache)
+        if state is None:
+            state = {e.param: e.st for e in entries}
+        fresh = cache.signature != _signature(entries, groups) or not planted(cache, state)
     if fresh:
         _build(cache, entries, groups)
     for g in cache.groups:  # this step's gradients (and work copies, for written-back layouts)

@@ -161,3 +161,33 @@ def test_compiled_adamw_step_takes_a_gradient_laid_out_unlike_its_parameter():
         step()
         ref.step()
     torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_adamw_with_a_tensor_lr_schedule_compiles_once_and_matches_eager():
+    """A tensor lr stays a tensor in the traced step: ``float(lr)`` there broke the graph and
+    recompiled on every scheduler step (4 recompiles in 4 steps)."""
+    from speedtronic.optim import AdamW
+
+    torch.manual_seed(0)
+    w = [torch.randn(4, 6), torch.randn(6)]
+    mine = [nn.Parameter(t.clone()) for t in w]
+    ref = [nn.Parameter(t.clone()) for t in w]
+    opt, eager = AdamW(mine, lr=torch.tensor(1e-2)), AdamW(ref, lr=torch.tensor(1e-2))
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (opt,
+                                                                                     eager)]
+    torch._dynamo.reset()
+    dynamo_utils.counters.clear()
+    step = torch.compile(lambda: type(opt).step(opt), backend="aot_eager", fullgraph=True)
+    for _ in range(6):
+        for a, b in zip(mine, ref, strict=True):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        step()
+        eager.step()
+        for s in scheds:
+            s.step()
+    # 2 graphs: the first step's (state created) and every later one's, however many steps
+    assert dynamo_utils.counters["stats"]["unique_graphs"] <= 2
+    assert not dynamo_utils.counters.get("recompiles")
+    for a, b in zip(mine, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
