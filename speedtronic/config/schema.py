@@ -357,6 +357,9 @@ class OptimizerConfig:
             require(len(coeffs) in (3, 3 * self.muon_ns_steps), f"{p}.muon_coefficients",
                    f"a list must hold 3 or 3 x muon_ns_steps={3 * self.muon_ns_steps} floats, "
                    f"got {len(coeffs)}")
+        require(not (self.fused and self.cautious), f"{p}.fused",
+                "true cannot be combined with optimizer.cautious: true (torch's fused AdamW has "
+                "no cautious mask); set fused: null or false")
         require(not self.muon_plus or self.name == "muon", f"{p}.muon_plus",
                f"requires optimizer.name: muon (got name: {self.name}); Muon+ normalizes "
                "orthogonalized updates, which AdamW does not produce")

@@ -54,6 +54,9 @@ def _check_group(group: dict[str, Any]) -> None:
         raise ValueError(f"AdamW eps must be > 0, got {group['eps']}")
     if not group["weight_decay"] >= 0.0:
         raise ValueError(f"AdamW weight_decay must be >= 0, got {group['weight_decay']}")
+    if group["fused"] and group["cautious"]:  # it was ignored without a word
+        raise ValueError("AdamW fused=True cannot be combined with cautious=True: torch's fused "
+                         "kernel has no cautious mask; set fused=None (automatic) or False")
 
 
 def _use_fused(group: dict[str, Any], params: list[Tensor]) -> bool:

@@ -13,12 +13,13 @@ only numbers, strings, lists and None), ``zero_grad`` clears everything.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from ..config import OptimizerConfig
+from ..config import OptimizerConfig, load_config
 from ._state import (
     EagerMethodsMixin,
     Fp32StateMixin,
@@ -146,7 +147,8 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig | None = None, *,
+def build_optimizer(model: nn.Module,
+                    config: OptimizerConfig | Mapping[str, Any] | str | None = None, *,
                     process_group: Any = None) -> HybridOptimizer:
     """Build the one optimizer covering every trainable parameter of ``model``.
 
@@ -156,9 +158,20 @@ def build_optimizer(model: nn.Module, config: OptimizerConfig | None = None, *,
     the rest on AdamW (``lr``, ``weight_decay``), routed by
     :func:`speedtronic.optim.route_parameters`. Logs one line per decision.
     ``process_group``: under data parallelism, split the Muon step's Newton-Schulz across its
-    ranks (:mod:`speedtronic.optim.sharded`).
+    ranks (:mod:`speedtronic.optim.sharded`). ``config`` may also be the YAML section as a
+    dict (``{"name": "muon", "muon_lr": 0.02}``) or its shorthand (``"muon"``), checked as the
+    config loader checks it.
     """
-    cfg = config if config is not None else OptimizerConfig()
+    if config is None:
+        cfg = OptimizerConfig()
+    elif isinstance(config, (Mapping, str)):
+        cfg = load_config({"optimizer": config if isinstance(config, str) else dict(config)
+                           }).optimizer
+    elif isinstance(config, OptimizerConfig):
+        cfg = config
+    else:
+        raise TypeError(f"build_optimizer: config must be an OptimizerConfig, a dict of its "
+                        f"keys or a name ('muon', 'adamw'), got {type(config).__name__}")
     cfg.validate()
     if not trainable_parameters(model):
         raise ValueError("model has no trainable parameters (every parameter has "

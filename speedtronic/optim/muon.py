@@ -138,6 +138,18 @@ def _check_group(group: dict[str, Any]) -> None:
         raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
     if not 0.0 <= group["weight_decay"]:
         raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
+    # Stricter than torch.optim.Muon (messages above are torch's): momentum 1 or more never
+    # forgets (a buffer at 2.9e5 after 30 steps at 1.5), and eps or norm_eps 0 turn a zero
+    # gradient, or a zero row under Muon+, into 0/0 = NaN weights.
+    if not group["momentum"] < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {float(group['momentum'])}")
+    for key in ("eps", "norm_eps"):
+        if not group[key] > 0.0:
+            raise ValueError(f"{key} must be > 0 (it keeps a zero gradient's normalization "
+                             f"finite), got {group[key]}")
+    for key in ("nesterov", "muon_plus", "cautious", "cautious_rescale"):
+        if not isinstance(group[key], bool):
+            raise TypeError(f"{key} must be True or False, got {group[key]!r}")
     if isinstance(group["ns_steps"], bool) or not isinstance(group["ns_steps"], numbers.Integral):
         raise TypeError(f"ns_steps must be an int, got {group['ns_steps']!r}")
     if group["ns_steps"] < 1 or group["ns_steps"] >= 100:

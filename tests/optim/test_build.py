@@ -204,6 +204,27 @@ def test_rejected_hybrid_param_group_is_not_kept() -> None:
     assert len(opt.param_groups) == before
 
 
+def test_build_optimizer_takes_the_yaml_section_as_a_dict_or_a_name() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    from_dict = build_optimizer(model, {"name": "muon", "muon_lr": 0.03})
+    assert {g["kind"] for g in from_dict.param_groups} == {"muon", "adamw"}
+    assert float(next(g for g in from_dict.param_groups if g["kind"] == "muon")["lr"]) == \
+        pytest.approx(0.03)
+    assert {g["kind"] for g in build_optimizer(model, "adamw").param_groups} == {"adamw"}
+    with pytest.raises(ConfigError, match="optimizer.muon_lrr"):  # checked as YAML is
+        build_optimizer(model, {"name": "muon", "muon_lrr": 0.03})
+    with pytest.raises(TypeError, match="must be an OptimizerConfig, a dict"):
+        build_optimizer(model, 0.02)
+
+
+def test_fused_and_cautious_adamw_are_refused_together() -> None:
+    """torch's fused kernel has no cautious mask: fused=True was ignored without a word."""
+    with pytest.raises(ValueError, match="fused=True cannot be combined with cautious=True"):
+        AdamW([nn.Parameter(torch.ones(3))], fused=True, cautious=True)
+    with pytest.raises(ConfigError, match="optimizer.fused"):
+        load_config({"optimizer": {"fused": True, "cautious": True}})
+
+
 def test_hybrid_group_validation() -> None:
     with pytest.raises(ValueError, match="'kind'"):
         HybridOptimizer([{"params": [nn.Parameter(torch.ones(2))]}])

@@ -280,6 +280,15 @@ def test_errors_are_clear() -> None:
         Muon([nn.Parameter(torch.randn(3, 3))], ns_dtype=torch.int8)  # was a TypeError from sorted
     with pytest.raises(TypeError, match="ns_steps must be an int, got 2.5"):
         Muon([nn.Parameter(torch.randn(3, 3))], ns_steps=2.5)  # silently ran 2 iterations
+    # stricter than torch.optim.Muon: each of these ran, into a growing buffer or NaN weights
+    with pytest.raises(ValueError, match=r"momentum must be in \[0, 1\), got 1.5"):
+        Muon([nn.Parameter(torch.randn(3, 3))], momentum=1.5)
+    with pytest.raises(ValueError, match="norm_eps must be > 0"):
+        Muon([nn.Parameter(torch.randn(3, 3))], muon_plus=True, norm_eps=-1.0)
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        Muon([nn.Parameter(torch.randn(3, 3))], eps=0.0)
+    with pytest.raises(TypeError, match="nesterov must be True or False, got 'yes'"):
+        Muon([nn.Parameter(torch.randn(3, 3))], nesterov="yes")
     p = nn.Parameter(torch.randn(4, 4))
     p.grad = torch.eye(4).to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
