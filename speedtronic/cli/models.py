@@ -8,6 +8,7 @@ Both read a run directory (its ``config.yaml`` and newest verified checkpoint, o
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +27,7 @@ def add_sample(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--checkpoint", help="a checkpoint file (default: the newest verified one)")
     p.add_argument("--tokenizer", help="tokenizer.json for runs on token files without "
                                        "data.tokenizer")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default cpu)")
 
 
 def _codec(cfg: Any, tokenizer: str | None) -> tuple[Callable[[str], list[int]],
@@ -55,9 +56,17 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from ..models.generate import generate
     from ..train.run_model import load_run_model
 
-    if args.max_new_tokens < 1 or args.temperature < 0 or args.top_k < 0:
-        raise ConfigError("sample: --max-new-tokens must be >= 1, --temperature >= 0 and "
-                          "--top-k >= 0")
+    if args.max_new_tokens < 1 or not 0 <= args.temperature < math.inf or args.top_k < 0:
+        raise ConfigError("sample: --max-new-tokens must be >= 1, --temperature a finite "
+                          "number >= 0 and --top-k >= 0")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:  # a raw byte from the shell arrives as a lone surrogate
+        raise ConfigError(f"sample: --prompt is not valid UTF-8 text (position {exc.start}); "
+                          "pass the prompt as UTF-8") from None
+    from ..train.precision import resolve_device
+
+    args.device = str(resolve_device(args.device))  # an unavailable device: one line, exit 2
     quiet = logging.getLogger("speedtronic")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # stdout holds the text alone

@@ -98,33 +98,75 @@ def reference_state_from_llama(tensors: dict[str, torch.Tensor],
     return out
 
 
+#: Marks a folder this function wrote: only such a folder is replaced by a later export.
+EXPORT_MARKER = "speedtronic_export.json"
+
+
 def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str | Path,
               tokenizer: str | None = None) -> Path:
-    """Write ``model`` as a Hugging Face folder (see the module docstring); returns it."""
+    """Write ``model`` as a Hugging Face folder (see the module docstring); returns it.
+
+    The folder is written whole beside ``out_dir`` and then moved into place, so it never mixes
+    files of two exports (a re-export without a tokenizer once kept the old tokenizer.json). An
+    existing ``out_dir`` is replaced only if an earlier export wrote it (:data:`EXPORT_MARKER`)
+    or it is empty; any other folder is refused rather than overwritten."""
     from .hf import HFCausalLM
     from .reference import ReferenceTransformer
 
+    if not isinstance(model, (HFCausalLM, ReferenceTransformer)):
+        raise ConfigError(f"export: {type(model).__name__} is neither the reference model "
+                          "(exported as LlamaForCausalLM) nor a Hugging Face model (written "
+                          "with save_pretrained); a custom model has no known Hugging Face "
+                          "layout")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"export: output {out} exists and is not a folder; give -o a new or "
+                          "empty folder")
+    if out.is_dir() and any(out.iterdir()) and not (out / EXPORT_MARKER).is_file():
+        raise ConfigError(f"export: output folder {out} is not empty and was not written by "
+                          "speedtronic export (no " + EXPORT_MARKER + "); give -o a new or "
+                          "empty folder, so nothing of yours is overwritten")
+    staging = out.with_name(f".{out.name}.export-tmp")
+    try:
+        shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier export's leftovers
+        staging.mkdir(parents=True)
+        _write_folder(model, cfg, staging, tokenizer)
+        if out.exists():
+            old = out.with_name(f".{out.name}.export-old")
+            shutil.rmtree(old, ignore_errors=True)
+            out.rename(old)
+            staging.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            staging.rename(out)
+    except ConfigError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    except Exception as exc:  # OSError, safetensors' SafetensorError: a folder it cannot write
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ConfigError(f"export: cannot write the output folder {out}: {exc}") from None
+    return out
+
+
+def _write_folder(model: nn.Module, cfg: ModelConfig, out: Path, tokenizer: str | None) -> None:
+    from .hf import HFCausalLM
+
     if isinstance(model, HFCausalLM):
         model.hf.save_pretrained(out)
-    elif isinstance(model, ReferenceTransformer):
+    else:
         try:
             from safetensors.torch import save_file
         except ImportError:
             raise ConfigError("export needs the 'safetensors' package: pip install "
                               "safetensors") from None
         tensors = llama_state_dict(model.state_dict(), cfg)
-        out.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(llama_config(cfg), indent=2) + "\n")
-    else:
-        raise ConfigError(f"export: {type(model).__name__} is neither the reference model "
-                          "(exported as LlamaForCausalLM) nor a Hugging Face model (written "
-                          "with save_pretrained); a custom model has no known Hugging Face "
-                          "layout")
+    copied = None
     if tokenizer:
         source = Path(tokenizer).expanduser()
         source = source / "tokenizer.json" if source.is_dir() else source
         if source.is_file():
             shutil.copyfile(source, out / "tokenizer.json")
-    return out
+            copied = str(source)
+    (out / EXPORT_MARKER).write_text(json.dumps({"tokenizer": copied}, indent=2) + "\n")

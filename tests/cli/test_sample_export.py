@@ -70,6 +70,38 @@ def test_sample_and_export_refuse_what_they_cannot_do(tmp_path, capsys):
         export_hf(TinyLM(), load_config({}).model, tmp_path / "out")
 
 
+def test_export_never_overwrites_a_foreign_folder_and_replaces_its_own_whole(run_dir, tmp_path,
+                                                                             capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text('{"mine": 1}')
+    assert main(["export", str(run_dir), "-o", str(mine)]) == 2
+    assert "was not written by speedtronic export" in capsys.readouterr().err
+    assert (mine / "config.json").read_text() == '{"mine": 1}'
+    # a re-export replaces an earlier one whole: a file the new one does not write is gone
+    out = tmp_path / "hf"
+    assert main(["export", str(run_dir), "-o", str(out)]) == 0
+    (out / "tokenizer.json").write_text("{}")
+    assert main(["export", str(run_dir), "-o", str(out)]) == 0
+    assert "no tokenizer" in capsys.readouterr().out
+    assert not (out / "tokenizer.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]  # no staging left
+    (tmp_path / "afile").write_text("")
+    assert main(["export", str(run_dir), "-o", str(tmp_path / "afile")]) == 2
+    assert "is not a folder" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--device", "tpu"], "unknown device 'tpu'"),
+    (["--temperature", "nan"], "--temperature a finite number"),
+    (["--prompt", "\udcff"], "--prompt is not valid UTF-8"),
+])
+def test_sample_refuses_bad_options_in_one_line(run_dir, capsys, argv, message):
+    assert main(["sample", str(run_dir), *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
 def test_a_hf_run_exports_with_save_pretrained(tmp_path, capsys):
     raw = tiny_raw(tmp_path, "h", run={"max_steps": 2, "eval_every": 0},
                    model={"name": "hf", "hf_config": {"model_type": "gpt2", "n_embd": 32,
