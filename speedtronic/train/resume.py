@@ -36,7 +36,8 @@ def resume_trainer(trainer: Trainer, directory: Path) -> bool:
     Raises (before anything is written) when the checkpoint does not fit this run."""
     found = CheckpointManager(directory, keep_last=None).load_latest()
     if found is None:
-        logger.warning("resume: no checkpoint in %s; starting from step 0", directory)
+        logger.warning("resume: no checkpoint in %s; starting a fresh run from step 0",
+                       directory)
         return False
     state, path = found
     saved = state.get("config") or {}

@@ -8,6 +8,7 @@ except the CLI and ``compare``.
 
 from __future__ import annotations
 
+import json
 import logging
 import logging.handlers
 import math
@@ -133,7 +134,7 @@ def build_optimizer(model: nn.Module, cfg: SpeedtronicConfig,
     return optim.build_optimizer(model, cfg.optimizer, process_group=group)
 
 
-def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
+def _prepare_run_dir(run_dir: Path, resume: bool, asked_to_resume: bool = False) -> None:
     """A fresh run never mixes with an old one: a used run dir is moved aside, not deleted."""
     used = run_dir.is_dir() and any((run_dir / n).exists()
                                     for n in ("metrics.jsonl", "checkpoints", "config.yaml"))
@@ -145,8 +146,9 @@ def _prepare_run_dir(run_dir: Path, resume: bool) -> None:
             aside = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{n}")
             n += 1
         os.replace(run_dir, aside)
-        logger.warning("run dir %s held an earlier run; moved it to %s (to continue a run "
-                       "instead: --resume, or resume=True from Python)", run_dir, aside)
+        logger.warning("run dir %s held an earlier run; moved it to %s (%s)", run_dir, aside,
+                       "it has no checkpoint to resume from" if asked_to_resume else
+                       "to continue a run instead: --resume, or resume=True from Python")
     run_dir.mkdir(parents=True, exist_ok=True)
 
 
@@ -218,7 +220,17 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
             trainer.metrics = PeerMetrics(cfg.run.max_steps)
             return trainer
         require_hook_packages(tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb)
-        _prepare_run_dir(run_dir, resume)
+        resumed = resume and trainer.step > 0  # False: --resume found no checkpoint
+        if resumed and _nothing_left(trainer, run_dir):
+            # Nothing trains or evaluates: the run's record (config.yaml, metrics.jsonl, the
+            # final eval) stays as it was; a changed config once overwrote config.yaml with
+            # values that never ran and appended an eval on other data.
+            trainer.metrics = PeerMetrics(cfg.run.max_steps)
+            trainer.log_handlers = own[1:]
+            return trainer
+        # --resume without a checkpoint is a fresh run: an earlier run's files are moved aside
+        # as for any fresh run (it once appended a second step-0 run to their metrics)
+        _prepare_run_dir(run_dir, resumed, asked_to_resume=resume)
         if log_buffer is not None:
             own.append(_open_log_file(log_buffer))
         cfg.save(run_dir / "config.yaml")
@@ -242,6 +254,36 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
         raise
     trainer.log_handlers = own[1:]  # the run's file handler: train_from_config removes it
     return trainer
+
+
+def _nothing_left(trainer: Trainer, run_dir: Path) -> bool:
+    """A resumed single-process run already at ``run.max_steps`` with its last eval done.
+
+    A checkpoint written at the last step is saved ahead of that step's eval and so records it
+    as pending; ``metrics.jsonl`` says whether it ran. Only where this process alone decides
+    (no torchrun ranks, torchft groups or DiLoCo: their ranks must agree on evaluating)."""
+    cfg = trainer.config
+    if trainer.step < cfg.run.max_steps or trainer.dp is not None or \
+            cfg.torchft.mode != "off" or cfg.distributed.enabled:
+        return False
+    if not trainer.eval_pending:
+        return True
+    try:
+        with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
+            for line in f:
+                if '"eval"' not in line:  # most rows: no parse
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:  # a torn last line
+                    continue
+                if row.get("event") == "eval" and row.get("step") == trainer.step:
+                    trainer.eval_pending = False  # it ran after that save
+                    trainer.last_eval_loss = row.get("eval_loss", trainer.last_eval_loss)
+                    return True
+    except OSError:
+        pass
+    return False
 
 
 def _remove_log_handlers(handlers: Sequence[logging.Handler]) -> None:

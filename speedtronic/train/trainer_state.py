@@ -118,6 +118,16 @@ class TrainerState(NonFiniteGuard):
                                  int(window.get("micro_batches", 0)))
         restore_rng_state(own["rng"])
 
+    @property
+    def eval_pending(self) -> bool:
+        """The loaded checkpoint was written ahead of its step's eval (the first thing ``fit``
+        then runs); set it False where that eval is known to have run."""
+        return self._resume_eval
+
+    @eval_pending.setter
+    def eval_pending(self, value: bool) -> None:
+        self._resume_eval = bool(value)
+
     def _refuse_nonfinite_state(self) -> None:
         """The guard's check before a save; under FSDP2 each rank holds only its shards of the
         weights, so the guard sees one stand-in that is NaN when any rank has a non-finite

@@ -79,6 +79,39 @@ def test_resume_beyond_max_steps_is_refused_and_a_finished_run_keeps_its_numbers
     assert again.steps == 4 and again.final_loss is not None  # restored, not n/a
 
 
+def test_resuming_a_finished_run_with_a_changed_config_leaves_its_record_alone(tmp_path):
+    """Nothing trains, so nothing is written: config.yaml once took values that never ran, and
+    a final eval on other data was appended (and superseded the real one in plots)."""
+    def cfg(**data):
+        return tiny_config(tmp_path, name="done", data=data,
+                           run={"max_steps": 4, "eval_every": 2})
+
+    first = train_from_config(cfg(), plot=False)
+    run_dir = tmp_path / "done"
+    before = _snapshot(run_dir)
+    again = train_from_config(cfg(synthetic=True), resume=True, plot=False)
+    assert _snapshot(run_dir) == before
+    assert again.steps == 4 and again.final_eval_loss == pytest.approx(first.final_eval_loss)
+
+
+def test_resume_without_a_checkpoint_moves_the_earlier_run_aside(tmp_path, caplog):
+    """--resume with nothing to resume is a fresh run, and a fresh run never mixes with an old
+    one (it once appended a second step-0 run to the old metrics.jsonl)."""
+    def cfg():
+        return tiny_config(tmp_path, name="r", checkpoint={"enabled": False},
+                           run={"max_steps": 2, "eval_every": 0})
+
+    train_from_config(cfg(), plot=False)
+    old = _snapshot(tmp_path / "r")
+    with caplog.at_level("WARNING", logger="speedtronic"):
+        train_from_config(cfg(), resume=True, plot=False)
+    assert "no checkpoint to resume from" in caplog.text
+    (aside,) = [p for p in tmp_path.iterdir() if p.name.startswith("r.old-")]
+    assert _snapshot(aside) == old
+    rows = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    assert sum('"train_start"' in row for row in rows) == 1
+
+
 class _StopAfter:
     """Interrupts the run after ``step`` (as Ctrl-C would)."""
 
