@@ -9,7 +9,8 @@ Layout of ``<run dir>/checkpoints/``::
 Write protocol (each step survives a crash at any instant): stream the state into a hidden temp
 file while hashing it -> fsync -> write the digest file atomically -> rename the temp file onto
 its final name -> fsync the directory -> rewrite ``latest`` atomically -> prune old checkpoints.
-A crash leaves at worst an orphaned temp file (removed at the next start) and an older ``latest``.
+A crash leaves at worst an orphaned temp file (removed at the next start) and an older ``latest``
+(which protects its checkpoint from pruning; loading takes the newest intact step).
 
 Loading never unpickles arbitrary objects: ``torch.load(weights_only=True)``. A checkpoint whose
 digest does not match, whose digest file is missing (every save writes it before the checkpoint
@@ -289,13 +290,11 @@ class CheckpointManager:
         return self.directory / name if _NAME_RE.match(name) else None
 
     def candidates(self) -> list[Path]:
-        """Paths to try, in order: the ``latest`` target, then every other newest first."""
-        ordered = [p for _, p in self.list()]
-        pointed = self._pointer()
-        if pointed is not None and pointed in ordered:
-            ordered.remove(pointed)
-            ordered.insert(0, pointed)
-        return ordered
+        """Paths to try, in order: newest step first. ``latest`` is not consulted: a save that
+        crashed (or failed to write the pointer) after its checkpoint was committed leaves
+        ``latest`` one save behind, and following it once resumed 2 steps earlier than the
+        newest intact checkpoint (a pointer edited by hand did the same)."""
+        return [p for _, p in self.list()]
 
     def load_latest(self) -> tuple[dict[str, Any], Path] | None:
         """Load the newest valid checkpoint; falls back past corrupt ones. None if there is none."""
@@ -308,6 +307,11 @@ class CheckpointManager:
                 logger.warning("checkpoint: %s; %s", exc,
                                f"falling back to {nxt}" if nxt else "no older checkpoint left")
                 continue
+            pointed = self._pointer()
+            if pointed is not None and pointed.name != path.name and i == 0:
+                logger.info("checkpoint: latest names %s, but %s is newer and intact (a save "
+                            "ended before its pointer update); using %s", pointed.name,
+                            path.name, path.name)
             return state, path
         if candidates:
             raise CheckpointError(f"no usable checkpoint in {self.directory} ({len(candidates)} "

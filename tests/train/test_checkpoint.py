@@ -115,6 +115,17 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path, caplog, damage):
     assert "step_00000003.pt" in caplog.text and "falling back to step_00000002.pt" in caplog.text
 
 
+def test_a_latest_pointer_one_save_behind_does_not_lose_the_newest_checkpoint(tmp_path, caplog):
+    """A crash between a committed save and its pointer update (or a hand edit) leaves
+    ``latest`` naming an older step; the newest intact one is loaded."""
+    mgr = _save_three(tmp_path)
+    (tmp_path / "latest").write_text("step_00000002.pt\n")
+    with caplog.at_level(logging.INFO, logger="speedtronic.checkpoint"):
+        state, path = mgr.load_latest()
+    assert state["step"] == 3 and path == mgr.path_for(3)
+    assert "latest names step_00000002.pt, but step_00000003.pt is newer" in caplog.text
+
+
 def test_all_corrupt_is_an_error_and_empty_is_none(tmp_path):
     assert CheckpointManager(tmp_path / "none").load_latest() is None
     mgr = _save_three(tmp_path)
