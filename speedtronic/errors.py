@@ -90,3 +90,22 @@ def brief(value: object) -> str:
     cannot blow up a message."""
     text = mask_secrets(_BRIEF.repr(value))
     return text if len(text) <= _BRIEF_MAX else text[:_BRIEF_MAX - 3] + "..."
+
+
+def check_factory_call(factory: object, key: str, spec: str, expected: str) -> None:
+    """ConfigError unless ``factory(cfg)`` binds: one positional argument. Checked before the
+    call, so a TypeError raised inside a correct factory's body still surfaces as that bug.
+    ``key`` is the config key that named it, ``expected`` what it should return."""
+    import inspect
+
+    try:
+        sig = inspect.signature(factory)  # type: ignore[arg-type]
+    except (TypeError, ValueError):  # no introspectable signature (some builtins): just call it
+        return
+    try:
+        sig.bind(object())
+    except TypeError as exc:
+        raise ConfigError(f"{key}: {spec!r} cannot be called as factory(cfg) ({exc}; its "
+                          f"signature is {spec.rpartition(':')[2]}{sig}); expected a callable "
+                          f"taking the config as its one positional argument and returning "
+                          f"{expected}") from None

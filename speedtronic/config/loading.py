@@ -177,11 +177,16 @@ def _expand_shorthands(raw: dict[str, Any]) -> dict[str, Any]:
         _move(raw, key, "run")
     for key in _ROOT_TO_OPTIMIZER:
         _move(raw, key, "optimizer")
-    if "log_every" in raw:
-        raw["logging"] = raw.get("logging") or {}
-        raw["log_every"] = raw.pop("log_every")
-        _move(raw, "log_every", "logging")
-        raw["logging"]["every_steps"] = raw["logging"].pop("log_every")
+    if "log_every" in raw:  # root log_every is logging.every_steps (not a key of its own)
+        value = raw.pop("log_every")
+        section = raw["logging"] = raw.get("logging") or {}
+        if not isinstance(section, dict):
+            raise ConfigError("logging: must be a mapping to combine with root 'log_every'")
+        if "every_steps" in section and section["every_steps"] != value:
+            raise ConfigError(f"conflicting values for logging.every_steps: root 'log_every: "
+                              f"{brief(value)}' and 'logging.every_steps: "
+                              f"{brief(section['every_steps'])}'; set it in one place")
+        section["every_steps"] = value
     for name in ("diloco",):
         if name in raw:
             if "distributed" in raw:

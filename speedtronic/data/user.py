@@ -14,7 +14,6 @@ re-reads and skips the consumed batches (logged), which is exact if the dataset 
 from __future__ import annotations
 
 import importlib
-import inspect
 import itertools
 import logging
 import math
@@ -26,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from ..config import ConfigError, SpeedtronicConfig
-from ..errors import SpeedtronicError
+from ..errors import SpeedtronicError, check_factory_call
 from .sources import _u64
 
 __all__ = ["collate_tokens", "resolve_user_dataset", "UserIterator", "user_eval_batches"]
@@ -70,23 +69,6 @@ def _is_dataset(obj: Any) -> bool:
         hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
 
 
-def _check_factory_signature(factory: Any, spec: str) -> None:
-    """ConfigError unless ``factory(cfg)`` is a valid call. Checked before calling, so a
-    TypeError raised inside a correct factory's body still surfaces as the user's own bug."""
-    try:
-        sig = inspect.signature(factory)
-    except (TypeError, ValueError):  # no introspectable signature (some builtins): just call it
-        return
-    try:
-        sig.bind(object())
-    except TypeError as exc:
-        raise ConfigError(f"data.dataset: {spec!r} cannot be called as factory(cfg) ({exc}; its "
-                          f"signature is {spec.partition(':')[2]}{sig}); expected a callable "
-                          "taking the config as its one positional argument and returning a "
-                          "Dataset, an IterableDataset, a (train, eval) pair or a "
-                          "{'train': ..., 'eval': ...} dict") from None
-
-
 def resolve_user_dataset(spec: Any, cfg: SpeedtronicConfig) -> tuple[Any, Any | None]:
     """``data.dataset`` -> ``(train_dataset, eval_dataset_or_None)``."""
     obj = spec
@@ -103,7 +85,8 @@ def resolve_user_dataset(spec: Any, cfg: SpeedtronicConfig) -> tuple[Any, Any | 
         factory = getattr(module, attr, None)
         if not callable(factory):
             raise ConfigError(f"data.dataset: {module_name!r} has no callable {attr!r}")
-        _check_factory_signature(factory, spec)
+        check_factory_call(factory, "data.dataset", spec, "a Dataset, an IterableDataset, a "
+                           "(train, eval) pair or a {'train': ..., 'eval': ...} dict")
         obj = factory(cfg)
     train, held = obj, None
     if isinstance(obj, dict):

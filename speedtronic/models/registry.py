@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from ..config import ConfigError, ModelConfig, SpeedtronicConfig
-from ..errors import SpeedtronicError
+from ..errors import SpeedtronicError, check_factory_call
 from .builtin import BUILTIN_MODELS, unknown_model_error
 from .hf import adapt_model
 from .loss import extract_loss
@@ -86,6 +86,7 @@ def build_model(cfg: SpeedtronicConfig | ModelConfig) -> nn.Module:
         factory = _import_factory(BUILTIN_MODELS[name])
     elif ":" in name:
         factory = _import_factory(name)
+        check_factory_call(factory, "model.name", name, "a torch.nn.Module")
     else:
         raise unknown_model_error(name, set(_REGISTRY))
     model = factory(model_cfg)

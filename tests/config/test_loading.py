@@ -39,6 +39,7 @@ def test_shorthands_expand():
 @pytest.mark.parametrize("raw, fragment", [
     ({"name": "a", "run": {"name": "b"}}, "run.name"),
     ({"cautious": True, "optimizer": {"cautious": False}}, "optimizer.cautious"),
+    ({"log_every": 5, "logging": {"every_steps": 20}}, "logging.every_steps"),  # was silent
 ])
 def test_conflicting_shorthands_are_errors(raw, fragment):
     with pytest.raises(ConfigError, match=fragment):
@@ -47,6 +48,7 @@ def test_conflicting_shorthands_are_errors(raw, fragment):
 
 def test_same_value_in_both_places_is_fine():
     assert load_config({"seed": 5, "run": {"seed": 5}}).run.seed == 5
+    assert load_config({"log_every": 5, "logging": {"every_steps": 5}}).logging.every_steps == 5
 
 
 @pytest.mark.parametrize("raw, expected", [

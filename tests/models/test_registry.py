@@ -42,6 +42,9 @@ def test_register_user_model_and_import_string(monkeypatch):
     assert isinstance(build_model(ModelConfig(name="speedtronic_test_user_models:make")), Linear)
     with pytest.raises(ConfigError, match="no callable 'missing'"):
         build_model(ModelConfig(name="speedtronic_test_user_models:missing"))
+    module.no_args = lambda: Linear(ModelConfig(vocab_size=10))  # a factory without cfg
+    with pytest.raises(ConfigError, match=r"model.name: .*cannot be called as factory\(cfg\)"):
+        build_model(ModelConfig(name="speedtronic_test_user_models:no_args"))
     with pytest.raises(ConfigError, match="set_gradient_checkpointing"):
         build_model(ModelConfig(name="test-user-model", gradient_checkpointing=True))
     register_model("test-not-a-module", lambda cfg: "oops")
