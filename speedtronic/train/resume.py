@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..models.builtin import REFERENCE_MODELS, swiglu_hidden
 from .checkpoint import CheckpointError, CheckpointManager
 from .trainer import Trainer
 
@@ -42,7 +43,8 @@ def resume_trainer(trainer: Trainer, directory: Path) -> bool:
     state, path = found
     saved = state.get("config") or {}
     current = trainer.config.to_dict(redact=True)
-    saved_model, current_model = saved.get("model") or {}, current.get("model") or {}
+    saved_model = _resolved_architecture(saved.get("model") or {})
+    current_model = _resolved_architecture(current.get("model") or {})
     refused = [k for k in sorted(set(saved_model) | set(current_model))
                if saved_model and k not in _RESUMABLE_MODEL_KEYS
                and saved_model.get(k) != current_model.get(k)]
@@ -74,6 +76,20 @@ def resume_trainer(trainer: Trainer, directory: Path) -> bool:
                 "; nothing left to train (raise run.max_steps to continue)"
                 if step == target else "")
     return True
+
+
+def _resolved_architecture(model: dict[str, Any]) -> dict[str, Any]:
+    """The reference model's keys whose null means a computed value, resolved: ``d_ff: 128``
+    and ``d_ff: null`` (which is 128 at d_model 48) build the same model, and a resume once
+    refused the explicit spelling of the value it had trained with."""
+    if model.get("name") not in REFERENCE_MODELS or "d_model" not in model:
+        return model
+    model = dict(model)
+    if model.get("n_kv_head") is None:
+        model["n_kv_head"] = model.get("n_head")
+    if "d_ff" in model:
+        model["d_ff"] = swiglu_hidden(model["d_model"], model["d_ff"])
+    return model
 
 
 def _short(value: Any) -> str:

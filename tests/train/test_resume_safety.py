@@ -65,6 +65,16 @@ def test_resume_refuses_an_architecture_change_but_not_dropout(finished_run, cap
                                            run={"max_steps": 6, "eval_every": 0}),
                                resume=True, plot=False)
     assert result.steps == 6
+    # the values null stood for, spelled out, are the same architecture (once refused)
+    same = train_from_config(tiny_config(run_dir.parent, name="base",
+                                         model={"d_ff": 128, "n_kv_head": 2},
+                                         run={"max_steps": 7, "eval_every": 0}),
+                             resume=True, plot=False)
+    assert same.steps == 7
+    with pytest.raises(CheckpointError, match=r"model.d_ff is 192 here but 128"):
+        train_from_config(tiny_config(run_dir.parent, name="base", model={"d_ff": 192},
+                                      run={"max_steps": 8, "eval_every": 0}),
+                          resume=True, plot=False)
 
 
 def test_resume_beyond_max_steps_is_refused_and_a_finished_run_keeps_its_numbers(finished_run):
