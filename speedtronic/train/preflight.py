@@ -23,6 +23,8 @@ import os
 from pathlib import Path
 
 from ..config import ConfigError, SpeedtronicConfig
+from ..errors import RunLockedError
+from .run_lock import held_by
 
 logger = logging.getLogger("speedtronic.runtime")
 
@@ -155,6 +157,11 @@ def preflight(cfg: SpeedtronicConfig) -> list[str]:
     lines = [_check_data_files(cfg)]  # first: it may set model.vocab_size from the tokenizer
     lines.insert(0, check_model_size(cfg, _device_type(cfg)))
     check_run_dir(cfg.run_dir)
+    holder = held_by(cfg.run_dir)
+    if holder is not None:  # train refuses this first: so does validate
+        raise RunLockedError(f"run directory {cfg.run_dir} is in use by {holder}; train would "
+                             "be refused until that run ends (or use another run.name / "
+                             "run.output_dir)")
     lines.append(f"run directory: {cfg.run_dir} (writable)")
     return lines
 

@@ -34,7 +34,7 @@ except ImportError:  # Windows
 
 logger = logging.getLogger("speedtronic.runtime")
 
-__all__ = ["RunLock", "RunLockedError", "lock_path_for", "pid_alive"]
+__all__ = ["RunLock", "RunLockedError", "held_by", "lock_path_for", "pid_alive"]
 
 
 def lock_path_for(run_dir: Path) -> Path:
@@ -53,6 +53,25 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+def held_by(run_dir: Path) -> str | None:
+    """Who holds ``run_dir``'s lock right now (``pid 123 on host (train since ...)``), or None
+    when no live run does: ``validate`` reports it, since ``train`` would be refused. Probes
+    with a shared lock, released at once."""
+    if fcntl is None:
+        return None
+    try:
+        f = open(lock_path_for(Path(run_dir)), encoding="utf-8")  # noqa: SIM115
+    except OSError:  # no lock file: no run holds it
+        return None
+    with f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return _describe(_read_holder(f))
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    return None
 
 
 class RunLock:

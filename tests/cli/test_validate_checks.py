@@ -3,6 +3,7 @@ for configs ``train`` refused at once), and still imports no torch."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -61,3 +62,14 @@ def test_validate_reports_its_checks_on_stderr_and_the_config_alone_on_stdout(tm
     assert yaml.safe_load(captured.out)["run"]["name"] == "v"
     assert "ok: model reference_transformer: about" in captured.err
     assert "ok: run directory:" in captured.err
+
+
+def test_validate_refuses_a_run_directory_a_live_run_holds(tmp_path, capsys):
+    """train refuses it first thing; validate said "writable" and exit 0."""
+    from speedtronic.train.run_lock import RunLock
+
+    cfg = _cfg(tmp_path)
+    with RunLock(tmp_path / "runs" / "v"):
+        assert main(["validate", "--config", str(cfg)]) == 2
+        assert f"is in use by pid {os.getpid()}" in capsys.readouterr().err
+    assert main(["validate", "--config", str(cfg)]) == 0  # released: fine again
