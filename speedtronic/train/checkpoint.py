@@ -326,6 +326,9 @@ class CheckpointManager:
         your own risk); otherwise a missing or unreadable digest is a :class:`CheckpointError`.
         """
         path = Path(path)
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {str(path)!r} does not exist" if not path.exists()
+                                  else f"checkpoint {str(path)!r} is not a file")
         digest_file = path.with_suffix(".sha256")
         if verify:
             try:
@@ -392,3 +395,10 @@ def _tuples(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(_tuples(v) for v in value)
     return value
+
+
+def mismatch_details(exc: RuntimeError) -> str:
+    """What ``load_state_dict``'s error says after its first line (which only reads "Error(s)
+    in loading state_dict for X:"): the missing, unexpected and mis-shaped tensors, first 3."""
+    details = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()]
+    return ("; ".join(details[:3]) or str(exc))[:600]

@@ -17,7 +17,7 @@ from torch import nn
 
 from ..config import ConfigError, SpeedtronicConfig, load_config
 from ..models import build_model
-from .checkpoint import CheckpointManager
+from .checkpoint import CheckpointManager, mismatch_details
 
 __all__ = ["init_from", "load_run_model", "run_checkpoint"]
 
@@ -52,8 +52,8 @@ def load_run_model(run_dir: str | Path, checkpoint: str | Path | None = None,
     try:
         model.load_state_dict(state["model"])
     except RuntimeError as exc:
-        first = str(exc).splitlines()[0]
-        raise ConfigError(f"{path.name} does not fit the model of {run_dir}: {first}") from None
+        raise ConfigError(f"{path.name} does not fit the model of {run_dir}: "
+                          f"{mismatch_details(exc)}") from None
     return model.to(torch.device(device)).eval(), cfg, path
 
 

@@ -23,7 +23,7 @@ import torch
 from ..distributed import ddp as dp_step
 from ..distributed import fsdp as fsdp_step
 from ..errors import SpeedtronicError
-from .checkpoint import capture_rng_state, restore_rng_state
+from .checkpoint import capture_rng_state, mismatch_details, restore_rng_state
 from .nonfinite import NonFiniteGuard
 
 __all__ = ["TrainerState"]
@@ -83,11 +83,8 @@ class TrainerState(NonFiniteGuard):
         try:
             self.model.load_state_dict(model_state)
         except RuntimeError as exc:
-            # torch's first line only says "Error(s) in loading state_dict for X:"; the lines
-            # after it name the missing / unexpected / mis-shaped tensors.
-            details = [line.strip() for line in str(exc).splitlines()[1:] if line.strip()]
             raise SpeedtronicError("checkpoint does not fit this model (did model.* change?): "
-                                   + ("; ".join(details[:3]) or str(exc))[:600]) from None
+                                   + mismatch_details(exc)) from None
         try:
             self.optimizer.load_state_dict(optimizer_state)
         except ValueError as exc:

@@ -102,6 +102,20 @@ def test_sample_refuses_bad_options_in_one_line(run_dir, capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
+def test_a_missing_or_foreign_checkpoint_is_named_in_one_line(run_dir, tmp_path, capsys):
+    assert main(["sample", str(run_dir), "--checkpoint", str(tmp_path / "none.pt")]) == 2
+    assert "none.pt' does not exist" in capsys.readouterr().err
+    other = tmp_path / "other"
+    raw = tiny_raw(other, "o", model={"d_model": 64, "n_layer": 1, "n_head": 4},
+                   run={"max_steps": 1, "eval_every": 0})
+    train_from_config(load_config(raw), plot=False)
+    (foreign,) = (other / "o" / "checkpoints").glob("step_*.pt")
+    assert main(["export", str(run_dir), "--checkpoint", str(foreign), "-o",
+                 str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err  # the tensors, not only torch's "Error(s) in loading ..."
+    assert "does not fit the model" in err and "size mismatch for" in err
+
+
 def test_a_hf_run_exports_with_save_pretrained(tmp_path, capsys):
     raw = tiny_raw(tmp_path, "h", run={"max_steps": 2, "eval_every": 0},
                    model={"name": "hf", "hf_config": {"model_type": "gpt2", "n_embd": 32,
