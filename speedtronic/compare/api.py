@@ -110,7 +110,11 @@ def run_compare(config: str | Path | Mapping[str, Any], variants: Sequence[str] 
 
     # Validate every variant before any training, so a typo in the last one costs nothing.
     resolved = {v.name: resolve_run(config, overrides, base, spec(v, 0)) for v in parsed}
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, no permission: name the option
+        raise ConfigError(f"--output-dir: cannot create {str(out)!r} ({exc.strerror or exc}); "
+                          "give a folder path that can be created") from None
     logger.info("compare: %d variant(s) x %d seed(s), %d steps each, eval every %d steps, "
                 "baseline %s, output %s", len(parsed), seeds, steps, eval_every, parsed[0].name,
                 out)

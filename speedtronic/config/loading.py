@@ -247,7 +247,13 @@ def _type_name(tp: Any) -> str:
     if origin in (Union, types.UnionType):
         return " | ".join(_type_name(a) for a in typing.get_args(tp))
     if origin in (list, tuple):
-        return f"list of {_type_name(typing.get_args(tp)[0])}"
+        args = typing.get_args(tp)
+        if origin is tuple and args and args[-1] is not Ellipsis:  # fixed length: say how many
+            names = {_type_name(a) for a in args}
+            if len(names) == 1:
+                return f"a list of {len(args)} {names.pop()}s"
+            return f"a list of {len(args)} items ({', '.join(_type_name(a) for a in args)})"
+        return f"list of {_type_name(args[0])}"
     return {type(None): "null"}.get(tp, getattr(tp, "__name__", str(tp)))
 
 

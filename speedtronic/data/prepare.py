@@ -64,6 +64,9 @@ def load_tokenizer(spec: str) -> Any:
                           "'speedtronic[data]'") from None
     path = Path(spec).expanduser()
     if path.is_dir():
+        if not (path / "tokenizer.json").is_file():
+            raise ConfigError(f"data.tokenizer: folder {spec!r} holds no tokenizer.json (give "
+                              "the tokenizer.json file, or a folder that has one)")
         path = path / "tokenizer.json"
     try:
         if path.is_file():
@@ -399,7 +402,12 @@ def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
     show = progress if progress is not None else (cfg.logging.progress_bar and
                                                   os.isatty(2))
     tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file in the way, a read-only cache: name the key
+        where = "data.prepare_dir" if d.prepare_dir else "the token cache (SPEEDTRONIC_CACHE_DIR)"
+        raise ConfigError(f"{where}: cannot create {str(out.parent)!r} ({exc.strerror or exc}); "
+                          "give a folder that can be written") from None
     t0 = time.perf_counter()
     try:
         shards, total = _write_shards(tmp, texts, tokenizer, eos, str(d.tokenizer), dtype,

@@ -16,6 +16,13 @@ def test_unknown_variant_key_exits_2_naming_the_key(tiny_yaml, tmp_path, capsys)
     assert not (tmp_path / "c" / "runs").exists()  # validated before any training
 
 
+def test_an_output_dir_that_cannot_be_created_names_the_option(tiny_yaml, tmp_path, capsys):
+    (tmp_path / "afile").write_text("")
+    rc = main(["compare", "--config", str(tiny_yaml), "--output-dir", str(tmp_path / "afile")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.startswith("speedtronic: error: --output-dir: cannot create"), err
+
+
 def test_unknown_preset_exits_2_listing_presets(tiny_yaml, tmp_path, capsys):
     rc = main(["compare", "--config", str(tiny_yaml), "--variant", "lion",
                "--output-dir", str(tmp_path / "c")])

@@ -297,3 +297,9 @@ def test_yaml_merge_keys_may_still_be_overridden(tmp_path):
     path.write_text("optimizer:\n  <<: {lr: 0.1, eps: 1.0e-6}\n  lr: 0.2\n")
     cfg = load_config(path)
     assert (cfg.optimizer.lr, cfg.optimizer.eps) == (0.2, 1e-6)
+
+
+def test_a_fixed_length_list_says_how_many_items():
+    with pytest.raises(ConfigError, match=r"optimizer.betas: expected a list of 2 floats, got "
+                                          r"list \[0.9\]"):
+        load_config({"optimizer": {"betas": [0.9]}})

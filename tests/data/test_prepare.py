@@ -169,6 +169,8 @@ def test_resume_is_exact_on_prepared_shards(tmp_path, tokenizer_json, text_dir):
     ("missing_text", "data.text_path: no such file or directory"),
     ("empty_text", "produced no tokens"),
     ("no_source", "data.tokenizer: needs a text source"),
+    ("tokenizer_folder", "holds no tokenizer.json"),
+    ("prepare_dir_is_a_file", "data.prepare_dir: cannot create"),
 ])
 def test_bad_inputs_exit_2_with_one_line(tmp_path, tokenizer_json, case, message, capsys):
     data: dict = {"tokenizer": str(tokenizer_json), "text_path": str(tmp_path)}
@@ -189,6 +191,13 @@ def test_bad_inputs_exit_2_with_one_line(tmp_path, tokenizer_json, case, message
         data["text_path"] = str(tmp_path / "empty.txt")
     elif case == "no_source":
         data = {"tokenizer": str(tokenizer_json)}
+    elif case == "tokenizer_folder":
+        (tmp_path / "tok").mkdir()
+        data["tokenizer"] = str(tmp_path / "tok")
+    elif case == "prepare_dir_is_a_file":
+        (tmp_path / "text.txt").write_text("some text to tokenize\n")
+        (tmp_path / "afile").write_text("")
+        data.update(text_path=str(tmp_path / "text.txt"), prepare_dir=str(tmp_path / "afile"))
     config = tmp_path / "run.yaml"
     config.write_text(json.dumps({"model": MODEL, "data": {"prepare_workers": 1,
                                                            "prepare_dir": str(tmp_path / "p"),
