@@ -135,7 +135,11 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str | Path,
             old = out.with_name(f".{out.name}.export-old")
             shutil.rmtree(old, ignore_errors=True)
             out.rename(old)
-            staging.rename(out)
+            try:
+                staging.rename(out)
+            except OSError:
+                old.rename(out)  # the earlier export stays where it was
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             staging.rename(out)

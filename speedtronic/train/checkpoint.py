@@ -292,8 +292,8 @@ class CheckpointManager:
     def candidates(self) -> list[Path]:
         """Paths to try, in order: newest step first. ``latest`` is not consulted: a save that
         crashed (or failed to write the pointer) after its checkpoint was committed leaves
-        ``latest`` one save behind, and following it once resumed 2 steps earlier than the
-        newest intact checkpoint (a pointer edited by hand did the same)."""
+        ``latest`` one save behind, and following it once resumed a whole save interval before
+        the newest intact checkpoint (a pointer edited by hand did the same)."""
         return [p for _, p in self.list()]
 
     def load_latest(self) -> tuple[dict[str, Any], Path] | None:

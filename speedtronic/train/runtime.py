@@ -226,7 +226,7 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
             # final eval) stays as it was; a changed config once overwrote config.yaml with
             # values that never ran and appended an eval on other data.
             trainer.metrics = PeerMetrics(cfg.run.max_steps)
-            trainer.log_handlers = own[1:]
+            _remove_log_handlers(own)  # logging.file too: its held lines are not written
             return trainer
         # --resume without a checkpoint is a fresh run: an earlier run's files are moved aside
         # as for any fresh run (it once appended a second step-0 run to their metrics)
