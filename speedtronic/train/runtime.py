@@ -195,6 +195,7 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
     earlier run (its config.yaml, checkpoints and metrics) exactly as it was.
     """
     cfg = config if isinstance(config, SpeedtronicConfig) else load_config(config)
+    hooks = list(hooks)  # read twice below
     resume = resume or cfg.checkpoint.resume
     run_dir = cfg.run_dir
     check_run_dir(run_dir)
@@ -221,11 +222,18 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
             return trainer
         require_hook_packages(tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb)
         resumed = resume and trainer.step > 0  # False: --resume found no checkpoint
-        if resumed and _nothing_left(trainer, run_dir):
+        finished, last_eval = _nothing_left(trainer, run_dir) if resumed else (False, None)
+        if finished:
             # Nothing trains or evaluates: the run's record (config.yaml, metrics.jsonl, the
             # final eval) stays as it was; a changed config once overwrote config.yaml with
             # values that never ran and appended an eval on other data.
             trainer.metrics = PeerMetrics(cfg.run.max_steps)
+            trainer.metrics.path = run_dir / "metrics.jsonl"  # TrainResult names the record
+            if last_eval is not None:
+                # The hooks (compare's recorder) get the run's last eval, which the checkpoint,
+                # saved just ahead of it, does not hold: compare once reported the eval before.
+                for hook in hooks:
+                    hook("eval", {k: v for k, v in last_eval.items() if k != "event"})
             _remove_log_handlers(own)  # logging.file too: its held lines are not written
             return trainer
         # --resume without a checkpoint is a fresh run: an earlier run's files are moved aside
@@ -256,8 +264,9 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
     return trainer
 
 
-def _nothing_left(trainer: Trainer, run_dir: Path) -> bool:
-    """A resumed single-process run already at ``run.max_steps`` with its last eval done.
+def _nothing_left(trainer: Trainer, run_dir: Path) -> tuple[bool, dict[str, Any] | None]:
+    """Whether a resumed single-process run is already at ``run.max_steps`` with its last eval
+    done, and that eval's ``metrics.jsonl`` row when the checkpoint lacks it.
 
     A checkpoint written at the last step is saved ahead of that step's eval and so records it
     as pending; ``metrics.jsonl`` says whether it ran. Only where this process alone decides
@@ -265,9 +274,9 @@ def _nothing_left(trainer: Trainer, run_dir: Path) -> bool:
     cfg = trainer.config
     if trainer.step < cfg.run.max_steps or trainer.dp is not None or \
             cfg.torchft.mode != "off" or cfg.distributed.enabled:
-        return False
+        return False, None
     if not trainer.eval_pending:
-        return True
+        return True, None
     try:
         with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
             for line in f:
@@ -280,10 +289,10 @@ def _nothing_left(trainer: Trainer, run_dir: Path) -> bool:
                 if row.get("event") == "eval" and row.get("step") == trainer.step:
                     trainer.eval_pending = False  # it ran after that save
                     trainer.last_eval_loss = row.get("eval_loss", trainer.last_eval_loss)
-                    return True
+                    return True, row
     except OSError:
         pass
-    return False
+    return False, None
 
 
 def _remove_log_handlers(handlers: Sequence[logging.Handler]) -> None:

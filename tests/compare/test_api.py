@@ -118,6 +118,20 @@ def test_interrupted_compare_resumes_and_skips_finished_variants(tiny_yaml, tmp_
                 "checkpoint.every_steps=2", changed]})
 
 
+def test_a_run_stopped_after_its_last_save_reports_its_last_eval(tiny_yaml, tmp_path):
+    """Stopped between the final checkpoint (saved ahead of its eval) and the done-file, a run
+    is finished on the rerun without training: its record still ends at the logged final eval
+    (it once reported the eval before it, as "final")."""
+    out = tmp_path / "cmp"
+    kwargs = dict(steps=4, output_dir=out, overrides=["checkpoint.every_steps=2"])
+    first = run_compare(tiny_yaml, ["adamw"], **kwargs).records["adamw"][0]
+    (out / "runs" / "adamw-seed0" / DONE_FILE).unlink()
+    again = run_compare(tiny_yaml, ["adamw"], **kwargs).records["adamw"][0]
+    assert [e[:2] for e in again["evals"]] == [e[:2] for e in first["evals"]]
+    assert again["evals"][-1][0] == 4
+    assert again["final_eval_loss"] == first["final_eval_loss"]
+
+
 def test_lr_sweep_picks_best_and_reports_it(tiny_yaml, tmp_path):
     out = tmp_path / "cmp"
     result = run_compare(tiny_yaml, ["adamw"], steps=4, lr_sweep=True, sweep_fraction=0.5,

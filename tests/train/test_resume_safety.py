@@ -102,6 +102,7 @@ def test_resuming_a_finished_run_with_a_changed_config_leaves_its_record_alone(t
     again = train_from_config(cfg(synthetic=True), resume=True, plot=False)
     assert _snapshot(run_dir) == before
     assert again.steps == 4 and again.final_eval_loss == pytest.approx(first.final_eval_loss)
+    assert again.metrics_path == run_dir / "metrics.jsonl"
 
 
 def test_resume_without_a_checkpoint_moves_the_earlier_run_aside(tmp_path, caplog):
