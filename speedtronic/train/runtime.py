@@ -303,12 +303,32 @@ def _remove_log_handlers(handlers: Sequence[logging.Handler]) -> None:
         handler.close()
 
 
+def _as_data_bundle(cfg: SpeedtronicConfig, data: Any) -> None:
+    """``data=`` that is not a DataBundle: a torch Dataset / IterableDataset, a (train, eval)
+    pair or a ``{"train": ..., "eval": ...}`` dict goes through ``data.dataset`` (built like
+    one named in the config; returns None so the config path builds it). Anything else is
+    refused before the run directory changes: a Dataset once failed in ``fit``, after an
+    earlier run had been moved aside."""
+    from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+    if isinstance(data, (Dataset, IterableDataset, tuple, dict)):
+        cfg.data.dataset = data
+        return None
+    hint = " (pass its .dataset: the engine batches it itself)" \
+        if isinstance(data, DataLoader) else ""
+    raise ConfigError(f"data=: expected a DataBundle (with .train and .eval_batches), a torch "
+                      f"Dataset or IterableDataset, a (train, eval) pair or a dict with "
+                      f"'train' and 'eval', got {type(data).__name__}{hint}")
+
+
 def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.device | None,
                  callbacks: Sequence[TrainerCallback], model: nn.Module | None,
                  data: Any) -> Trainer:
     """Device, model, data, optimizer, schedule, callbacks and trainer (resumed if asked):
     everything that can fail on bad input, before the run directory is touched."""
     run_dir = cfg.run_dir
+    if data is not None and not hasattr(data, "train"):
+        data = _as_data_bundle(cfg, data)
     if cfg.run.num_threads is not None:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.run.seed)

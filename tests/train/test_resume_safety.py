@@ -254,3 +254,29 @@ def test_a_resume_with_nothing_changed_stays_bitwise(tmp_path):
     a = CheckpointManager(tmp_path / "a" / "t" / "checkpoints").load_latest()[0]["model"]
     b = CheckpointManager(tmp_path / "b" / "t" / "checkpoints").load_latest()[0]["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_data_given_as_a_dataset_trains_and_a_loader_is_refused_before_anything_moves(tmp_path):
+    """``data=`` takes a torch Dataset as ``data.dataset`` does; a DataLoader (or anything
+    else) is one clear error before an earlier run is touched (a Dataset once failed in fit
+    with an AttributeError after the earlier run had been moved aside)."""
+    from torch.utils.data import DataLoader, Dataset
+
+    class Sequences(Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return (torch.arange(33) + i) % 256          # (T + 1,) ids: input and shifted target
+
+    def cfg():
+        return tiny_config(tmp_path, name="d", run={"max_steps": 2, "eval_every": 0})
+
+    result = train_from_config(cfg(), data=Sequences(), plot=False)
+    assert result.steps == 2 and result.final_loss is not None
+    before = _snapshot(tmp_path / "d")
+    with pytest.raises(ValueError, match=r"data=: expected .* got DataLoader \(pass its "
+                                         r"\.dataset"):
+        train_from_config(cfg(), data=DataLoader(Sequences(), batch_size=4), plot=False)
+    assert _snapshot(tmp_path / "d") == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("d")] == ["d"]
