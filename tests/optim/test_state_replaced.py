@@ -10,20 +10,15 @@ import copy
 
 import pytest
 import torch
+from _engine_fixtures import one_thread  # noqa: F401
 from torch import nn
 
 from speedtronic.optim import HybridOptimizer, Muon
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # a square pair, a wide and a tall matrix (the tall one joins the wide group transposed)
 SHAPES = [(8, 8), (8, 8), (8, 24), (24, 8)]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _params(seed: int = 0) -> list[nn.Parameter]:
