@@ -5,6 +5,7 @@ replica groups). Field docstrings are the reference documentation of each key.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
@@ -214,10 +215,13 @@ class DataParallelConfig:
     """``torchrun`` data parallelism (DDP): read only when the run is started by torchrun with
     more than one process; ``data.target_batch_size`` is then the global batch."""
 
-    timeout_s: float = 600.0
+    timeout_s: float | None = None
     """Seconds any collective may wait: a rank that died or hangs ends the job with an error
     after this long instead of a silent wait (torchrun itself stops the others when a rank
-    exits with an error)."""
+    exits with an error). null = 600, or, for a torchrun group that is one DiLoCo worker, 60 s
+    more than rank 0's longest wait for the store (``distributed.start_timeout``, or
+    ``final_sync_timeout + shutdown_timeout``), which the other ranks spend in a collective
+    (at the defaults 600 = 600 was refused, so the documented command failed)."""
     shard_muon: bool = True
     """Each rank orthogonalizes 1/world of the Muon matrices and all-gathers the results
     (bitwise equal to every rank doing all of them). Newton-Schulz FLOPs per rank drop to
@@ -256,8 +260,18 @@ class DataParallelConfig:
     with ``zero1``, ``optimizer.cuda_graph``, ``ooo_backprop``, torchft, hierarchical DiLoCo,
     ``compile: true`` or fp16 (docs/scaling.md#fsdp2)."""
 
+    def resolve_timeout(self, diloco: DistributedConfig) -> None:
+        """Fill a null ``timeout_s`` (see the field)."""
+        if self.timeout_s is not None:
+            return
+        longest = max(diloco.start_timeout, diloco.final_sync_timeout + diloco.shutdown_timeout)
+        self.timeout_s = 600.0
+        if diloco.enabled and math.isfinite(longest):  # .inf: the start check asks for a value
+            self.timeout_s = max(600.0, longest + 60.0)
+
     def validate(self, p: str = "data_parallel") -> None:
-        require(self.timeout_s > 0, f"{p}.timeout_s", f"must be > 0 seconds, got {self.timeout_s}")
+        require(self.timeout_s is not None and self.timeout_s > 0, f"{p}.timeout_s",
+                f"must be > 0 seconds, got {self.timeout_s}")
         require(self.bucket_cap_mb > 0, f"{p}.bucket_cap_mb",
                f"must be > 0 MiB, got {self.bucket_cap_mb}")
 

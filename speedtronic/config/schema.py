@@ -594,6 +594,7 @@ class SpeedtronicConfig:
             self.scheduler.max_steps = self.run.max_steps
         self._name_diloco_run()
         self._torchft_from_env()
+        self.data_parallel.resolve_timeout(self.distributed)
         if self.gradient_checkpointing or self.model.gradient_checkpointing:
             self.gradient_checkpointing = self.model.gradient_checkpointing = True
         check_finite(self)  # first: range rules below read inf as a valid large value

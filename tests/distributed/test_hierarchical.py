@@ -93,3 +93,9 @@ def test_what_a_worker_group_cannot_be_is_refused_before_it_starts():
     short = load_config({**base, "data_parallel": {"timeout_s": 60}})
     with pytest.raises(ConfigError, match=r"data_parallel\.timeout_s: 60 s.*above 90"):
         check_hierarchical(short)
+    # at the defaults (start_timeout 600) a null timeout is set above the wait: the documented
+    # command with the shipped worker config was refused (600 s is not above 600 s)
+    defaults = load_config({"distributed": {"enabled": True, "store": "file:///tmp/x"}})
+    assert defaults.data_parallel.timeout_s == 660
+    check_hierarchical(defaults)
+    assert load_config({}).data_parallel.timeout_s == 600  # no DiLoCo: torch's usual bound
