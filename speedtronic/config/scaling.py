@@ -158,14 +158,18 @@ class DistributedConfig:
             return min(self.poll_interval, 1.0)
         return self.master_poll_interval
 
+    def check_node_id(self, p: str = "distributed") -> None:
+        """``node_id``'s rule alone (run.name may be built from it before sections validate)."""
+        if self.node_id is not None:
+            require(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.node_id) is not None,
+                    f"{p}.node_id", f"must be 1-64 of [A-Za-z0-9_.-] not starting with '.', "
+                    f"got {brief(self.node_id)}")
+
     def validate(self, p: str = "distributed") -> None:
         if self.enabled:
             require(self.store is not None, f"{p}.store",
                    "is required when distributed.enabled is true (file:///..., s3://..., hf://...)")
-        if self.node_id is not None:
-            require(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.node_id) is not None,
-                   f"{p}.node_id", f"must be 1-64 of [A-Za-z0-9_.-] not starting with '.', "
-                   f"got {brief(self.node_id)}")
+        self.check_node_id(p)
         require(self.inner_steps > 0, f"{p}.inner_steps", f"must be > 0, got {self.inner_steps}")
         require(self.poll_interval > 0, f"{p}.poll_interval", "must be > 0")
         if self.master_poll_interval is not None:

@@ -619,6 +619,7 @@ class SpeedtronicConfig:
         if "{node_id}" not in self.run.name and not (
                 self.distributed.enabled and self.run.name == RunConfig.name):
             return
+        self.distributed.check_node_id()  # first: a bad id is its own error, not run.name's
         import socket
 
         node = self.distributed.node_id or re.sub(r"[^A-Za-z0-9_.-]", "-",

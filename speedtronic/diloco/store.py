@@ -221,9 +221,12 @@ def open_store(url: str, *, retry: RetryPolicy | None = None,
         raise ValueError("distributed.store: the URL must not carry credentials; set them in "
                          "the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, HF_TOKEN)")
     if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"distributed.store: file URLs need an absolute path "
-                             f"(file:///path), got {url!r}")
+        # "file://" alone once stored into the current directory; "?..." and "#..." were
+        # dropped without a word
+        if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/") \
+                or parsed.query or parsed.fragment:
+            raise ValueError(f"distributed.store: file URLs need an absolute path and nothing "
+                             f"after it (file:///path), got {url!r}")
         inner: Store = DirectoryStore(parsed.path)
     elif parsed.scheme == "s3":
         inner = S3Store(url, **backend_kwargs)

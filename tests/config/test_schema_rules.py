@@ -17,6 +17,9 @@ def test_diloco_runs_are_named_by_node_id_so_workers_never_share_a_directory():
     anonymous = {"distributed": {"enabled": True, "store": "file:///tmp/s"}}
     assert socket.gethostname()[:10].replace("_", "-")[:3] in load_config(anonymous).run.name
     assert load_config({"run": {"name": "plain"}}).run.name == "plain"
+    # a bad id is named as such, not as the run name built from it
+    with pytest.raises(ConfigError, match="distributed.node_id: must be 1-64"):
+        load_config({"distributed": {**worker["distributed"], "node_id": "w/1"}})
 
 
 @pytest.mark.parametrize("seed", [2**64, -2**63 - 1])

@@ -150,6 +150,16 @@ def test_credentials_inside_a_store_url_are_refused_without_echoing_them(url):
     assert "hf_token@" not in str(info.value)
 
 
+@pytest.mark.parametrize("url", ["file://", "file:", "file://relative/dir",
+                                 "file:///tmp/store?x=1", "file:///tmp/store#part"])
+def test_a_file_url_without_an_absolute_path_alone_is_refused(url, tmp_path, monkeypatch):
+    """"file://" once stored into the current directory, and "?..." / "#..." were dropped."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="file URLs need an absolute path"):
+        open_store(url)
+    assert list(tmp_path.iterdir()) == []
+
+
 class _IgnoresConditions(DirectoryStore):
     """A store whose client drops If-None-Match / If-Match, as old s3fs/botocore do."""
 
