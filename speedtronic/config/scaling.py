@@ -136,7 +136,8 @@ class DistributedConfig:
     it (0 = end with local weights, ``.inf`` = no limit)."""
     master_idle_timeout: float = field(default=600.0, metadata=INF_IS_NO_LIMIT)
     """A master node keeps aggregating after its own training until every node it has seen is
-    done, or this many seconds pass without a new delta (``.inf`` = no limit)."""
+    done, or this many seconds pass without a new delta (``.inf`` = no limit, 0 = stop as soon
+    as none is new; the standalone master counts from its start)."""
     lease_ttl: float = 300.0
     """Seconds without renewal after which a standby master takes the lease over."""
     keep_versions: int = 4

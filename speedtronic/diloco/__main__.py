@@ -19,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--config", required=True)
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     m.add_argument("--expect-nodes", default="", help="comma-separated node ids to wait for")
-    m.add_argument("--idle-timeout", type=float, default=None)
+    m.add_argument("--idle-timeout", type=float, default=None,
+                   help="stop after this many seconds without a new delta (default: "
+                        "distributed.master_idle_timeout; inf = no limit)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     try:

@@ -177,8 +177,12 @@ def run_master(cfg: SpeedtronicConfig, *, expect_nodes: set[str] | None = None,
 
     thread = MasterThread(d, node_id, initial)
     idle = d.master_idle_timeout if idle_timeout is None else idle_timeout
+    if not idle >= 0:
+        raise ValueError(f"--idle-timeout: must be >= 0 seconds or inf (no limit), got {idle}")
+    # as distributed.master_idle_timeout reads everywhere: .inf is no limit, 0 stops at once
+    # (here 0 once meant no limit, the opposite of a training master's 0)
     thread.until = lambda m: m.all_done(expect_nodes, d.expected_workers or 0) or (
-        idle > 0 and time.monotonic() - m.last_new_delta > idle)
+        time.monotonic() - m.last_new_delta > idle)
     thread.start()
     try:
         thread.join()

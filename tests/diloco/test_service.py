@@ -72,3 +72,15 @@ def test_speedtronic_train_master_and_worker(tmp_path):
         assert 0 <= dl[-1]["diloco/train_thread_frac"] < 0.5
         total_sent += dl[-1]["diloco/deltas_sent"]
     assert total_sent == len(applied)  # every delta either node sent was applied once
+
+
+def test_the_standalone_master_reads_the_idle_timeout_as_a_training_master_does(tmp_path):
+    """0 stops as soon as no delta is new (it once meant "no limit" here, the opposite of a
+    training master's 0); a negative value is refused."""
+    from speedtronic.diloco.__main__ import main
+
+    cfg = str(_config(tmp_path, "m", "master", 0))
+    assert main(["master", "--config", cfg, "--idle-timeout", "-5"]) == 2
+    assert main(["master", "--config", cfg, "--idle-timeout", "0",
+                 "--set", "distributed.expected_workers=null"]) == 0  # returns, no worker came
+    assert list((tmp_path / "store").glob("global/*"))  # it published v0, then stopped
