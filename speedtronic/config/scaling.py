@@ -307,9 +307,11 @@ class TorchftConfig:
     max_commit_failures: int = 50
     """Consecutive steps that may fail to commit before the run ends with an error."""
     timeout_s: float = 60.0
-    """Seconds a gradient all-reduce, a commit vote or a healing transfer may take."""
+    """Seconds a gradient all-reduce, a commit vote or a healing transfer may take; also how
+    long a Lighthouse that cannot be reached at all is retried (measured: 68 s at 60)."""
     quorum_timeout_s: float = 300.0
-    """Seconds a group waits for a quorum (the Lighthouse's ``--min_replicas`` groups)."""
+    """Seconds a group waits for a quorum (the Lighthouse's ``--min_replicas`` groups) from a
+    Lighthouse that answers; one that cannot be reached is bounded by ``timeout_s``."""
     manager_port: int = 0
     """Port of this group's torchft Manager server (0 = any free port). It listens on every
     interface (torchft binds ``[::]``); the healing HTTP server does too."""
