@@ -243,7 +243,7 @@ class ReplicaGroups:
         return {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
                 "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
                 "scaler": t.scaler.state_dict() if t.scaler is not None else None,
-                "step": t.step}
+                "step": t.step, "tokens": t.tokens, "samples": t.samples}
 
     def _load_peer_state(self, state: dict[str, Any]) -> None:
         t = self.trainer
@@ -255,7 +255,8 @@ class ReplicaGroups:
             t.scheduler.load_state_dict(state["scheduler"])
         if t.scaler is not None and state["scaler"] is not None:
             t.scaler.load_state_dict(state["scaler"])
-        t.jump_to_step(state["step"])
+        # the counters follow the step: two groups at one step once logged 896 and 1920 tokens
+        t.jump_to_step(state["step"], state.get("tokens"), state.get("samples"))
         self.heals += 1
         logger.warning("torchft: replica group %d healed from a live peer at step %d (%+d "
                        "steps; loaded in %.3f s)", self.group, t.step, behind,

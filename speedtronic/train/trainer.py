@@ -193,6 +193,7 @@ class Trainer(TrainerState):
         self._micro_before_step = 0
         self._interval_first_step = 0  # the step the open log interval started after
         self._step_jump = 0  # steps jump_to_step added in the open step
+        self._counter_jump = (0, 0)  # tokens and samples it added
         self.skipped_steps = 0
         """Steps whose update ``train.on_nonfinite: skip`` dropped (cumulative in this fit)."""
         self._eval_pending = False  # set while a checkpoint is written ahead of its step's eval
@@ -632,9 +633,11 @@ class Trainer(TrainerState):
                 last = self.step + 1 == target
                 log_now = (self.step + 1) % log_every == 0 or last
                 grad_norm = self._clip_and_step(need_norm=log_now, update=has_gradient)
-                if self._step_jump:  # healed this step (jump_to_step)
+                if self._step_jump or self._counter_jump != (0, 0):  # healed (jump_to_step)
                     interval.steps += self._step_jump
-                    self._step_jump = 0
+                    interval.tokens += self._counter_jump[0]  # the peer's, not this interval's
+                    interval.samples += self._counter_jump[1]
+                    self._step_jump, self._counter_jump = 0, (0, 0)
                 # skip mode drops bad steps itself (their loss leaves _loss_sum)
                 self._count_finite_step(None if self._skip_nonfinite else grad_norm)
                 if trial is not None and trial.end_step() is not None:
@@ -696,13 +699,20 @@ class Trainer(TrainerState):
             self.save_checkpoint(force=True)
         return self._finish()
 
-    def jump_to_step(self, step: int) -> None:
-        """Continue from ``step``: another replica's state was just loaded (torchft healing).
-        The open log interval keeps counting this process's own steps only."""
+    def jump_to_step(self, step: int, tokens: int | None = None,
+                     samples: int | None = None) -> None:
+        """Continue from ``step`` (and the peer's ``tokens`` / ``samples`` counters): another
+        replica's state was just loaded (torchft healing). The open log interval keeps counting
+        this process's own steps and tokens only."""
         delta = step - self.step
         self.step = step
         self._interval_first_step += delta
         self._step_jump += delta
+        jumps = (0 if tokens is None else tokens - self.tokens,
+                 0 if samples is None else samples - self.samples)
+        self.tokens += jumps[0]
+        self.samples += jumps[1]
+        self._counter_jump = (self._counter_jump[0] + jumps[0], self._counter_jump[1] + jumps[1])
 
     def _drop_uncommitted_step(self) -> None:
         """A torchft step the quorum did not commit: no update, no schedule move, not counted,

@@ -228,6 +228,8 @@ def test_a_killed_group_is_survived_and_a_restarted_one_heals(tmp_path, lighthou
     w0, w1 = _final_weights(g0), _final_weights(g1)
     for key in w0:
         assert torch.equal(w0[key], w1[key]), key
+    # the healed group's counters follow the step it healed to (they once kept its own)
+    assert _rows(g1, "train_end")[-1]["tokens"] == _rows(g0, "train_end")[-1]["tokens"]
     # the survivor trained alone after group 1 died (the Lighthouse dropped it when its
     # heartbeat stopped), and with both again from the healing: under ddp from the step after
     # it (the healing step counts only the groups already there: the quorum is asynchronous),
