@@ -44,6 +44,15 @@ def _curves(run_dir: Path) -> tuple[list[tuple[int, float]], list[tuple[int, flo
     return sorted(curves["train_step"].items()), sorted(curves["eval"].items())
 
 
+def _runs_in(folder: Path) -> list[Path]:
+    """``folder`` itself, or for a ``speedtronic compare`` output folder (no metrics.jsonl of
+    its own) every run under its ``runs/``, sorted by name."""
+    if (folder / "metrics.jsonl").is_file() or not (folder / "runs").is_dir():
+        return [folder]
+    runs = sorted(p for p in (folder / "runs").iterdir() if (p / "metrics.jsonl").is_file())
+    return runs or [folder]
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -69,7 +78,7 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> 
     """Plot train/eval loss of ``run_dirs`` into ``out`` and return the path written.
 
     ``out``: a file (no suffix = ``.png``), a directory (``<dir>/loss.png``) or None
-    (``<first run>/loss.png``).
+    (``<first run>/loss.png``). A ``speedtronic compare`` output folder stands for its runs.
     """
     if not run_dirs:
         raise SpeedtronicError("plot: give at least one run directory")
@@ -80,8 +89,9 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> 
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    dirs = [Path(d) for d in run_dirs]
-    out_path = _output_path(out, dirs[0], FigureCanvasAgg.get_supported_filetypes())
+    given = [Path(d) for d in run_dirs]
+    out_path = _output_path(out, given[0], FigureCanvasAgg.get_supported_filetypes())
+    dirs = [run for d in given for run in _runs_in(d)]
     data = [(d, *_curves(d)) for d in dirs]
     if not any(train or evals for _, train, evals in data):
         raise SpeedtronicError("plot: no loss values in " + ", ".join(str(d) for d in dirs))

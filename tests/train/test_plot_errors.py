@@ -96,3 +96,18 @@ def test_a_single_logged_step_is_drawn_as_a_marker(tmp_path, monkeypatch):
                                                    "loss": 2.5}) + "\n")
     plot_runs([one, _run(tmp_path / "many")])
     assert (1, "o") in calls and (3, None) in calls
+
+
+def test_a_compare_output_folder_plots_its_runs(tmp_path, capsys, monkeypatch):
+    """It was refused as "not a run directory"; it stands for the runs compare wrote."""
+    folder = tmp_path / "cmp"
+    for name in ("muon-seed0", "adamw-seed0"):
+        _run(folder / "runs" / name)
+    drawn: list[str] = []
+    import speedtronic.train.plot as plot
+
+    real = plot._curves
+    monkeypatch.setattr(plot, "_curves", lambda d: drawn.append(d.name) or real(d))
+    assert main(["plot", str(folder)]) == 0
+    assert capsys.readouterr().out == f"wrote {folder / 'loss.png'}\n"
+    assert drawn == ["adamw-seed0", "muon-seed0"]
