@@ -13,7 +13,7 @@ import math
 import platform
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -194,12 +194,23 @@ def _sweep_variant(config: str | Path | Mapping[str, Any], overrides: Sequence[s
             "chosen": best["lr"], "at_edge": at_edge}
 
 
+def _described(v: Variant, swept: dict[str, Any] | None) -> str:
+    """The variant's one-liner; after an lr sweep its own override of the swept key is shown
+    replaced by the chosen value (the label once kept the value the sweep replaced)."""
+    if not swept:
+        return v.describe()
+    key = swept["key"]
+    kept = tuple(o for o in v.user_overrides if o.split("=", 1)[0].strip() != key)
+    chosen = f"{key}={swept['chosen']:.4g} (swept)"
+    return replace(v, user_overrides=(*kept, chosen)).describe()
+
+
 def _write_outputs(out: Path, base: SpeedtronicConfig, parsed: list[Variant],
                    records: dict[str, list[dict[str, Any]]], sweep: dict[str, Any],
                    settings: dict[str, Any]) -> CompareResult:
     baseline = parsed[0].name
     summary = aggregate(records, baseline)
-    descriptions = {v.name: v.describe() for v in parsed}
+    descriptions = {v.name: _described(v, sweep.get(v.name)) for v in parsed}
     table = markdown_table(summary, descriptions, baseline)
     first = records[baseline][0]
     meta = {

@@ -59,3 +59,13 @@ def test_bad_variant_specs_are_clear(spec, message):
 def test_duplicate_variant_names_refused():
     with pytest.raises(ConfigError, match="duplicate variant name"):
         parse_variants(["muon", "muon:optimizer.muon_lr=0.05"])
+
+
+def test_a_swept_variant_is_labelled_with_the_chosen_lr_not_the_one_it_replaced():
+    from speedtronic.compare.api import _described
+
+    v = parse_variant("mine:optimizer.name=muon,optimizer.muon_lr=0.05,cautious=true")
+    label = _described(v, {"key": "optimizer.muon_lr", "chosen": 0.1})
+    assert "muon_lr=0.05" not in label and "optimizer.muon_lr=0.1 (swept)" in label
+    assert "optimizer.cautious=true" in label
+    assert _described(v, None) == v.describe()
