@@ -38,9 +38,11 @@ def first_reach(evals: Sequence[Sequence[float]], target: float) -> tuple[int, f
 
     ``evals`` rows are ``[step, eval_loss, train_time_s]`` in step order. The resolution is the
     eval interval: a variant that crosses the target between two evals is credited at the later.
+    The step-0 eval (the untrained model) never counts: where the baseline ended above its own
+    start, every variant once "reached" it at step 0.
     """
     for step, loss, seconds in evals:
-        if loss is not None and not math.isnan(loss) and loss <= target:
+        if step > 0 and loss is not None and not math.isnan(loss) and loss <= target:
             return int(step), float(seconds)
     return None
 

@@ -31,6 +31,8 @@ def test_first_reach_uses_first_eval_at_or_below_target():
     assert first_reach(evals, 3.0) == (20, 3.0)
     assert first_reach(evals, 1.0) is None
     assert first_reach([[0, math.nan, 0.0]], 1.0) is None
+    # the untrained model's eval is no arrival (a baseline that ended above its start)
+    assert first_reach([[0, 5.0, 0.0], [10, 5.2, 1.0]], 5.1) is None
 
 
 def test_aggregate_targets_are_per_seed_and_table_shows_spread():
