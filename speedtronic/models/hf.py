@@ -124,6 +124,12 @@ def build_hf_model(cfg: ModelConfig) -> HFCausalLM:
     explicit = isinstance(spec, dict) and "vocab_size" in spec
     if cfg.vocab_size is not None and not explicit:
         hf_cfg.vocab_size = cfg.vocab_size  # the data's vocabulary (model.vocab_size)
+    elif cfg.vocab_size is not None and int(hf_cfg.vocab_size) < cfg.vocab_size:
+        # ids up to vocab_size - 1 would index past the embedding: an IndexError traceback at
+        # the first step, after the run directory had changed
+        raise ConfigError(f"model.hf_config.vocab_size: {hf_cfg.vocab_size} is smaller than the "
+                          f"data's vocabulary (model.vocab_size {cfg.vocab_size}); raise it, or "
+                          "leave it out to take the data's")
     for key in _POSITION_KEYS:
         limit = getattr(hf_cfg, key, None)
         if isinstance(limit, int) and limit < cfg.max_seq_len:

@@ -119,6 +119,9 @@ def test_hf_config_from_a_local_folder(tmp_path):
     ({"name": "hf", "hf_config": {"model_type": "no_such_type"}}, "model.hf_config:"),
     ({"name": "hf", "hf_config": "/no/such/folder"}, "has no config.json"),
     ({"name": "hf", "hf_config": TINY["gpt2"], "max_seq_len": 128}, "exceeds the Hugging Face"),
+    # bytes need 256 ids: a smaller explicit vocabulary was an IndexError at the first step
+    ({"name": "hf", "hf_config": {**TINY["llama"], "vocab_size": 100}},
+     r"model.hf_config.vocab_size: 100 is smaller than the data's vocabulary"),
 ])
 def test_bad_hf_configs_are_config_errors(model, message):
     with pytest.raises(ConfigError, match=message):
