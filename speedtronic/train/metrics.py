@@ -21,6 +21,8 @@ from typing import Any, TextIO
 from ..errors import SpeedtronicError
 
 logger = logging.getLogger("speedtronic.metrics")
+#: The name of the handler that writes ``logging.file`` (runtime.py opens it).
+RUN_LOG_HANDLER = "speedtronic-run-file"
 
 Hook = Callable[[str, dict[str, Any]], None]
 EVENTS = ("train_start", "train_step", "eval", "checkpoint", "train_end")
@@ -147,10 +149,18 @@ class MetricsLogger:
     def line(self, text: str) -> None:
         """Print one human-readable line (above the bar when one is shown)."""
         self.last_line = time.monotonic()
-        if self._bar is not None:
-            self._bar.write(text)
-        else:
+        if self._bar is None:
             logger.info(text)
+            return
+        if not logger.isEnabledFor(logging.INFO):  # logging.level holds with a bar too
+            return
+        self._bar.write(f"{time.strftime('%H:%M:%S')} {text}")
+        # The console got it above the bar; logging.file gets it too (with a bar it once held
+        # only the start-up lines: no step, eval or summary line)
+        record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, text, None, None)
+        for handler in logging.getLogger("speedtronic").handlers:
+            if handler.get_name() == RUN_LOG_HANDLER:
+                handler.handle(record)
 
     def emit(self, event: str, payload: dict[str, Any]) -> None:
         """Record ``event`` in metrics.jsonl and pass it to every hook."""

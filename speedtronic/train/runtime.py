@@ -34,6 +34,7 @@ from ..models.hf import check_forward
 from . import host_memory
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from .metrics import (
+    RUN_LOG_HANDLER,
     Hook,
     MetricsLogger,
     PeerMetrics,
@@ -428,7 +429,7 @@ class _HeldLogLines(logging.handlers.MemoryHandler):
     def __init__(self, path: Path) -> None:
         super().__init__(capacity=100_000, flushLevel=logging.CRITICAL + 1)
         self.path = path
-        self.set_name("speedtronic-run-file")
+        self.set_name(RUN_LOG_HANDLER)
 
 
 def _check_log_file(cfg: SpeedtronicConfig, run_dir: Path) -> _HeldLogLines | None:
@@ -469,7 +470,7 @@ def _open_log_file(buffer: _HeldLogLines) -> logging.Handler:
         raise ConfigError(f"logging.file: cannot open {path} for appending "
                           f"({exc.strerror or exc}); give a writable file path") from None
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.set_name("speedtronic-run-file")
+    handler.set_name(RUN_LOG_HANDLER)
     root = logging.getLogger("speedtronic")
     buffer.setTarget(handler)
     buffer.flush()  # the build's lines, in order, then the file handler takes over

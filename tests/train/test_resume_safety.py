@@ -280,3 +280,13 @@ def test_data_given_as_a_dataset_trains_and_a_loader_is_refused_before_anything_
         train_from_config(cfg(), data=DataLoader(Sequences(), batch_size=4), plot=False)
     assert _snapshot(tmp_path / "d") == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("d")] == ["d"]
+
+
+def test_with_a_progress_bar_the_log_file_still_gets_every_step_line(tmp_path, capsys):
+    """The bar's lines went to the console only: logging.file held the start-up lines alone."""
+    log = tmp_path / "train.log"
+    train_from_config(tiny_config(tmp_path, name="bar", run={"max_steps": 2, "eval_every": 0},
+                                  logging={"file": str(log), "progress_bar": True}), plot=False)
+    text = log.read_text()
+    assert "step 2/2" in text and "device: " in text
+    assert "step 2/2" in capsys.readouterr().out  # shown above the bar as before
