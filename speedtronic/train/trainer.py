@@ -536,12 +536,16 @@ class Trainer(TrainerState):
         self._finite_steps.zero_()
         self._report_skipped_updates([(shape, int(v)) for (shape, _), v in zip(guards, values,
                                                                                strict=True)])
-        # NaN for an interval of all-padding steps: no token had a loss
-        self.last_loss = (loss_value / self._micro_since_log
-                          if self._micro_since_log else float("nan"))
+        # NaN for an interval without a counted micro-batch (all padding, or every step
+        # skipped as non-finite): no token had a loss. last_loss (the checkpoint's, train_end's)
+        # keeps the last real one: a skipped last step once ended the run with loss nan.
+        interval_loss = (loss_value / self._micro_since_log
+                         if self._micro_since_log else float("nan"))
+        if self._micro_since_log:
+            self.last_loss = interval_loss
         record = {
             "step": self.step,
-            "loss": self.last_loss,
+            "loss": interval_loss,
             "lr": lr_value,
             "lr_group": self.optimizer.param_groups[0].get("name"),
             "grad_norm": norm_value,
@@ -649,7 +653,7 @@ class Trainer(TrainerState):
                     self.metrics.emit("train_step", record)
                     self.metrics.line(format_step_line(record, target))
                     self.metrics.advance(self.step - interval.steps,
-                                         {"loss": f"{self.last_loss:.3f}"})
+                                         {"loss": f"{record['loss']:.3f}"})
                     self._loss_sum.zero_()
                     self._micro_since_log = 0
                     self._interval_first_step = self.step

@@ -107,6 +107,22 @@ def test_skip_drops_the_bad_step_and_trains_on(tmp_path):
     assert _all_finite(tmp_path / "t" / "checkpoints")
 
 
+def test_a_skipped_last_step_keeps_the_last_real_loss(tmp_path):
+    """An interval whose only step was skipped logs no loss (NaN in its row), but the run's
+    last loss (checkpoint, train_end, the result) stays the last real one: it ended in nan."""
+    cfg = tiny_config(tmp_path, run={"max_steps": 3, "eval_every": 0},
+                      train={"on_nonfinite": "skip"}, logging={"every_steps": 1},
+                      checkpoint={"every_steps": 3})
+    result = train_from_config(cfg, model=NanAtCall({3}), data=FixedData(), plot=False)
+    events = read_metrics(tmp_path / "t" / "metrics.jsonl")
+    losses = {e["step"]: e["loss"] for e in events if e["event"] == "train_step"}
+    assert result.final_loss == losses[2]  # step 3 was skipped: no loss of its own
+    (end,) = [e for e in events if e["event"] == "train_end"]
+    assert end["loss"] == losses[2]
+    ckpt = CheckpointManager(tmp_path / "t" / "checkpoints")
+    assert ckpt.load(ckpt.list()[0][1])["last_loss"] == losses[2]
+
+
 def test_skip_gives_up_after_max_skipped_steps_in_a_row(tmp_path):
     cfg = tiny_config(tmp_path, run={"max_steps": 20, "eval_every": 0},
                       train={"on_nonfinite": "skip", "max_skipped_steps": 3})
