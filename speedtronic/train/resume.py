@@ -21,7 +21,7 @@ from .trainer import Trainer
 
 logger = logging.getLogger("speedtronic.runtime")
 
-__all__ = ["resume_trainer"]
+__all__ = ["architecture_changes", "resume_trainer"]
 
 
 #: Model keys a resumed run may change: they change how the same weights are trained or run,
@@ -43,14 +43,8 @@ def resume_trainer(trainer: Trainer, directory: Path) -> bool:
     state, path = found
     saved = state.get("config") or {}
     current = trainer.config.to_dict(redact=True)
-    saved_model = _resolved_architecture(saved.get("model") or {})
-    current_model = _resolved_architecture(current.get("model") or {})
-    refused = [k for k in sorted(set(saved_model) | set(current_model))
-               if saved_model and k not in _RESUMABLE_MODEL_KEYS
-               and saved_model.get(k) != current_model.get(k)]
-    if refused:
-        what = "; ".join(f"model.{k} is {current_model.get(k)!r} here but "
-                         f"{saved_model.get(k)!r} in the checkpoint" for k in refused[:4])
+    what = architecture_changes(saved.get("model") or {}, current.get("model") or {})
+    if what:
         raise CheckpointError(f"cannot resume from {path}: {what}. A resumed run keeps the "
                               "model's architecture: set those keys back, or train a fresh run "
                               "(without --resume, or under another run.name)")
@@ -76,6 +70,20 @@ def resume_trainer(trainer: Trainer, directory: Path) -> bool:
                 "; nothing left to train (raise run.max_steps to continue)"
                 if step == target else "")
     return True
+
+
+def architecture_changes(saved: dict[str, Any], current: dict[str, Any]) -> str:
+    """``model.k is X here but Y in the checkpoint; ...`` for the first 4 architecture keys
+    that differ (every model.* key but dropout, gradient checkpointing, max_seq_len and
+    init_from, with computed defaults resolved); "" when none does or nothing was saved.
+    ``--resume`` and ``model.init_from`` both refuse such a change: the same tensors under
+    another n_head or rope_base compute another function."""
+    saved_model, current_model = _resolved_architecture(saved), _resolved_architecture(current)
+    changed = [k for k in sorted(set(saved_model) | set(current_model))
+               if saved_model and k not in _RESUMABLE_MODEL_KEYS
+               and saved_model.get(k) != current_model.get(k)]
+    return "; ".join(f"model.{k} is {current_model.get(k)!r} here but {saved_model.get(k)!r} "
+                     "in the checkpoint" for k in changed[:4])
 
 
 def _resolved_architecture(model: dict[str, Any]) -> dict[str, Any]:

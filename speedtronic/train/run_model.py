@@ -18,6 +18,7 @@ from torch import nn
 from ..config import ConfigError, SpeedtronicConfig, load_config
 from ..models import build_model
 from .checkpoint import CheckpointManager, mismatch_details
+from .resume import architecture_changes
 
 __all__ = ["init_from", "load_run_model", "run_checkpoint"]
 
@@ -80,6 +81,31 @@ def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+#: config.json keys of a Llama folder that shape-compatible tensors do not pin down.
+_LLAMA_ARCHITECTURE_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim",
+                            "rope_theta", "tie_word_embeddings", "rms_norm_eps")
+
+
+def _llama_changes(folder: Path, cfg: SpeedtronicConfig) -> str:
+    """The folder's config.json against the Llama config of this reference model, for the keys
+    whose mismatch loads without a shape error (n_head, rope_base, tied head, ...)."""
+    import json
+
+    from ..models.export import llama_config
+
+    try:
+        theirs = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""  # no readable config.json: only the tensors' names and shapes are checked
+    if "rope_theta" not in theirs:  # newer transformers keep it in rope_parameters only
+        theirs["rope_theta"] = (theirs.get("rope_parameters") or {}).get("rope_theta")
+    mine = llama_config(cfg.model)
+    changed = [k for k in _LLAMA_ARCHITECTURE_KEYS
+               if theirs.get(k) is not None and theirs.get(k) != mine[k]]
+    return "; ".join(f"config.json has {k}={theirs[k]!r} but this model {mine[k]!r}"
+                     for k in changed)
+
+
 def init_from(model: nn.Module, cfg: SpeedtronicConfig) -> str:
     """Load ``cfg.model.init_from``'s weights into ``model``; one line saying what was loaded.
     Shapes or names that do not fit are one ConfigError naming the first few."""
@@ -87,19 +113,23 @@ def init_from(model: nn.Module, cfg: SpeedtronicConfig) -> str:
     from ..models.hf import HFCausalLM
 
     spec = Path(str(cfg.model.init_from)).expanduser()
-    if spec.is_dir() and (spec / "config.yaml").is_file():  # a run directory: its newest
-        _, state, path = run_checkpoint(spec)
+    if spec.is_file() or (spec.is_dir() and (spec / "config.yaml").is_file()):
+        # one of our checkpoints, or a run directory's newest
+        if spec.is_dir():
+            _, state, path = run_checkpoint(spec)
+        else:
+            state, path = CheckpointManager(spec.parent).load(spec), spec
         tensors, target, what = state["model"], model, f"{path} (weights only)"
-    elif spec.is_file():
-        state = CheckpointManager(spec.parent).load(spec)
-        tensors, target, what = state["model"], model, f"{spec} (weights only)"
+        changes = architecture_changes((state.get("config") or {}).get("model") or {},
+                                       cfg.to_dict()["model"])
     elif spec.is_dir():
-        tensors = _safetensors(spec)
+        tensors, changes = _safetensors(spec), ""
         if isinstance(model, HFCausalLM):
             target, what = model.hf, f"Hugging Face folder {spec}"
         else:
             tensors = reference_state_from_llama(tensors, cfg.model)
             target, what = model, f"Llama folder {spec} (converted names)"
+            changes = _llama_changes(spec, cfg)
     else:
         raise ConfigError(f"model.init_from: {str(spec)!r} does not exist (give a run "
                           "directory, a checkpoint .pt, or a Hugging Face folder)")
@@ -115,4 +145,8 @@ def init_from(model: nn.Module, cfg: SpeedtronicConfig) -> str:
     if missing or unexpected:
         raise ConfigError(f"model.init_from: {what} does not fit this model: missing "
                           f"{missing[:4]}, unexpected {list(unexpected)[:4]}")
+    if changes:  # after the shapes (their error names the tensors): what still loads silently
+        raise ConfigError(f"model.init_from: {what} was trained as another architecture: "
+                          f"{changes}. The same tensors would compute another function; set "
+                          "those model.* keys to the source's")
     return f"init_from: loaded {what}; the optimizer starts fresh"

@@ -73,3 +73,21 @@ def test_what_does_not_fit_is_one_clear_error(tmp_path, trained):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="neither model.safetensors"):
         _start(tmp_path, tmp_path / "empty")
+
+
+def test_a_shape_compatible_architecture_change_is_refused(tmp_path, trained):
+    """Loaded without a word before: the same tensors under another n_head, rope_base or tied
+    head compute another function (resume refuses the same changes)."""
+    run_dir, _, weights = trained
+    with pytest.raises(ConfigError, match=r"another architecture: model.n_head is 8 here but 4"):
+        _start(tmp_path, run_dir, model={**MODEL, "n_head": 8, "n_kv_head": 4})  # same shapes
+    with pytest.raises(ConfigError, match=r"model.rope_base is 500.0 here"):
+        _start(tmp_path, run_dir, model={**MODEL, "rope_base": 500.0})
+    pytest.importorskip("safetensors")
+    src = build_trainer(tiny_config(tmp_path / "x", "x", model=MODEL))
+    src.release_run_lock()
+    src.model.load_state_dict(weights)
+    export_hf(src.model, src.config.model, tmp_path / "llama")
+    with pytest.raises(ConfigError, match=r"config.json has rope_theta=10000.0 but this model "
+                                          r"500.0"):
+        _start(tmp_path, tmp_path / "llama", model={**MODEL, "rope_base": 500.0})
