@@ -382,7 +382,10 @@ class SchedulerConfig:
     max_steps: int | None = None
     """Horizon of the cosine decay; None = ``run.max_steps``."""
     min_lr_ratio: float = 0.1
-    """Final lr as a fraction of the peak (cosine only), in [0, 1]."""
+    """The cosine's floor as a fraction of the peak (cosine only), in [0, 1]: reached at step
+    ``scheduler.max_steps``, one step after the last one a run of that length trains (which
+    runs above it by sin^2(pi / (2 (max_steps - warmup))) of the range: 2.5e-6 with 1000 decay
+    steps, 0.15 with 4)."""
 
     def validate(self, p: str = "scheduler") -> None:
         require(self.warmup_steps >= 0, f"{p}.warmup_steps",

@@ -106,7 +106,9 @@ def _warn_about_schedule(cfg: SpeedtronicConfig, horizon: int) -> None:
         logger.warning("scheduler: the cosine ends at scheduler.max_steps=%d but the run lasts "
                        "run.max_steps=%d, so the last %d steps stay at min_lr_ratio=%g; set "
                        "scheduler.max_steps to %d or null (= run.max_steps)", horizon, steps,
-                       steps - horizon, s.min_lr_ratio, steps)
+                       # a horizon at or below the warmup: the first step after warmup is
+                       # still the peak (progress 0), so one step fewer sits at the floor
+                       steps - max(horizon, s.warmup_steps + 1), s.min_lr_ratio, steps)
 
 
 def build_optimizer(model: nn.Module, cfg: SpeedtronicConfig,
