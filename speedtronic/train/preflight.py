@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..config import ConfigError, SpeedtronicConfig
 from ..errors import RunLockedError
+from .metrics import require_hook_packages
 from .run_lock import held_by
 
 logger = logging.getLogger("speedtronic.runtime")
@@ -157,6 +158,7 @@ def preflight(cfg: SpeedtronicConfig) -> list[str]:
     lines = [_check_data_files(cfg)]  # first: it may set model.vocab_size from the tokenizer
     lines.insert(0, check_model_size(cfg, _device_type(cfg)))
     check_run_dir(cfg.run_dir)
+    require_hook_packages(tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb)
     holder = held_by(cfg.run_dir)
     if holder is not None:  # train refuses this first: so does validate
         raise RunLockedError(f"run directory {cfg.run_dir} is in use by {holder}; train would "

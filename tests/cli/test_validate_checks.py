@@ -3,6 +3,7 @@ for configs ``train`` refused at once), and still imports no torch."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -33,6 +34,8 @@ def _cfg(tmp_path: Path, **sections) -> Path:
     ({"model": {"n_layer": 10_000, "d_model": 1024, "n_head": 16}}, "parameters need at least"),
     ({"model": {"d_model": 4_000_000, "n_head": 1, "n_kv_head": 1}}, "beyond any single-machine"),
     ({"run": {"seed": 2**64}}, "run.seed: must fit in 64 bits"),
+    *([({"logging": {"tensorboard": True}}, "logging.tensorboard: true needs TensorBoard")]
+      if importlib.util.find_spec("tensorboard") is None else []),
     ({"data": {"tokenizer": "/no/such/tokenizer.json", "text_path": "/no/such/texts"}},
      "data.tokenizer: file not found"),
 ])
