@@ -338,6 +338,10 @@ class Trainer(TrainerState):
             reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             logger.warning("torch.compile: off (compiler failed, running eager: %s: %s)",
                            type(exc).__name__, reason[:300])
+            # train_start said compile: true before the first forward; the record says it ended
+            self.compile_on = False
+            self.metrics.emit("compile_off", {"step": self.step, "reason":
+                                              f"{type(exc).__name__}: {reason[:300]}"})
             self._forward = self._ddp if self._ddp is not None else self.model
             self.optimizer.zero_grad(set_to_none=True)
             torch.set_rng_state(rng)

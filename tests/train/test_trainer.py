@@ -169,6 +169,9 @@ def test_compile_falls_back_to_eager_on_compiler_error(tmp_path, monkeypatch, ca
     assert result.steps == 2
     assert "torch.compile: off (compiler failed, running eager: Boom: backend exploded)" \
         in caplog.text
+    events = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+    (off,) = [e for e in events if e["event"] == "compile_off"]  # train_start said true
+    assert off["step"] == 0 and off["reason"] == "Boom: backend exploded"
 
 
 def test_compile_fallback_does_not_hide_model_bugs(tmp_path, monkeypatch):
