@@ -130,6 +130,10 @@ class UserIterator:
         self.indices = indices
         self.epoch = 0
         self.batch = 0  # batches consumed in this epoch (underlying batches for iterables)
+        # Items consumed in this epoch (this rank's for a map-style dataset): the saved position,
+        # so a resume with another micro_batch_size continues at the same item (in batches it
+        # repeated or skipped B_new - B_old items per batch consumed)
+        self.items = 0
         self._it: Iterator[Batch] | None = None
         self._sampler = None if self.iterable else _IndexSampler()
         if not self.iterable:
@@ -158,7 +162,12 @@ class UserIterator:
     def _start(self) -> None:
         if self.iterable:
             self._it = iter(self.loader)
-            skip = self.batch
+            skip = -(-self.items // self.B)  # whole batches covering the consumed items
+            if self.items % self.B:
+                logger.warning("data: the saved position (%d items into the IterableDataset) is "
+                               "not a multiple of data.micro_batch_size=%d; resuming %d items "
+                               "later", self.items, self.B, skip * self.B - self.items)
+            self.batch, self.items = skip, skip * self.B
             if skip:
                 logger.info("data: skipping %d batches of the IterableDataset to restore the "
                             "saved position", skip)
@@ -167,7 +176,7 @@ class UserIterator:
                     raise SpeedtronicError("data.dataset: the IterableDataset is shorter than "
                                            "the saved position; was it changed?")
         else:
-            self._sampler.indices = self._epoch_indices()[self.batch * self.B:]
+            self._sampler.indices = self._epoch_indices()[self.items:]
             self._it = iter(self.loader)
 
     def __iter__(self) -> UserIterator:
@@ -185,16 +194,17 @@ class UserIterator:
                     if empty_epochs > 1:
                         raise SpeedtronicError("data.dataset: the dataset yields no full "
                                                f"micro-batch of {self.B} items")
-                self.epoch, self.batch, self._it = self.epoch + 1, 0, None
+                self.epoch, self.batch, self.items, self._it = self.epoch + 1, 0, 0, None
                 continue
             self.batch += 1
+            self.items += self.B
             if self.iterable and (self.batch - 1) % self.world != self.rank:
                 continue  # another rank's batch
             return batch
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last returned batch."""
-        return {"kind": "user", "epoch": self.epoch, "batch": self.batch}
+        return {"kind": "user", "epoch": self.epoch, "batch": self.batch, "items": self.items}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue exactly after the batch at which ``state`` was taken."""
@@ -202,6 +212,8 @@ class UserIterator:
             raise SpeedtronicError(f"data state is of kind {state.get('kind')!r}, expected "
                                    "'user' (was the checkpoint made with another data source?)")
         self.epoch, self.batch, self._it = int(state["epoch"]), int(state["batch"]), None
+        # checkpoints before "items" counted batches of this run's size
+        self.items = int(state.get("items", self.batch * self.B))
 
 
 def holdout_split(n: int, eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:

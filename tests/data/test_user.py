@@ -112,3 +112,37 @@ def test_a_factory_that_cannot_take_the_config_is_a_config_error(monkeypatch, tm
     assert main(["train", "--config", str(run), "--set", "data.dataset=os:getcwd"]) == 2
     err = capsys.readouterr().err.strip()
     assert "data.dataset: 'os:getcwd'" in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("kind", ["map", "iterable"])
+def test_a_resume_with_another_micro_batch_continues_at_the_same_item(kind):
+    """The position is kept in items: resumed with micro_batch_size 2 after 3 batches of 4, the
+    next items are items 12-15 of the epoch (counting batches, 6-9 again were trained on)."""
+    from speedtronic.data.user import UserIterator
+
+    def items(batches):
+        return [int(v) // 1000 for x, _ in batches for v in x[:, 0]]
+
+    def make(batch_size):
+        ds = Sequences(40, 8) if kind == "map" else _Numbered(40, 8)
+        return UserIterator(ds, batch_size, seed=3, rank=0, world=1, shuffle=kind == "map",
+                            num_workers=0, pin_memory=False)
+
+    straight = make(4)
+    order = items([next(straight) for _ in range(4)])   # items of batches 1-4
+    first = make(4)
+    [next(first) for _ in range(3)]
+    resumed = make(2)
+    resumed.load_state_dict(first.state_dict())
+    assert items([next(resumed) for _ in range(2)]) == order[12:16]
+
+
+class _Numbered(IterableDataset):
+    """Items 0..n-1 in order, as Sequences numbers them."""
+
+    def __init__(self, n: int, T: int) -> None:
+        self.n, self.T = n, T
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield torch.arange(self.T + 1) + 1000 * i
