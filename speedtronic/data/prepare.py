@@ -90,9 +90,27 @@ def eos_id(tokenizer: Any) -> int | None:
     return None
 
 
-def text_files(spec: str) -> list[Path]:
-    """The UTF-8 files named by ``data.text_path``: a file, a glob, or a directory (recursive)."""
-    return expand_paths(spec, "data.text_path", recursive=True)
+def text_files(spec: str, exclude: Path | None = None) -> list[Path]:
+    """The UTF-8 files named by ``data.text_path``: a file, a glob, or a directory (recursive),
+    leaving out anything under ``exclude`` (the prepared-token folder: inside ``text_path`` its
+    own shards were read back as text, a new, larger corpus on every run)."""
+    files = expand_paths(spec, "data.text_path", recursive=True)
+    if exclude is None:
+        return files
+    root = exclude.expanduser().resolve()
+    kept = [p for p in files if root not in p.resolve().parents]
+    if not kept:
+        raise ConfigError(f"data.text_path: every file under {spec!r} is inside the prepared-token "
+                          f"folder {str(root)!r}; point text_path at the text itself")
+    return kept
+
+
+def prepared_root(cfg: SpeedtronicConfig) -> Path:
+    """The folder prepared tokens go under: ``data.prepare_dir`` or the cache's ``tokens/``."""
+    if cfg.data.prepare_dir:
+        return Path(cfg.data.prepare_dir).expanduser()
+    root = Path(os.environ.get("SPEEDTRONIC_CACHE_DIR") or Path.home() / ".cache" / "speedtronic")
+    return root / "tokens"
 
 
 def _file_stamps(files: list[Path]) -> list[list[Any]]:
@@ -113,7 +131,7 @@ def _source_fingerprint(cfg: SpeedtronicConfig) -> dict[str, Any]:
             fp["files"] = _file_stamps(expand_paths(str(local), "data.hf_dataset",
                                                     recursive=True))
         return fp
-    return {"text_files": _file_stamps(text_files(str(d.text_path)))}
+    return {"text_files": _file_stamps(text_files(str(d.text_path), prepared_root(cfg)))}
 
 
 def prepared_dir(cfg: SpeedtronicConfig, tokenizer: Any) -> tuple[Path, str]:
@@ -121,10 +139,7 @@ def prepared_dir(cfg: SpeedtronicConfig, tokenizer: Any) -> tuple[Path, str]:
     blob = json.dumps({"tokenizer": hashlib.sha256(tokenizer.to_str().encode()).hexdigest(),
                        "source": _source_fingerprint(cfg), "format": 1}, sort_keys=True)
     key = hashlib.sha256(blob.encode()).hexdigest()[:16]
-    if cfg.data.prepare_dir:
-        return Path(cfg.data.prepare_dir).expanduser() / key, key
-    root = Path(os.environ.get("SPEEDTRONIC_CACHE_DIR") or Path.home() / ".cache" / "speedtronic")
-    return root / "tokens" / key, key
+    return prepared_root(cfg) / key, key
 
 
 def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[tuple[str, str]]:
@@ -395,7 +410,7 @@ def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
         texts: Iterator[tuple[str, str]] = _hf_rows(cfg)
         what = f"dataset {d.hf_dataset} [{d.hf_split}].{d.text_field}"
     else:
-        files = text_files(str(d.text_path))
+        files = text_files(str(d.text_path), prepared_root(cfg))
         texts = _file_blocks(files)
         what = f"{len(files)} text file(s) under {d.text_path}"
     workers = workers or d.prepare_workers or max(1, (os.cpu_count() or 1))

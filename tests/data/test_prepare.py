@@ -77,6 +77,16 @@ def test_text_files_are_tokenized_once_and_cached(tmp_path, tokenizer_json, text
     assert prepare(c)["key"] != meta["key"]
 
 
+def test_a_prepare_dir_inside_the_text_is_never_read_as_text(tmp_path, tokenizer_json,
+                                                              text_dir):
+    """Its shards were read back as (binary) text: a new, larger corpus on every prepare."""
+    inside = cfg(tmp_path, {"tokenizer": str(tokenizer_json), "text_path": str(text_dir),
+                            "prepare_dir": str(text_dir / "tokens")})
+    first = prepare(inside)
+    again = prepare(inside)  # the shards now sit under text_path
+    assert again["key"] == first["key"] and again["tokens"] == first["tokens"]
+
+
 def test_parallel_and_serial_tokenization_agree(tmp_path, tokenizer_json, text_dir):
     a = prepare(cfg(tmp_path / "a", {"tokenizer": str(tokenizer_json),
                                      "text_path": str(text_dir)}), workers=1)
