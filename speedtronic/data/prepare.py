@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError, SpeedtronicConfig
+from ..errors import brief
 from .token_files import expand_paths, write_shard
 
 __all__ = ["PreparedTokens", "load_tokenizer", "prepare", "prepared_dir", "text_files"]
@@ -174,12 +175,20 @@ def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[tuple[str, str]]:
     if columns is not None and d.text_field not in columns:
         raise ConfigError(f"data.text_field: {d.text_field!r} is not a column of "
                           f"{d.hf_dataset!r}; columns: {sorted(columns)}")
+    empty = 0
     for i, row in enumerate(ds):
         if d.text_field not in row:
             raise ConfigError(f"data.text_field: {d.text_field!r} is not a field of "
                               f"{d.hf_dataset!r}; fields: {sorted(row)}")
         where = f"data.hf_dataset {str(d.hf_dataset)!r} [{d.hf_split}] row {i}"
-        text = str(row[d.text_field])
+        value = row[d.text_field]
+        if value is None:  # str(None) once trained on the word "None", once per null row
+            empty += 1
+            continue
+        if not isinstance(value, str):
+            raise ConfigError(f"data.text_field: {where} holds a {type(value).__name__}, not "
+                              f"text ({brief(value)}); name a column of strings")
+        text = value
         limit = _FORCED_CUT_BLOCKS * _TEXT_BLOCK
         while len(text) > limit:  # one huge row must not be one tokenizer call (see below)
             cut = _block_cut(text[:limit], any_newline=True) or limit
@@ -187,6 +196,9 @@ def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[tuple[str, str]]:
             yield where, text[:cut]
             text = text[cut:]
         yield where, text + "\x00EOD"
+    if empty:
+        logger.warning("data: %d row(s) of %r with a null %s were skipped", empty,
+                       str(d.hf_dataset), d.text_field)
 
 
 # Where byte-level BPE (GPT-2 and cl100k style patterns) and SentencePiece-style Metaspace all

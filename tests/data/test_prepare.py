@@ -158,6 +158,27 @@ def test_local_hf_dataset_offline_from_disk_and_from_data_files(tmp_path, tokeni
     assert counts[0] == counts[1]  # the same rows, whichever way they are stored
 
 
+def test_null_rows_are_skipped_and_a_non_text_column_is_refused(tmp_path, tokenizer_json,
+                                                                 corpus_text, monkeypatch, caplog):
+    """A null row was tokenized as the word "None"; a list as its repr."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rows = [{"text": corpus_text[i:i + 3000]} for i in range(0, 30_000, 3000)]
+    plain, nulls = tmp_path / "plain", tmp_path / "nulls"
+    datasets.Dataset.from_list(rows).save_to_disk(str(plain))
+    datasets.Dataset.from_list(rows + [{"text": None}] * 5).save_to_disk(str(nulls))
+    tokens = []
+    for source in (plain, nulls):
+        with caplog.at_level(logging.WARNING, logger="speedtronic.data"):
+            tokens.append(prepare(cfg(tmp_path / source.name, {
+                "tokenizer": str(tokenizer_json), "hf_dataset": str(source)}))["tokens"])
+    assert tokens[0] == tokens[1] and "5 row(s)" in caplog.text
+    lists = tmp_path / "lists"
+    datasets.Dataset.from_list([{"text": ["a", "b"]}] * 4).save_to_disk(str(lists))
+    with pytest.raises(ConfigError, match=r"data.text_field: .* row 0 holds a list, not text"):
+        prepare(cfg(tmp_path / "l", {"tokenizer": str(tokenizer_json),
+                                     "hf_dataset": str(lists)}))
+
+
 def test_resume_is_exact_on_prepared_shards(tmp_path, tokenizer_json, text_dir):
     c = cfg(tmp_path, {"tokenizer": str(tokenizer_json), "text_path": str(text_dir)})
     check_data(c)
