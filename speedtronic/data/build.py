@@ -42,6 +42,7 @@ from .sources import (
 from .token_files import (
     TOKEN_CHUNK,
     TokenFileStore,
+    byte_text_file,
     open_token_file,
     resolve_token_paths,
 )
@@ -154,6 +155,7 @@ def _check_byte_vocab(cfg: SpeedtronicConfig, what: str) -> None:
                           f"model.vocab_size >= {BYTE_VOCAB}, got {cfg.model.vocab_size}")
 
 
+
 def build_data(cfg: SpeedtronicConfig, *, rank: int = 0, world: int = 1,
                device: str | torch.device | None = None) -> DataBundle:
     """Build the data of ``cfg`` (a :class:`~speedtronic.config.SpeedtronicConfig`).
@@ -184,9 +186,7 @@ def build_data(cfg: SpeedtronicConfig, *, rank: int = 0, world: int = 1,
                                  chunk_samples=max(1, TOKEN_CHUNK // T))
     elif d.text_path is not None:
         _check_byte_vocab(cfg, f"data.text_path {d.text_path!r}")
-        path = Path(d.text_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"data.text_path: file not found: {str(path)!r}")
+        path = byte_text_file(d.text_path)
         size = path.stat().st_size
         split = int(size * (1.0 - d.eval_fraction))
         where = f"data.text_path {str(path)!r}"

@@ -143,11 +143,18 @@ def _check_data_files(cfg: SpeedtronicConfig) -> str:
     if d.text_path is not None:
         from ..data.token_files import expand_paths
 
-        files = expand_paths(d.text_path, "data.text_path")
+        if d.tokenizer is None:  # bytes: one file, as train reads it
+            from ..data.token_files import byte_text_file
+
+            files = [byte_text_file(d.text_path)]
+        else:  # recursive, as prepare lists it (validate once found 22 of 42 files, and none
+            # of a corpus kept in sub-folders)
+            files = expand_paths(d.text_path, "data.text_path", recursive=True)
         for path in files:
             if not os.access(path, os.R_OK):
                 raise ConfigError(f"data.text_path: {str(path)!r} is not readable")
-        return f"data: {len(files)} text file(s) readable, tokenizer loads"
+        return (f"data: {len(files)} text file(s) readable"
+                + (", tokenizer loads" if d.tokenizer is not None else " (bytes)"))
     return "data: hf_dataset is opened by train (not checked here)"
 
 

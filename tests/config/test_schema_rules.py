@@ -33,3 +33,13 @@ def test_preemption_signals_must_be_catchable():
     for bad in ("SIGKILL", "SIGNOPE", "TERM"):
         with pytest.raises(ConfigError, match="train.preemption_signals"):
             load_config({"train": {"preemption_signals": [bad]}})
+
+
+def test_byte_text_is_one_file_and_takes_a_home_path(tmp_path, monkeypatch):
+    """A folder said "file not found" for a path that exists; "~/x.txt" was not expanded."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "x.txt").write_text("some text\n" * 100)
+    assert load_config({"data": {"text_path": "~/x.txt"}}).data.text_path == "~/x.txt"
+    for spec in (str(tmp_path), str(tmp_path / "*.txt")):
+        with pytest.raises(ConfigError, match="is a folder or a glob; read as bytes"):
+            load_config({"data": {"text_path": spec}})

@@ -354,3 +354,19 @@ def test_a_line_without_cut_points_is_cut_to_bound_memory(tmp_path, tokenizer_js
     assert max(calls) <= 9 * 4096 and meta["tokens"] > 0
     lines = [r.getMessage() for r in caplog.records if "without a newline" in r.getMessage()]
     assert len(lines) == 1 and "blob.json" in lines[0]
+
+
+def test_validate_lists_a_text_folder_recursively_as_prepare_does(tmp_path, tokenizer_json,
+                                                                   text_dir, capsys):
+    """It listed one level only: a corpus in sub-folders "matched no files"."""
+    from speedtronic.cli import main
+
+    nested = tmp_path / "nested" / "a" / "b"
+    nested.mkdir(parents=True)
+    for f in text_dir.iterdir():
+        (nested / f.name).write_text(f.read_text())
+    config = tmp_path / "run.yaml"
+    config.write_text(json.dumps({"model": MODEL, "data": {
+        "tokenizer": str(tokenizer_json), "text_path": str(tmp_path / "nested")}}))
+    assert main(["validate", "--config", str(config)]) == 0
+    assert "data: 3 text file(s) readable, tokenizer loads" in capsys.readouterr().err
