@@ -72,10 +72,17 @@ def check_data(cfg: SpeedtronicConfig) -> None:
                               f"be at least {top + 1}")
         cfg.model.vocab_size = vocab_from_data
         logger.info("data: model.vocab_size = %d (from the tokenizer)", vocab_from_data)
+    # the tokenizer's vocabulary first: the ids of its shards only bound it from below (a
+    # vocab of 100 against a 500-id tokenizer once asked for 446, then for 500)
+    if vocab_from_data is not None and cfg.model.vocab_size < vocab_from_data:
+        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the "
+                          f"tokenizer's vocabulary of {vocab_from_data} ({d.tokenizer}); set it "
+                          f">= {vocab_from_data} or leave it null (= the tokenizer's)")
     if top >= cfg.model.vocab_size:
+        # two uint16 ids read as one uint32 give ~ next_id * 65536: far above any real vocab
+        if not hint and top >= 1 << 24 and d.tokens_dtype == "uint32":
+            hint = (" (ids this large usually mean uint16 ids read as uint32: try "
+                    "data.tokens_dtype: uint16 or auto)")
         raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is too small for the data: "
                           f"{where} holds token id {top}{hint}; set model.vocab_size >= "
                           f"{top + 1}")
-    if vocab_from_data is not None and cfg.model.vocab_size < vocab_from_data:
-        raise ConfigError(f"model.vocab_size: {cfg.model.vocab_size} is smaller than the "
-                          f"tokenizer's vocabulary of {vocab_from_data} ({d.tokenizer})")

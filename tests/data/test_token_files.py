@@ -155,6 +155,16 @@ def test_bad_token_files_are_one_clear_error(tmp_path, case, message):
     assert "data.tokens_path" in str(info.value)
 
 
+def test_uint16_ids_read_as_uint32_get_the_dtype_hint(tmp_path):
+    """The error asked for model.vocab_size >= 1310674463 and no more."""
+    path = tmp_path / "t.bin"
+    (np.arange(4000, dtype=np.uint16) % 300 + 1).tofile(path)  # raw uint16, read as uint32
+    c = cfg(tmp_path, {"tokens_path": str(path), "tokens_dtype": "uint32"}, vocab_size=1000)
+    with pytest.raises(ConfigError, match="uint16 ids read as uint32: try data.tokens_dtype: "
+                                          "uint16"):
+        check_data(c)
+
+
 def test_sources_are_exclusive_and_eval_tokens_needs_tokens():
     with pytest.raises(ConfigError, match="set at most one of"):
         load_config({"data": {"tokens_path": "a.bin", "synthetic": True}})
