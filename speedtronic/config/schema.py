@@ -266,8 +266,9 @@ class DataConfig:
         if self.target_batch_size is not None:
             require(self.target_batch_size >= self.micro_batch_size
                    and self.target_batch_size % self.micro_batch_size == 0,
-                   f"{p}.target_batch_size", f"must be a multiple of micro_batch_size="
-                   f"{self.micro_batch_size}, got {self.target_batch_size}")
+                   f"{p}.target_batch_size", f"must be a positive multiple of "
+                   f"micro_batch_size={self.micro_batch_size} (one optimizer step's samples), "
+                   f"got {self.target_batch_size}")
         require(self.num_workers >= 0, f"{p}.num_workers", "must be >= 0")
 
 
