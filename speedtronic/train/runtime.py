@@ -315,7 +315,9 @@ def _as_data_bundle(cfg: SpeedtronicConfig, data: Any) -> None:
     from torch.utils.data import DataLoader, Dataset, IterableDataset
 
     if isinstance(data, (Dataset, IterableDataset, tuple, dict)):
-        cfg.data.dataset = data
+        d = cfg.data  # it replaces whatever source the config names, as data= always did
+        d.dataset, d.text_path, d.tokens_path, d.eval_tokens_path = data, None, None, None
+        d.hf_dataset, d.tokenizer, d.synthetic = None, None, False
         return None
     hint = " (pass its .dataset: the engine batches it itself)" \
         if isinstance(data, DataLoader) else ""
