@@ -93,6 +93,7 @@ def _resolved_architecture(model: dict[str, Any]) -> dict[str, Any]:
     if model.get("name") not in REFERENCE_MODELS or "d_model" not in model:
         return model
     model = dict(model)
+    model["name"] = REFERENCE_MODELS[0]  # "gpt" is the same model under another name
     if model.get("n_kv_head") is None:
         model["n_kv_head"] = model.get("n_head")
     if "d_ff" in model:
