@@ -124,6 +124,12 @@ def build_hf_model(cfg: ModelConfig) -> HFCausalLM:
     explicit = isinstance(spec, dict) and "vocab_size" in spec
     if cfg.vocab_size is not None and not explicit:
         hf_cfg.vocab_size = cfg.vocab_size  # the data's vocabulary (model.vocab_size)
+        # special ids of the family's own tokenizer (GPT-2's 50256) beyond it: transformers
+        # warned on every load of the run's export ("must be within the vocabulary")
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            value = getattr(hf_cfg, key, None)
+            if isinstance(value, int) and value >= cfg.vocab_size:
+                setattr(hf_cfg, key, None)
     elif cfg.vocab_size is not None and int(hf_cfg.vocab_size) < cfg.vocab_size:
         # ids up to vocab_size - 1 would index past the embedding: an IndexError traceback at
         # the first step, after the run directory had changed

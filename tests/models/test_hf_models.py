@@ -112,6 +112,16 @@ def test_hf_config_from_a_local_folder(tmp_path):
     assert type(model.hf).__name__ == "LlamaForCausalLM" and model.hf.config.vocab_size == 128
 
 
+def test_special_ids_beyond_the_data_vocabulary_are_dropped():
+    """GPT-2's config keeps bos/eos 50256; at the data's 256 ids transformers warned on every
+    load of the export."""
+    model = build_model(load_config({"model": {"name": "hf", "hf_config": TINY["gpt2"],
+                                               "max_seq_len": 32}}).model)
+    config = model.hf.config
+    assert config.vocab_size == 256 and config.bos_token_id is None
+    assert config.eos_token_id is None
+
+
 @pytest.mark.parametrize(("model", "message"), [
     ({"name": "reference_transformer", "hf_config": {"model_type": "llama"}},
      "model.hf_config: is only read with model.name: hf"),
