@@ -141,6 +141,10 @@ def build_hf_model(cfg: ModelConfig) -> HFCausalLM:
         if isinstance(limit, int) and limit < cfg.max_seq_len:
             raise ConfigError(f"model.max_seq_len: {cfg.max_seq_len} exceeds the Hugging Face "
                               f"config's {key}={limit}; lower it or raise {key}")
+    # A causal LM must not see the tokens it predicts: an encoder family (bert, roberta) built
+    # as AutoModelForCausalLM attends both ways unless is_decoder (position 0's logits moved
+    # with token 5); decoder-only configs ignore the flag
+    hf_cfg.is_decoder = True
     try:
         hf = transformers.AutoModelForCausalLM.from_config(hf_cfg)
     except ValueError as exc:

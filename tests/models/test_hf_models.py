@@ -122,6 +122,20 @@ def test_special_ids_beyond_the_data_vocabulary_are_dropped():
     assert config.eos_token_id is None
 
 
+def test_an_encoder_family_is_built_causal():
+    """bert as AutoModelForCausalLM attended to later tokens unless is_decoder."""
+    spec = {"model_type": "bert", "hidden_size": 32, "intermediate_size": 64,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 64}
+    model = build_model(load_config({"model": {"name": "hf", "hf_config": spec,
+                                               "max_seq_len": 32}}).model).eval()
+    x = torch.randint(0, 256, (1, 8))
+    y = x.clone()
+    y[0, 5] = (x[0, 5] + 1) % 256
+    with torch.no_grad():
+        a, b = (model.hf(input_ids=t).logits[0, :5] for t in (x, y))
+    torch.testing.assert_close(a, b)  # positions before 5 do not see token 5
+
+
 @pytest.mark.parametrize(("model", "message"), [
     ({"name": "reference_transformer", "hf_config": {"model_type": "llama"}},
      "model.hf_config: is only read with model.name: hf"),
