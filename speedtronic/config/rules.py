@@ -8,11 +8,12 @@ import dataclasses
 import math
 import os
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 from ..errors import ConfigError, brief
 
-__all__ = ["INF_IS_NO_LIMIT", "check_choices", "check_finite", "require",
+__all__ = ["INF_IS_NO_LIMIT", "byte_text_file", "check_choices", "check_finite", "require",
            "torchrun_world_size"]
 
 
@@ -81,3 +82,14 @@ def check_choices(section: Any, prefix: str) -> None:
             require(False, key, f"must be one of {', '.join(repr(c) for c in choices)}, "
                    f"got {brief(value)}")
 
+
+def byte_text_file(spec: str) -> Path:
+    """``data.text_path`` read as bytes (no ``data.tokenizer``): one existing file, ``~``
+    expanded. The schema checks it at load and the data layer before reading (a config built
+    in Python may skip the load); a folder once said "file not found"."""
+    path = Path(str(spec)).expanduser()
+    require(not path.is_dir() and not any(c in str(spec) for c in "*?["), "data.text_path",
+            f"{brief(spec)} is a folder or a glob; read as bytes (no data.tokenizer) it must be "
+            "one file. Give one file, or set data.tokenizer to tokenize a folder")
+    require(path.is_file(), "data.text_path", f"file not found: {str(spec)!r}")
+    return path

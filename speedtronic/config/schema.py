@@ -31,7 +31,7 @@ import yaml
 
 from ..errors import ConfigError, brief
 from . import redaction
-from .rules import check_choices, check_finite, require, torchrun_world_size
+from .rules import byte_text_file, check_choices, check_finite, require, torchrun_world_size
 from .scaling import DataParallelConfig, DistributedConfig, TorchftConfig
 
 __all__ = [
@@ -236,14 +236,7 @@ class DataConfig:
         require(len(given) <= 1, p, f"set at most one of {', '.join(sources)} (got "
                + ", ".join(f"{k}={brief(v)}" for k, v in given.items()) + ")")
         if self.text_path is not None and self.tokenizer is None:
-            # read as bytes: one file (data.token_files.byte_text_file, for configs built in
-            # Python, says the same)
-            path = Path(str(self.text_path)).expanduser()
-            require(not path.is_dir() and not any(c in str(self.text_path) for c in "*?["),
-                    f"{p}.text_path", f"{brief(self.text_path)} is a folder or a glob; read as "
-                    "bytes (no data.tokenizer) it must be one file. Give one file, or set "
-                    "data.tokenizer to tokenize a folder")
-            require(path.is_file(), f"{p}.text_path", f"file not found: {str(self.text_path)!r}")
+            byte_text_file(self.text_path)
         if self.tokenizer is not None:
             require(self.text_path is not None or self.hf_dataset is not None, f"{p}.tokenizer",
                    "needs a text source to tokenize: set data.text_path or data.hf_dataset "

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 import torch
 
 from ..config import ConfigError, SpeedtronicConfig
+from ..config.rules import byte_text_file
 from .checks import _token_paths, check_data
 from .sampler import WindowIterator, eval_windows, split_batch
 from .sources import (
@@ -42,7 +43,6 @@ from .sources import (
 from .token_files import (
     TOKEN_CHUNK,
     TokenFileStore,
-    byte_text_file,
     open_token_file,
     resolve_token_paths,
 )

@@ -78,18 +78,6 @@ class TokenFile:
         return int(getattr(self.tokens, "offset", 0))
 
 
-def byte_text_file(spec: str) -> Path:
-    """``data.text_path`` read as bytes (no ``data.tokenizer``): one existing file."""
-    path = Path(str(spec)).expanduser()
-    if path.is_dir() or any(c in str(spec) for c in "*?["):
-        raise ConfigError(f"data.text_path: {str(spec)!r} is a folder or a glob; read as bytes "
-                          "(no data.tokenizer) it must be one file. Give one file, or set "
-                          "data.tokenizer to tokenize a folder")
-    if not path.is_file():
-        raise FileNotFoundError(f"data.text_path: file not found: {str(spec)!r}")
-    return path
-
-
 def expand_paths(spec: str, key: str, suffixes: tuple[str, ...] | None = None,
                  recursive: bool = False) -> list[Path]:
     """The files ``spec`` names (a file, a glob or a directory), sorted; with ``suffixes`` only

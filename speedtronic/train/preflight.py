@@ -144,7 +144,7 @@ def _check_data_files(cfg: SpeedtronicConfig) -> str:
         from ..data.token_files import expand_paths
 
         if d.tokenizer is None:  # bytes: one file, as train reads it
-            from ..data.token_files import byte_text_file
+            from ..config.rules import byte_text_file
 
             files = [byte_text_file(d.text_path)]
         else:  # recursive, as prepare lists it (validate once found 22 of 42 files, and none
