@@ -1,18 +1,19 @@
-"""The training loop: accumulation, precision, clipping, schedule, eval, checkpoints, callbacks.
+"""The training loop: steps, eval, checkpoints, preemption signals, callbacks.
 
 The loop never reads a device value per micro-batch: losses are summed into a device tensor and
-read only at log/eval steps, so a CUDA run queues work ahead of the host. Everything the loop
-needs is built by :mod:`speedtronic.train.runtime`; the :class:`Trainer` can also be constructed
-directly around any model whose forward is ``model(input_ids, labels) -> loss``.
+read only at log/eval steps, so a CUDA run queues work ahead of the host. What one optimizer step
+does (micro-batches, clipping, the update) is in :mod:`.step`, the log row in :mod:`.step_log`,
+the checkpoint content in :mod:`.trainer_state`; all three are mixed into :class:`Trainer`.
+Everything the loop needs is built by :mod:`speedtronic.train.runtime`; the :class:`Trainer` can
+also be constructed directly around any model whose forward is ``model(input_ids, labels) ->
+loss``.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -29,12 +30,14 @@ from ..models.loss import extract_loss
 from ..ooo import scheduler as ooo
 from ..ooo.trial import OOOTrial
 from . import shapes
-from .accumulation import IGNORE_INDEX, StepWeights, counted_tokens
+from .accumulation import IGNORE_INDEX
 from .checkpoint import CheckpointManager
 from .metrics import Heartbeat, MetricsLogger, format_step_line
 from .mfu import MfuMeter
-from .precision import PrecisionPlan, compile_error_types, decide_compile, max_memory_bytes
+from .precision import PrecisionPlan, decide_compile
 from .preemption import PreemptionGuard, requeue_slurm_job
+from .step import OptimizerStep
+from .step_log import LogInterval, StepLog
 from .trainer_state import TrainerState
 
 logger = logging.getLogger("speedtronic.trainer")
@@ -86,16 +89,7 @@ class TrainResult:
 loss_from_output = extract_loss
 
 
-def _guard_counters(optimizer: Any) -> list[tuple[tuple[int, int], torch.Tensor]]:
-    """``(shape, device counter)`` of the lean Muon step's fp16 guard, if the optimizer has it."""
-    optimizer = getattr(optimizer, "local", optimizer)  # ZeRO-1: this rank's share
-    cache = getattr(optimizer, "__dict__", {}).get("_muon_cache")
-    if cache is None:
-        return []
-    return cache.guard_counters()
-
-
-class Trainer(TrainerState):
+class Trainer(OptimizerStep, StepLog, TrainerState):
     """Runs optimizer steps until ``config.run.max_steps`` (an absolute step target).
 
     Args:
@@ -297,56 +291,6 @@ class Trainer(TrainerState):
             if callable(fn):
                 fn(self, *args)
 
-    def _to_device(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        nb = self.device.type == "cuda"
-        return x.to(self.device, non_blocking=nb), y.to(self.device, non_blocking=nb)
-
-    def _micro_step(self, x: torch.Tensor, y: torch.Tensor, rel: float = 1.0,
-                    scale: torch.Tensor | float | None = None) -> torch.Tensor:
-        """Forward + backward of one micro-batch; returns the detached loss (on device).
-
-        ``rel``: this micro-batch's counted tokens relative to the step's first (see
-        :meth:`fit`); 1.0 backpropagates ``loss / accumulation_steps`` exactly as plain
-        averaging does. ``scale`` (data parallel) replaces ``rel / k``: the micro-batch's share
-        of the step's tokens over all ranks, times the world size."""
-        with self.precision.autocast():
-            loss = extract_loss(self._forward(x, y))
-        k = self.accumulation_steps
-        if scale is not None:
-            scaled = loss * scale
-        else:
-            scaled = loss / k if rel == 1.0 else loss * (rel / k)
-        (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        return loss.detach().float()
-
-    def _first_compiled_micro_step(self, x: torch.Tensor, y: torch.Tensor, rel: float = 1.0,
-                                   scale: torch.Tensor | float | None = None) -> torch.Tensor:
-        """Run the first compiled forward; on a *compiler* failure, fall back to eager.
-
-        Only compiler exceptions are caught: a model bug raises again from the eager re-run, so
-        it is never hidden. The RNG is rewound so the eager re-run sees the same dropout masks.
-        """
-        self._compile_pending = False
-        rng = torch.get_rng_state()
-        t0 = time.perf_counter()
-        try:
-            loss = self._micro_step(x, y, rel, scale)
-            logger.info("torch.compile: compiled in %.1f s (first forward + backward)",
-                        time.perf_counter() - t0)
-            return loss
-        except compile_error_types() as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            logger.warning("torch.compile: off (compiler failed, running eager: %s: %s)",
-                           type(exc).__name__, reason[:300])
-            # train_start said compile: true before the first forward; the record says it ended
-            self.compile_on = False
-            self.metrics.emit("compile_off", {"step": self.step, "reason":
-                                              f"{type(exc).__name__}: {reason[:300]}"})
-            self._forward = self._ddp if self._ddp is not None else self.model
-            self.optimizer.zero_grad(set_to_none=True)
-            torch.set_rng_state(rng)
-            return self._micro_step(x, y, rel, scale)
-
     def evaluate(self) -> float:
         """Mean loss over the fixed held-out batches (the same batches every call)."""
         if self._eval_cache is None:
@@ -381,205 +325,6 @@ class Trainer(TrainerState):
         self.metrics.line(f"eval step {self.step} | eval_loss {value:.4f}")
         return value
 
-    def _clip_and_step(self, need_norm: bool, update: bool = True) -> torch.Tensor | None:
-        """Flush deferred grads, unscale, clip, step, zero grads, advance the schedule.
-
-        Returns the global grad norm (a device tensor, not read here): from clipping, or computed
-        only when ``need_norm`` (a log step) if clipping is off. ``update=False`` (a step whose
-        micro-batches were all padding: no gradient) only advances the schedule.
-        """
-        if not update:
-            if self._owned_muon:  # backward hooks started its reduce-scatters: end them
-                self.optimizer.finish_gradients()  # type: ignore[attr-defined]
-            if need_norm:
-                self._lr_used = self.optimizer.param_groups[0]["lr"]
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.scheduler is not None:
-                with warnings.catch_warnings():  # no optimizer.step() on purpose: say nothing
-                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
-                    self.scheduler.step()
-            return None
-        if self._ooo is not None:
-            self._ooo.flush()  # deferred weight gradients must land before they are read
-        if self._grad_factor != 1.0:  # token weighting of an accumulated step (see fit)
-            torch._foreach_mul_([p.grad for p in self.params if p.grad is not None],
-                                self._grad_factor)
-            self._grad_factor = 1.0
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        clip = self.config.optimizer.grad_clip
-        norm = None
-        if self._fsdp:  # DTensor gradients: the norm all-reduced into a plain device scalar
-            if clip is not None or need_norm or self._skip_nonfinite:
-                norm = fsdp_step.grad_norm(self.params, clip)
-        elif self._owned_muon:  # each rank holds its share of the Muon gradients
-            self.optimizer.finish_gradients()  # type: ignore[attr-defined]
-            if clip is not None or need_norm or self._skip_nonfinite:
-                norm = self.optimizer.clip_grad_norm_(clip)  # type: ignore[attr-defined]
-        elif clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, clip)
-        elif need_norm or self._skip_nonfinite:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            if grads:
-                norm = torch.linalg.vector_norm(
-                    torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
-        if need_norm:  # the lr this step uses, for its log row (the schedule moves it below)
-            lr = self.optimizer.param_groups[0]["lr"]
-            self._lr_used = lr.clone() if isinstance(lr, torch.Tensor) else lr
-        if self._skip_nonfinite and self._skip_if_nonfinite(norm):
-            if self.scaler is not None:
-                self.scaler.update()  # unscale_ ran: the scaler needs its update to go on
-            self._loss_sum.copy_(self._loss_before_step)  # the dropped step is not logged
-            self._micro_since_log = self._micro_before_step
-        elif self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
-        return norm
-
-    def _accumulate_step(self, it: Iterator[Any]) -> bool:
-        """Forward + backward of one optimizer step's micro-batches, token-weighted (see
-        :mod:`.accumulation`); False when every micro-batch was padding (no gradient).
-        """
-        if self.dp is not None:
-            return self._accumulate_step_data_parallel(it)
-        k = self.accumulation_steps
-        weigh = k > 1
-        weights = StepWeights(k)
-        step_losses: list[torch.Tensor] = []
-        ran = 0
-        for _ in range(k):
-            x, y = next(it)
-            n = counted_tokens(y) if weigh else None
-            self._micro_since_log += 1
-            self.tokens += x.numel()
-            self.samples += x.shape[0]
-            if n == 0:
-                continue  # all padding: nothing to learn, and its mean loss is NaN
-            rel = weights.weight(n)
-            ran += 1
-            x, y = self._to_device(x, y)
-            if self._compile_pending:
-                loss = self._first_compiled_micro_step(x, y, rel)
-            else:
-                loss = self._micro_step(x, y, rel)
-            loss = loss if rel == 1.0 else loss * rel
-            self._loss_sum += loss
-            if weigh:
-                step_losses.append(loss)  # summed only if the factor is not 1
-        factor = weights.gradient_factor()
-        if factor != 1.0:
-            self._grad_factor = factor
-            # the log's mean is per token too
-            self._loss_sum += torch.stack(step_losses).sum() * (factor - 1.0)
-        if not ran:  # every micro-batch was padding: no loss to log either
-            self._micro_since_log -= k
-        return ran > 0 or not weigh
-
-    def _accumulate_step_data_parallel(self, it: Iterator[Any]) -> bool:
-        """One step's local micro-batches under DDP, weighted by the step's tokens over all
-        ranks (see :mod:`speedtronic.distributed.ddp`); one gradient all-reduce, at the last.
-
-        Every rank runs every micro-batch, padding included, so the collectives line up."""
-        assert self.dp is not None and (self._ddp is not None or self._fsdp)
-        sync_context = fsdp_step.sync_context if self._fsdp else dp_step.sync_context
-        sync_module = self.model if self._fsdp else self._ddp
-        k, world = self.accumulation_steps, self.world_size
-        batches = [next(it) for _ in range(k)]
-        counts = [counted_tokens(y) for _, y in batches]
-        scales = dp_step.step_scales(counts, self.dp)
-        for i, ((x, y), n) in enumerate(zip(batches, counts, strict=True)):
-            self._micro_since_log += 1
-            self.tokens += x.numel()
-            self.samples += x.shape[0]
-            if n == 0:
-                y = dp_step.one_token_labels(y)  # scale 0: runs only to keep DDP in step
-            x, y = self._to_device(x, y)
-            with sync_context(sync_module, sync=i == k - 1):
-                if self._compile_pending:
-                    loss = self._first_compiled_micro_step(x, y, scale=scales.scales[i])
-                else:
-                    loss = self._micro_step(x, y, scale=scales.scales[i])
-            # this rank's share of the step's global mean loss, times k: the log divides the
-            # all-reduced sum by the local micro-batch count
-            self._loss_sum += loss * (scales.scales[i] * (k / world))
-        return scales.has_gradient()
-
-    def _log_record(self, interval: _LogInterval, now: float,
-                    grad_norm: torch.Tensor | None) -> dict[str, Any]:
-        """The ``train_step`` row of the interval ending at this step."""
-        dt = max(now - interval.start, 1e-9)
-        world = self.world_size
-        # The loop's only host sync: one read of (loss, grad norm, lr, the Muon step's fp16
-        # guard counters) per log step.
-        loss_sum = self._loss_sum.detach().float().reshape(())
-        if self.dp is not None:  # the global mean: every rank added its share
-            loss_sum = self.dp.all_reduce_sum(loss_sum.clone())
-        reads = [loss_sum]
-        if grad_norm is not None:
-            reads.append(grad_norm.detach().float().reshape(()))
-        lr_t = self._lr_used if isinstance(self._lr_used, torch.Tensor) else None
-        if lr_t is not None:
-            reads.append(lr_t.detach().float().reshape(()).to(reads[0].device))
-        guards = _guard_counters(self.optimizer)
-        reads.extend(t.float().reshape(()).to(reads[0].device) for _, t in guards)
-        reads.append(self._finite_steps.float().reshape(()).to(reads[0].device))
-        values = torch.stack(reads).tolist()
-        finite_steps = int(values.pop())
-        loss_value = values.pop(0)
-        norm_value = values.pop(0) if grad_norm is not None else None
-        lr_value = values.pop(0) if lr_t is not None else float(self._lr_used)
-        if finite_steps < self.step - interval.steps or not math.isfinite(loss_value):
-            # the count stops at the first step whose loss or grad norm was not finite
-            raise self._nonfinite_error(interval.steps + finite_steps + 1,
-                                        "the training loss or gradient norm")
-        self._finite_steps.zero_()
-        self._report_skipped_updates([(shape, int(v)) for (shape, _), v in zip(guards, values,
-                                                                               strict=True)])
-        # NaN for an interval without a counted micro-batch (all padding, or every step
-        # skipped as non-finite): no token had a loss. last_loss (the checkpoint's, train_end's)
-        # keeps the last real one: a skipped last step once ended the run with loss nan.
-        interval_loss = (loss_value / self._micro_since_log
-                         if self._micro_since_log else float("nan"))
-        if self._micro_since_log:
-            self.last_loss = interval_loss
-        record = {
-            "step": self.step,
-            "loss": interval_loss,
-            "lr": lr_value,
-            "lr_group": self.optimizer.param_groups[0].get("name"),
-            "grad_norm": norm_value,
-            # global under torchrun: every rank runs micro-batches of one shape
-            "tokens_per_sec": world * (self.tokens - interval.tokens) / dt,
-            "samples_per_sec": world * (self.samples - interval.samples) / dt,
-            "step_ms": 1000.0 * dt / max(1, self.step - interval.steps),
-            "tokens": world * self.tokens,
-            "memory_bytes": max_memory_bytes(self.device),
-        }
-        if self.dp is not None:
-            record["ranks"] = world
-            record["tokens_per_sec_per_rank"] = record["tokens_per_sec"] / world
-        if self._mfu is not None:
-            self._mfu.add(record)
-        return record
-
-    def _report_skipped_updates(self, counts: list[tuple[tuple[int, int], int]]) -> None:
-        """One warning per shape group whose fp16 Newton-Schulz result went non-finite since
-        the last log step (the Muon step skipped those updates on the device)."""
-        seen = self._skipped_seen
-        for shape, count in counts:
-            if count > seen.get(shape, 0):
-                logger.warning("muon: %d step(s) up to step %d had a non-finite fp16 "
-                               "Newton-Schulz result for the %dx%d matrices; those updates were "
-                               "skipped (%d so far). Non-finite gradients are the usual cause: "
-                               "lower optimizer.lr or set optimizer.muon_ns_dtype: fp32",
-                               count - seen.get(shape, 0), self.step, shape[0], shape[1], count)
-                seen[shape] = count
-
     def fit(self) -> TrainResult:
         """Train from ``self.step`` to ``config.run.max_steps``; returns the result."""
         cfg = self.config
@@ -613,7 +358,7 @@ class Trainer(TrainerState):
         self._finite_steps = torch.zeros((), dtype=torch.int64, device=self.device)
         self._last_save_time = time.perf_counter()
         every_seconds = cfg.checkpoint.every_seconds
-        interval = _LogInterval(time.perf_counter(), self.step, self.tokens, self.samples)
+        interval = LogInterval(time.perf_counter(), self.step, self.tokens, self.samples)
         self._interval_first_step = self.step
         # Installed here, after on_train_start (a DiLoCo node may wait minutes for its first
         # global): a signal before the first step has no work to save and stops at once.
@@ -661,7 +406,7 @@ class Trainer(TrainerState):
                     self._loss_sum.zero_()
                     self._micro_since_log = 0
                     self._interval_first_step = self.step
-                    interval = _LogInterval(time.perf_counter(), self.step, self.tokens,
+                    interval = LogInterval(time.perf_counter(), self.step, self.tokens,
                                             self.samples)
                 eval_due = bool(eval_every and self.step % eval_every == 0) or last
                 signum, time_due = self._agree_on_stops(
@@ -776,16 +521,6 @@ class Trainer(TrainerState):
                            final_loss=self.last_loss,
                            final_eval_loss=self.last_eval_loss, run_dir=self.run_dir,
                            metrics_path=self.metrics.path)
-
-
-@dataclass
-class _LogInterval:
-    """Where the open log interval started: clock (minus pauses), step and counters."""
-
-    start: float
-    steps: int
-    tokens: int
-    samples: int
 
 
 def trainable_parameters(model: nn.Module) -> Iterable[nn.Parameter]:

@@ -258,9 +258,9 @@ def test_the_guard_skips_only_the_non_finite_chunk_and_counts_it_per_group(chunk
     assert moved == ([True, True, False, False, True] if chunked else [False] * 4 + [True])
     assert opt.nonfinite_counts() == [((8, 8), 2)]
     # what the trainer reads at log steps, with its other device values
-    from speedtronic.train.trainer import _guard_counters
+    from speedtronic.train.step_log import guard_counters
 
-    assert [(shape, int(t)) for shape, t in _guard_counters(opt)] == [((8, 8), 2), ((8, 16), 0)]
+    assert [(shape, int(t)) for shape, t in guard_counters(opt)] == [((8, 8), 2), ((8, 16), 0)]
 
 
 def test_workspace_bytes_follow_the_budget():

@@ -1,0 +1,119 @@
+"""The ``train_step`` log row: the trainer's one host read per log step.
+
+At a log step :meth:`StepLog._log_record` reads, in one ``tolist()``, the open interval's summed
+loss, the gradient norm, the lr, the lean Muon step's fp16 guard counters and the count of
+finite steps, so a CUDA run never waits on the device between log steps. A non-finite loss or
+gradient norm in the interval raises there (``train.on_nonfinite: raise``).
+
+:class:`StepLog` is mixed into :class:`~speedtronic.train.trainer.Trainer`, whose attributes
+(``metrics``, ``optimizer``, ``dp``, ...) it reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .precision import max_memory_bytes
+
+logger = logging.getLogger("speedtronic.trainer")
+
+__all__ = ["LogInterval", "StepLog", "guard_counters"]
+
+
+@dataclass
+class LogInterval:
+    """Where the open log interval started: clock (minus pauses), step and counters."""
+
+    start: float
+    steps: int
+    tokens: int
+    samples: int
+
+
+def guard_counters(optimizer: Any) -> list[tuple[tuple[int, int], torch.Tensor]]:
+    """``(shape, device counter)`` of the lean Muon step's fp16 guard, if the optimizer has it."""
+    optimizer = getattr(optimizer, "local", optimizer)  # ZeRO-1: this rank's share
+    cache = getattr(optimizer, "__dict__", {}).get("_muon_cache")
+    if cache is None:
+        return []
+    return cache.guard_counters()
+
+
+class StepLog:
+    """The trainer's ``train_step`` row of each log interval."""
+
+    def _log_record(self, interval: LogInterval, now: float,
+                    grad_norm: torch.Tensor | None) -> dict[str, Any]:
+        """The ``train_step`` row of the interval ending at this step."""
+        dt = max(now - interval.start, 1e-9)
+        world = self.world_size
+        # The loop's only host sync: one read of (loss, grad norm, lr, the Muon step's fp16
+        # guard counters) per log step.
+        loss_sum = self._loss_sum.detach().float().reshape(())
+        if self.dp is not None:  # the global mean: every rank added its share
+            loss_sum = self.dp.all_reduce_sum(loss_sum.clone())
+        reads = [loss_sum]
+        if grad_norm is not None:
+            reads.append(grad_norm.detach().float().reshape(()))
+        lr_t = self._lr_used if isinstance(self._lr_used, torch.Tensor) else None
+        if lr_t is not None:
+            reads.append(lr_t.detach().float().reshape(()).to(reads[0].device))
+        guards = guard_counters(self.optimizer)
+        reads.extend(t.float().reshape(()).to(reads[0].device) for _, t in guards)
+        reads.append(self._finite_steps.float().reshape(()).to(reads[0].device))
+        values = torch.stack(reads).tolist()
+        finite_steps = int(values.pop())
+        loss_value = values.pop(0)
+        norm_value = values.pop(0) if grad_norm is not None else None
+        lr_value = values.pop(0) if lr_t is not None else float(self._lr_used)
+        if finite_steps < self.step - interval.steps or not math.isfinite(loss_value):
+            # the count stops at the first step whose loss or grad norm was not finite
+            raise self._nonfinite_error(interval.steps + finite_steps + 1,
+                                        "the training loss or gradient norm")
+        self._finite_steps.zero_()
+        self._report_skipped_updates([(shape, int(v)) for (shape, _), v in zip(guards, values,
+                                                                               strict=True)])
+        # NaN for an interval without a counted micro-batch (all padding, or every step
+        # skipped as non-finite): no token had a loss. last_loss (the checkpoint's, train_end's)
+        # keeps the last real one: a skipped last step once ended the run with loss nan.
+        interval_loss = (loss_value / self._micro_since_log
+                         if self._micro_since_log else float("nan"))
+        if self._micro_since_log:
+            self.last_loss = interval_loss
+        record = {
+            "step": self.step,
+            "loss": interval_loss,
+            "lr": lr_value,
+            "lr_group": self.optimizer.param_groups[0].get("name"),
+            "grad_norm": norm_value,
+            # global under torchrun: every rank runs micro-batches of one shape
+            "tokens_per_sec": world * (self.tokens - interval.tokens) / dt,
+            "samples_per_sec": world * (self.samples - interval.samples) / dt,
+            "step_ms": 1000.0 * dt / max(1, self.step - interval.steps),
+            "tokens": world * self.tokens,
+            "memory_bytes": max_memory_bytes(self.device),
+        }
+        if self.dp is not None:
+            record["ranks"] = world
+            record["tokens_per_sec_per_rank"] = record["tokens_per_sec"] / world
+        if self._mfu is not None:
+            self._mfu.add(record)
+        return record
+
+    def _report_skipped_updates(self, counts: list[tuple[tuple[int, int], int]]) -> None:
+        """One warning per shape group whose fp16 Newton-Schulz result went non-finite since
+        the last log step (the Muon step skipped those updates on the device)."""
+        seen = self._skipped_seen
+        for shape, count in counts:
+            if count > seen.get(shape, 0):
+                logger.warning("muon: %d step(s) up to step %d had a non-finite fp16 "
+                               "Newton-Schulz result for the %dx%d matrices; those updates were "
+                               "skipped (%d so far). Non-finite gradients are the usual cause: "
+                               "lower optimizer.lr or set optimizer.muon_ns_dtype: fp32",
+                               count - seen.get(shape, 0), self.step, shape[0], shape[1], count)
+                seen[shape] = count
