@@ -2,7 +2,8 @@
 
 One round (:meth:`Master.run_once`):
 
-1. renew the lease (a compare-and-swap of ``master/lease.json``); losing it stops this master;
+1. renew the lease (a compare-and-swap of ``master/lease.json``, :mod:`.lease`); losing it
+   stops this master;
 2. list ``nodes/`` (names only) and keep deltas whose ``seq`` is above the per-session
    high-water mark - processed deltas are never downloaded again;
 3. download and validate each (checksum, header vs name, keys, shapes, finite values, optional
@@ -27,25 +28,22 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..config import DistributedConfig
 from . import codec
-from .codec import LEASE_KEY, POINTER_KEY, FormatError, Pointer
+from .codec import POINTER_KEY, FormatError, Pointer
 from .faults import crash_point
+from .lease import LeaseLost, MasterLease
 from .outer import OuterOptimizer, carry_weight, staleness_weight
 from .store import ObjectNotFound, PreconditionFailed, Store, StoreError
 
 logger = logging.getLogger("speedtronic.diloco.master")
 
 _QUARANTINE_LOG = 1000  # newest quarantine records kept in the state (older ones only logged)
-
-
-class LeaseLost(StoreError):
-    """Another master holds the lease now; this one must stop publishing."""
 
 
 @dataclass
@@ -82,22 +80,7 @@ class _WeightedSum:
         self.count += 1
 
 
-def _read_lease(data: bytes) -> dict[str, Any]:
-    """The lease as a dict; a damaged one reads as held by nobody known, so the usual
-    ``lease_ttl`` wait applies (a live holder's renewals replace it) and then it is taken over,
-    instead of stopping every master on every restart."""
-    try:
-        lease = json.loads(data)
-        if isinstance(lease, dict) and isinstance(lease.get("epoch", 0), int):
-            return lease
-        raise ValueError("not a lease object")
-    except ValueError as exc:
-        logger.warning("diloco master: %s is unreadable (%s); treating it as an unknown holder",
-                       LEASE_KEY, exc)
-        return {"holder": "<unreadable lease>", "epoch": 0}
-
-
-class Master:
+class Master(MasterLease):
     """Aggregates deltas from the store and publishes globals. Not thread-safe: one thread
     drives it (the master service thread or the standalone loop)."""
 
@@ -138,111 +121,6 @@ class Master:
         self._step_s: dict[str, tuple[float, int]] = {}  # session: (seconds/step, round seen)
         self._tokens_per_step: dict[str, float] = {}  # session: its deltas' tokens / steps
         self._warned_poll = False
-
-    # ------------------------------------------------------------------ lease
-    def _lease_bytes(self, epoch: int, renewals: int) -> bytes:
-        return json.dumps({"holder": self.node_id, "session": self.session, "epoch": epoch,
-                           "renewals": renewals, "ttl": self.cfg.lease_ttl,
-                           "at": time.time()}).encode()
-
-    def acquire_lease(self, stop: threading.Event, timeout: float | None = None) -> bool:
-        """Block until this master holds the lease (or ``stop``/``timeout``). A lease held by
-        another node is taken over only after it went ``lease_ttl`` seconds without renewal
-        (observed here on the monotonic clock, so wall clocks need not agree); a lease held by
-        this same node id (a restarted process) is taken over at once."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        seen, since, told = None, time.monotonic(), False
-        while not stop.is_set():
-            try:
-                data, etag = self.store.get_with_etag(LEASE_KEY)
-                lease = _read_lease(data)
-            except ObjectNotFound:
-                data, etag, lease = None, None, {}
-            pointer_epoch = self._peek_pointer_epoch()
-            epoch = max(int(lease.get("epoch", 0)), pointer_epoch) + 1
-            if etag != seen:
-                seen, since = etag, time.monotonic()
-            takeover = (data is None or lease.get("holder") == self.node_id
-                        or time.monotonic() - since >= self.cfg.lease_ttl)
-            if takeover:
-                try:
-                    self.lease_etag = self.store.swap(LEASE_KEY, self._lease_bytes(epoch, 0), etag)
-                    self.epoch, self._renewals = epoch, 0
-                    logger.info("diloco master %s holds the lease (epoch %d)", self.node_id, epoch)
-                    self._fence()
-                    return True
-                except PreconditionFailed:
-                    continue
-            if not told:
-                logger.warning("diloco master %s: lease held by %s (epoch %s); standing by until "
-                               "it goes %.0fs without renewal", self.node_id, lease.get("holder"),
-                               lease.get("epoch"), self.cfg.lease_ttl)
-                told = True
-            if deadline is not None and time.monotonic() >= deadline:
-                return False
-            stop.wait(min(self.cfg.master_poll, self.cfg.lease_ttl / 4))
-        return False
-
-    def _fence(self) -> None:
-        """Stamp the pointer with this master's epoch at once (same version, new bytes).
-
-        The lease alone is checked when a round starts, so a master that lost it mid-round could
-        still swap the pointer. Rewriting the pointer here changes its etag: every later swap by
-        an older master fails (and it stops), and its destructive writes check the pointer's
-        epoch first (:meth:`_check_fence`). A publish that lands between our read and our swap
-        is adopted: the loop re-reads and stamps the newer pointer."""
-        while True:
-            try:
-                data, etag = self.store.get_with_etag(POINTER_KEY)
-            except ObjectNotFound:
-                return  # nothing published yet: bootstrap writes our epoch
-            try:
-                pointer = Pointer.from_bytes(data)
-            except FormatError:
-                return  # unreadable: load_or_bootstrap rebuilds it, stamped with our epoch
-            if pointer.master_epoch >= self.epoch:
-                return
-            stamped = Pointer(**{**asdict(pointer), "master_epoch": self.epoch,
-                                 "master": self.node_id})
-            try:
-                self.store.swap(POINTER_KEY, stamped.to_bytes(), etag)
-                logger.info("diloco master %s fenced v%d at epoch %d", self.node_id,
-                            pointer.version, self.epoch)
-                return
-            except PreconditionFailed:
-                continue
-
-    def _check_fence(self) -> None:
-        """Raise LeaseLost when a newer master has stamped the pointer (see :meth:`_fence`);
-        called before every write that cannot be undone (rejections, deletions)."""
-        current = self._peek_pointer_epoch()
-        if current > self.epoch:
-            raise LeaseLost(f"master {self.node_id} (epoch {self.epoch}) is fenced: epoch "
-                            f"{current} holds the store")
-
-    def _peek_pointer_epoch(self) -> int:
-        try:
-            return Pointer.from_bytes(self.store.get(POINTER_KEY)).master_epoch
-        except (ObjectNotFound, FormatError):  # none yet, or damaged (the lease still rules)
-            return 0
-
-    def renew_lease(self) -> None:
-        self._renewals += 1
-        try:
-            self.lease_etag = self.store.swap(
-                LEASE_KEY, self._lease_bytes(self.epoch, self._renewals), self.lease_etag)
-        except (PreconditionFailed, ObjectNotFound) as exc:
-            # A retried swap whose first try landed sees its own write: still ours.
-            try:
-                data, etag = self.store.get_with_etag(LEASE_KEY)
-                lease = _read_lease(data)
-            except ObjectNotFound:
-                lease, etag = {}, None
-            if lease.get("session") == self.session and lease.get("epoch") == self.epoch:
-                self.lease_etag = etag
-                return
-            raise LeaseLost(f"master {self.node_id} lost the lease (epoch {self.epoch}) to "
-                            f"{lease.get('holder')} (epoch {lease.get('epoch')})") from exc
 
     # ------------------------------------------------------------------ state
     def load_or_bootstrap(self) -> None:
