@@ -149,7 +149,8 @@ class DistributedConfig:
     num_shards: int = 1
     """Number of data shards (>= number of nodes for disjoint data)."""
     endpoint_url: str | None = None
-    """S3 endpoint (MinIO, R2, HF buckets' S3 gateway); None = AWS_ENDPOINT_URL or AWS."""
+    """S3 endpoint URL (MinIO, R2, HF buckets' S3 gateway) for an ``s3://`` store; None =
+    the ``AWS_ENDPOINT_URL`` environment variable, else AWS itself."""
 
     @property
     def master_poll(self) -> float:
@@ -213,6 +214,12 @@ class DistributedConfig:
             require(self.store.split("://", 1)[0] in ("file", "s3", "hf"), f"{p}.store",
                    f"must be file:///path, s3://bucket/prefix or hf://user/repo, "
                    f"got scheme {brief(self.store.split('://', 1)[0])}")
+        if self.endpoint_url is not None:
+            require(self.endpoint_url.split("://", 1)[0] in ("http", "https"), f"{p}.endpoint_url",
+                   f"must be an http:// or https:// URL, got {brief(self.endpoint_url)}")
+            require(self.store is None or self.store.startswith("s3://"), f"{p}.endpoint_url",
+                   f"applies to s3:// stores only; distributed.store is "
+                   f"{brief(self.store)} (remove endpoint_url)")
 
 
 @dataclass

@@ -50,7 +50,7 @@ from .store import (
     StoreError,
     StoreUnavailable,
     TransientStoreError,
-    open_store,
+    open_configured_store,
 )
 
 logger = logging.getLogger("speedtronic.diloco.node")
@@ -124,7 +124,7 @@ class Worker(ConsistentBase):
         self.node_id = codec.check_id(node_id or cfg.node_id or default_node_id())
         self.session = uuid.uuid4().hex[:10]  # a restarted process never reuses a delta name
         self._stop = threading.Event()
-        self.store = store or open_store(cfg.store, stop=self._stop)
+        self.store = store or open_configured_store(cfg, stop=self._stop)
         self.tokens_per_step = tokens_per_step
         self._lock = threading.Condition()
         self._params: dict[str, torch.nn.Parameter] = {}

@@ -24,7 +24,7 @@ from ..config import DistributedConfig, SpeedtronicConfig
 from ..errors import SpeedtronicError
 from .master import LeaseLost, Master
 from .node import Worker, default_node_id, run_stopped_by, sync_parameters
-from .store import open_store, probe_conditional_writes
+from .store import open_configured_store, probe_conditional_writes
 
 logger = logging.getLogger("speedtronic.diloco.service")
 
@@ -36,7 +36,7 @@ class MasterThread:
                  initial: Callable[[], dict[str, torch.Tensor]],
                  log_metrics: Callable[[dict], None] | None = None) -> None:
         self.stop = threading.Event()
-        self.store = open_store(cfg.store, stop=self.stop)
+        self.store = open_configured_store(cfg, stop=self.stop)
         self.master = Master(self.store, cfg, node_id, initial, log_metrics)
         self.until: Callable[[Master], bool] | None = None
         self.idle_timeout = 0.0

@@ -25,6 +25,7 @@ from typing import TypeVar
 from urllib.parse import urlparse
 
 from .._renamed import renamed
+from ..config import DistributedConfig
 from ..config.redaction import url_has_credentials
 from .store_contract import (
     AccessDenied,
@@ -213,6 +214,7 @@ def open_store(url: str, *, retry: RetryPolicy | None = None,
     """Open ``file:///path``, ``s3://bucket/prefix`` or ``hf://user/repo`` behind the retry layer.
 
     Credentials are read by the back ends from the environment only (AWS_* / HF_TOKEN).
+    ``backend_kwargs`` go to the back end (``endpoint_url`` for ``s3://``).
     """
     parsed = urlparse(url)
     # urlparse ends the authority at the first '/', so "s3://KEY:SE/CRET@bucket" (AWS secrets
@@ -286,11 +288,22 @@ def wait_for(predicate: Callable[[], bool], timeout: float, interval: float = 0.
         time.sleep(interval)
 
 
+def open_configured_store(cfg: DistributedConfig,
+                          stop: threading.Event | None = None) -> RetryingStore:
+    """The store a ``distributed`` config section names, with its ``endpoint_url`` (s3://)."""
+    if cfg.store is None:
+        raise ValueError("distributed.store is not set (file:///path, s3://bucket/prefix or "
+                         "hf://user/repo)")
+    kwargs = {"endpoint_url": cfg.endpoint_url} if cfg.endpoint_url else {}
+    return open_store(cfg.store, stop=stop, **kwargs)
+
+
 __all__ = ["AccessDenied", "DirectoryStore", "HfStore", "ObjectExists", "ObjectInfo",
            "ObjectNotFound", "PreconditionFailed", "RetryPolicy", "RetryingStore", "S3Store",
            "Store", "StoreError", "StoreUnavailable", "TransientStoreError", "check_key",
-           "open_store", "probe_conditional_writes", "wait_for"]
+           "open_configured_store", "open_store", "probe_conditional_writes", "wait_for"]
 
 
 # Renamed in 2.1: ``FileStore`` was also the name of a data class (now TextFileStore).
 __getattr__ = renamed(__name__, "FileStore", "DirectoryStore", DirectoryStore)
+

@@ -91,6 +91,10 @@ def test_wrong_types_are_errors(raw, key):
      "optimizer.muon_coefficients"),
     ({"distributed": {"enabled": True}}, "distributed.store"),
     ({"distributed": {"node_id": "../evil"}}, "distributed.node_id"),
+    ({"distributed": {"store": "file:///tmp/s", "endpoint_url": "http://minio:9000"}},
+     "distributed.endpoint_url"),
+    ({"distributed": {"store": "s3://b/p", "endpoint_url": "minio:9000"}},
+     "distributed.endpoint_url"),
     ({"run": {"name": "a/b"}}, "run.name"),
     ({"scheduler": {"min_lr_ratio": 2}}, "scheduler.min_lr_ratio"),
 ])

@@ -33,6 +33,7 @@ from speedtronic.diloco.store import (  # noqa: E402
     RetryingStore,
     RetryPolicy,
     StoreError,
+    open_configured_store,
     open_store,
 )
 from speedtronic.diloco.store_remote import HfStore, S3Store  # noqa: E402
@@ -160,8 +161,9 @@ def test_hf_publication_whose_reply_is_lost_is_not_a_lost_lease():
     assert codec.Pointer.from_bytes(store.get("global/latest.json")).version == 1
 
 
-def _run(url: str, store, **kw) -> None:
-    cfg = make_cfg(url, inner_steps=5, final_sync_timeout=30, poll_interval=0.02)
+def _run(url: str, store, cfg_overrides: dict | None = None, **kw) -> None:
+    cfg = make_cfg(url, inner_steps=5, final_sync_timeout=30, poll_interval=0.02,
+                   **(cfg_overrides or {}))
     mt = MasterThread(cfg, "master", lambda: initial_weights(), **kw)
     if "api" in kw:
         pass
@@ -184,7 +186,7 @@ def _run(url: str, store, **kw) -> None:
     for t in threads:
         t.join(120)
     assert mt.join(120) and not errors and mt.error is None
-    check = store if store is not None else open_store(url)
+    check = store if store is not None else open_configured_store(cfg)
     keys = applied_keys(check)
     assert len(keys) == len(set(keys)) == sum(w.m["deltas_sent"] for w, _ in results)
     assert_consistent(check, [{"version": w.version, "digest": w.digest, "final_synced": True,
@@ -195,6 +197,13 @@ def _run(url: str, store, **kw) -> None:
 def test_diloco_over_s3(moto, tmp_path, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", moto.endpoint)
     _run(f"s3://{moto.bucket}/run-{tmp_path.name}", None)
+
+
+def test_diloco_over_s3_at_the_configured_endpoint(moto, tmp_path, monkeypatch):
+    """distributed.endpoint_url reaches the S3 client of the master and of every worker (it
+    was read by nothing: only AWS_ENDPOINT_URL worked)."""
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    _run(f"s3://{moto.bucket}/ep-{tmp_path.name}", None, {"endpoint_url": moto.endpoint})
 
 
 def test_an_s3fs_error_raised_from_a_botocore_4xx_is_not_retried():
