@@ -324,9 +324,11 @@ class MuonCacheMixin:
         return cache
 
     def nonfinite_counts(self) -> list[tuple[tuple[int, int], int]]:
-        """Steps whose fp16 Newton-Schulz result was not finite, per shape group: ``[(shape,
-        count)]``, empty when none. Such a chunk's update is skipped (weight decay still
-        applies). Reads device counters: call it where values are read anyway (log steps)."""
+        """Matrix updates skipped because their 16-bit Newton-Schulz result was not finite, per
+        shape group: ``[(shape, count)]``, empty when none. Such a matrix keeps its weight
+        decay, gets no update that step and its momentum restarts from zero; the rest of its
+        group updates as usual. Reads device counters: call it where values are read anyway
+        (log steps)."""
         return self.muon_cache.nonfinite_counts()
 
 

@@ -129,10 +129,16 @@ def _orthogonalized_chunk(g: _Group, group: dict[str, Any], mu_all: Tensor, shar
 
 
 def _guard(cache: StepCache, chunks: list[_Chunk], fill: bool = True) -> dict[int, tuple]:
-    """16-bit NS results: a chunk whose result is not finite gets no update this step (its
-    weight decay stays), and its slot's hit count grows; no host sync. With ``fill`` the bad
-    chunks' results are zeroed here; without, ``{id(chunk): (bad flags, index)}`` is returned
-    for the fused update to read."""
+    """16-bit NS results, checked per matrix with no host sync: a matrix whose result is not
+    finite gets no update this step (its weight decay stays), its momentum restarts from zero
+    and its hit count grows; the other matrices of its chunk update as usual.
+
+    A normalized input cannot overflow the iteration (its entries stay below ~1.2), so a
+    non-finite result means a non-finite gradient reached the momentum. Kept there, it made
+    every later result of that matrix non-finite: a whole chunk (every matrix of a shape group)
+    once stopped for good after one inf. With ``fill`` the bad matrices' results are zeroed
+    here; without, ``{id(chunk): (bad flags, index of its first matrix)}`` is returned for the
+    fused update to read."""
     verdict: dict[int, tuple] = {}
     by_device: dict[str, list[_Chunk]] = {}
     for c in chunks:
@@ -140,25 +146,28 @@ def _guard(cache: StepCache, chunks: list[_Chunk], fill: bool = True) -> dict[in
             by_device.setdefault(str(c.g.device), []).append(c)
     for device, guarded in by_device.items():
         guard = cache.guards[device]
-        slots = [c.g.guard_slot + c.start // c.g.chunk for c in guarded]
-        for c, slot in zip(guarded, slots, strict=True):
+        firsts = [c.g.guard_slot + c.start for c in guarded]  # one slot per matrix
+        for c, first in zip(guarded, firsts, strict=True):
+            sums = guard.sums[first:first + c.stop - c.start]               # (c,) fp32
             if c.orth.dtype == torch.bfloat16:
                 # bf16 has fp32's range, so its own sum cannot overflow; on CPU a bf16 sum into
                 # fp32 was 30x slower than a bf16 sum (48 x 768^2: 79 vs 2.4 ms)
-                guard.sums[slot].copy_(c.orth.sum())
+                sums.copy_(c.orth.sum(dim=(-2, -1)))
             else:  # fp16: summed in fp32 (an fp16 sum of finite entries could overflow)
-                torch.sum(c.orth, dim=tuple(range(c.orth.dim())), dtype=torch.float32,
-                          out=guard.sums[slot])
-        lo, hi = min(slots), max(slots) + 1  # contiguous: all slots, or one chunk's
+                torch.sum(c.orth, dim=(-2, -1), dtype=torch.float32, out=sums)
+        lo = min(firsts)
+        hi = max(f + c.stop - c.start for c, f in zip(guarded, firsts, strict=True))
         # A 16-bit result is finite iff its fp32 sum is (|entries| < 4: no overflow), and
         # x * 0 is NaN exactly for a non-finite x: 2 small ops instead of isfinite's 4.
         bad = guard.sums[lo:hi].mul(0).isnan()                        # (hi - lo,) bool
         guard.hits[lo:hi].add_(bad)
-        for c, slot in zip(guarded, slots, strict=True):
+        for c, first in zip(guarded, firsts, strict=True):
+            mine = bad[first - lo:first - lo + c.stop - c.start].view(-1, 1, 1)  # (c, 1, 1)
+            c.g.momentum[c.start:c.stop].masked_fill_(mine, 0)
             if fill:
-                c.orth.masked_fill_(bad[slot - lo], 0)
+                c.orth.masked_fill_(mine, 0)
             else:
-                verdict[id(c)] = (bad, slot - lo)
+                verdict[id(c)] = (bad, first - lo)
     return verdict
 
 

@@ -202,7 +202,7 @@ def fused_step(cache: StepCache, groups: list[dict[str, Any]]) -> None:
                     up.updates.append(slab.value[k])
                     up.hyper_index.append(pos[pt.pg])
                     up.scales.append(float(pt.lr_scale))
-                    up.skip_index.append(-1 if flag is None else flag[1])
+                    up.skip_index.append(-1 if flag is None else flag[1] + slot - c.start)
                     if plus:
                         row, col = plus.get((id(c), slot), (none, none))
                         up.row_scales.append(row)

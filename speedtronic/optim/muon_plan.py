@@ -106,7 +106,7 @@ class _Group:
     momentum: Tensor           # (b, m, n) fp32
     grads: Tensor | None = None  # (chunk, m, n) fp32, allocated on first use
     work: Tensor | None = None   # (chunk, m, n) compute dtype, when not fp32
-    guard_slot: int | None = None    # 16-bit NS: its first chunk's slot in the device's guard
+    guard_slot: int | None = None    # 16-bit NS: its first matrix's slot in the device's guard
     gathered: Tensor | None = None   # sharded NS: the all-gather buffer (W * per, m, n)
     slot_pg: Tensor | None = None    # (b,) int64: index into pgs per slot, when len(pgs) > 1
     ns_workspace: Workspace | None = None  # eager CPU steps only (kernels.newton_schulz)
@@ -119,10 +119,10 @@ class _Group:
 
 @dataclass
 class _Guard:
-    """The 16-bit Newton-Schulz guard of one device: one slot per guarded chunk."""
+    """The 16-bit Newton-Schulz guard of one device: one slot per guarded matrix."""
 
-    sums: Tensor               # (K,) fp32: this step's sum of each chunk's NS result
-    hits: Tensor               # (K,) int64: steps whose chunk result was not finite
+    sums: Tensor               # (K,) fp32: this step's sum of each matrix's NS result
+    hits: Tensor               # (K,) int64: steps whose result for that matrix was not finite
 
 
 @dataclass
@@ -144,11 +144,11 @@ class StepCache:
         """``(shape, 0-d int64 device tensor)``: the 16-bit guard's hit count of each guarded
         group, for a caller that reads it together with other device values (no sync here)."""
         return [(g.shape, self.guards[str(g.device)].hits[g.guard_slot:g.guard_slot
-                                                          + g.chunks].sum())
+                                                          + g.momentum.shape[0]].sum())
                 for g in self.groups if g.guard_slot is not None]
 
     def nonfinite_counts(self) -> list[tuple[tuple[int, int], int]]:
-        """``(shape, non-finite 16-bit results: steps x chunks hit)`` per group with a hit
+        """``(shape, skipped matrix updates: non-finite 16-bit results)`` per group with a hit
         (reads the device counters in one host sync, so call it where the trainer already
         reads values)."""
         counters = self.guard_counters()
@@ -281,7 +281,7 @@ def _build(cache: StepCache, entries: list[StepEntry], groups: list[dict[str, An
         if grp.compute in (torch.float16, torch.bfloat16):
             device = str(grp.device)
             grp.guard_slot = slots.get(device, 0)
-            slots[device] = grp.guard_slot + grp.chunks
+            slots[device] = grp.guard_slot + grp.momentum.shape[0]
     cache.guards = {device: _Guard(torch.zeros(k, dtype=torch.float32, device=device),
                                    torch.zeros(k, dtype=torch.int64, device=device))
                     for device, k in slots.items()}

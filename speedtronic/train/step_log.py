@@ -106,14 +106,14 @@ class StepLog:
         return record
 
     def _report_skipped_updates(self, counts: list[tuple[tuple[int, int], int]]) -> None:
-        """One warning per shape group whose fp16 Newton-Schulz result went non-finite since
-        the last log step (the Muon step skipped those updates on the device)."""
+        """One warning per shape group with a non-finite 16-bit Newton-Schulz result since the
+        last log step (the Muon step skipped those matrices' updates on the device)."""
         seen = self._skipped_seen
         for shape, count in counts:
             if count > seen.get(shape, 0):
-                logger.warning("muon: %d step(s) up to step %d had a non-finite fp16 "
-                               "Newton-Schulz result for the %dx%d matrices; those updates were "
-                               "skipped (%d so far). Non-finite gradients are the usual cause: "
-                               "lower optimizer.lr or set optimizer.muon_ns_dtype: fp32",
-                               count - seen.get(shape, 0), self.step, shape[0], shape[1], count)
+                logger.warning("muon: %d update(s) of %dx%d matrices up to step %d had a "
+                               "non-finite 16-bit Newton-Schulz result: skipped, their momentum "
+                               "restarted (%d so far). A non-finite gradient is the cause: lower "
+                               "optimizer.lr, or set train.on_nonfinite: skip to drop such steps",
+                               count - seen.get(shape, 0), shape[0], shape[1], self.step, count)
                 seen[shape] = count

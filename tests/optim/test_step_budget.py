@@ -234,9 +234,10 @@ def test_a_non_finite_fp16_result_skips_that_update_without_a_sync():
 
 
 @pytest.mark.parametrize("chunked", [False, True])
-def test_the_guard_skips_only_the_non_finite_chunk_and_counts_it_per_group(chunked):
+def test_the_guard_skips_only_the_non_finite_matrix_and_counts_it_per_group(chunked):
     # One 16-bit NS batch per group (the guard runs once over all groups) or, with a budget of
-    # 2 matrices, chunk by chunk: either way only the chunk with the inf is skipped.
+    # 2 matrices, chunk by chunk: either way only the matrix with the inf is skipped (a whole
+    # chunk once was, for good: the inf stayed in the momentum).
     torch.manual_seed(0)
     square = [nn.Parameter(torch.randn(8, 8)) for _ in range(4)]
     wide = nn.Parameter(torch.randn(8, 16))
@@ -247,20 +248,48 @@ def test_the_guard_skips_only_the_non_finite_chunk_and_counts_it_per_group(chunk
         p.grad = torch.randn_like(p)
     opt.step()
     square[3].grad = torch.full_like(square[3], float("inf"))
-    before = [p.detach().clone() for p in (*square, wide)]
     for _ in range(2):
+        before = [p.detach().clone() for p in (*square, wide)]
         with DispatchCounter() as c:
             opt.step()
         assert c.host_syncs == 0
-    moved = [not torch.equal(p, b) for p, b in zip((*square, wide), before, strict=True)]
-    # the inf sits in the momentum from now on: its batch (all four squares, or squares 2-3
-    # when chunked) is skipped at both steps, and the other group moves
-    assert moved == ([True, True, False, False, True] if chunked else [False] * 4 + [True])
-    assert opt.nonfinite_counts() == [((8, 8), 2)]
+        moved = [not torch.equal(p, b) for p, b in zip((*square, wide), before, strict=True)]
+        assert moved == [True, True, True, False, True]
+        assert all(torch.isfinite(p).all() for p in (*square, wide))
+    assert opt.nonfinite_counts() == [((8, 8), 2)]  # two skipped updates of square[3]
     # what the trainer reads at log steps, with its other device values
     from speedtronic.train.step_log import guard_counters
 
     assert [(shape, int(t)) for shape, t in guard_counters(opt)] == [((8, 8), 2), ((8, 16), 0)]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_matrix_skipped_by_the_guard_trains_again_once_its_gradients_are_finite(
+        fused, monkeypatch):
+    """The skipped matrix's momentum restarts from zero: its next finite step is Muon's first
+    step on that gradient, and the other matrices never noticed."""
+    from speedtronic.optim import muon_step
+
+    monkeypatch.setitem(muon_step.FUSED_ROUTE_OFF_CUDA, "cpu", fused)
+    torch.manual_seed(0)
+    hit, other = nn.Parameter(torch.randn(8, 16)), nn.Parameter(torch.randn(8, 16))
+    tall = nn.Parameter(torch.randn(16, 8))  # joins the group transposed
+    fresh = nn.Parameter(hit.detach().clone())
+    opt = Muon([hit, other, tall], lr=0.1, weight_decay=0.0, ns_dtype="fp16")
+    ref = Muon([fresh], lr=0.1, weight_decay=0.0, ns_dtype="fp16")
+    hit.grad = torch.full_like(hit, float("nan"))
+    other.grad, tall.grad = torch.randn_like(other), torch.randn_like(tall)
+    held = hit.detach().clone()
+    opt.step()
+    assert torch.equal(hit, held) and opt.nonfinite_counts() == [((8, 16), 1)]
+    g = torch.randn_like(hit)
+    hit.grad, fresh.grad = g, g.clone()
+    moved = [p.detach().clone() for p in (other, tall)]
+    opt.step()
+    ref.step()
+    torch.testing.assert_close(hit, fresh)  # as if its first step
+    assert all(not torch.equal(p, b) for p, b in zip((other, tall), moved, strict=True))
+    assert opt.nonfinite_counts() == [((8, 16), 1)]
 
 
 def test_workspace_bytes_follow_the_budget():
