@@ -9,6 +9,7 @@ kernels.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -81,6 +82,24 @@ def _same_layout(a: Tensor, b: Tensor) -> bool:
                if n > 1)
 
 
+_warned_fp16 = False
+
+
+def _warn_fp16_moments() -> None:
+    """Once per process: float16 parameters keep float16 moments (torch.optim.AdamW's rule,
+    kept so checkpoints load both ways), and ``(1 - beta2) * g^2`` is 0 in float16 for |g| below
+    ~7.7e-3 at beta2 = 0.999: the step divides by eps and is orders of magnitude too large (a
+    5e-3 gradient moved a weight by 250 in one step; torch's unfused AdamW gives inf)."""
+    global _warned_fp16
+    if not _warned_fp16:
+        _warned_fp16 = True
+        warnings.warn("AdamW on float16 parameters: its moments are float16 too, where "
+                      "(1 - beta2) * grad^2 underflows to 0 for |grad| < ~7.7e-3 and the update "
+                      "blows up. Keep the parameters in float32 and train under autocast "
+                      "(precision: fp16 in the config does), or use bfloat16 parameters",
+                      UserWarning, stacklevel=2)
+
+
 def adamw_step(state: dict, group: dict[str, Any]) -> None:
     """One AdamW step on one param group (keys of :data:`ADAMW_DEFAULTS`).
 
@@ -90,6 +109,8 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
     for p in group["params"]:
         if p.grad is None:
             continue
+        if p.dtype == torch.float16:
+            _warn_fp16_moments()
         if p.grad.is_sparse:
             raise RuntimeError(f"AdamW does not support sparse gradients (parameter shape "
                                f"{tuple(p.shape)})")
@@ -179,7 +200,17 @@ class AdamW(EagerMethodsMixin, torch.optim.Optimizer):
         checked_or_dropped(self.param_groups, _check_group)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # A torch.optim.AdamW state dict has no cautious / cautious_rescale keys.
+        # A torch.optim.AdamW state dict has no cautious / cautious_rescale keys. Its maximize
+        # and amsgrad change the update: loaded, they were kept and never read (refused before
+        # anything is replaced, so the optimizer stays as it was).
+        for i, group in enumerate(state.get("param_groups", ())):
+            on = [key for key in ("maximize", "amsgrad") if group.get(key)]
+            if on:
+                raise ValueError(f"AdamW.load_state_dict: param group {i} has "
+                                 f"{' and '.join(f'{k}=True' for k in on)} (a torch.optim.AdamW "
+                                 f"state); Speedtronic's AdamW implements neither maximize nor "
+                                 f"amsgrad. Load it into torch.optim.AdamW, or set them to False "
+                                 f"in the state dict")
         super().__setstate__(state)
         fill_group_defaults(self.param_groups, lambda group: self.defaults)
 

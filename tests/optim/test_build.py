@@ -328,6 +328,49 @@ def test_the_adamw_fallback_on_mixed_dtypes_keeps_fp32_state_exact(order) -> Non
     assert torch.isfinite(p16).all()
 
 
+@pytest.mark.parametrize("flag", ["maximize", "amsgrad"])
+def test_a_torch_adamw_state_with_maximize_or_amsgrad_is_refused_and_nothing_changes(flag):
+    """Loaded, they were kept in param_groups and never read: a maximizing run went on
+    minimizing without a word."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(4))
+    ref = torch.optim.AdamW([p], lr=1e-2, **{flag: True})
+    p.grad = torch.randn(4)
+    ref.step()
+    opt = AdamW([p], lr=3e-3)
+    opt.step()
+    before = opt.state_dict()
+    with pytest.raises(ValueError, match=f"{flag}=True"):
+        opt.load_state_dict(ref.state_dict())
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    assert torch.equal(after["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
+    opt.load_state_dict(torch.optim.AdamW([p], lr=1e-2).state_dict())  # plain: still loads
+    assert opt.param_groups[0]["lr"] == 1e-2
+
+
+def test_adamw_on_float16_parameters_warns_once_about_its_float16_moments(monkeypatch):
+    from speedtronic.optim import adamw as adamw_module
+
+    monkeypatch.setattr(adamw_module, "_warned_fp16", False)
+    half = nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    opt = AdamW([half], lr=1e-3, cautious=True)
+    with pytest.warns(UserWarning, match="float16 parameters") as seen:
+        for _ in range(3):
+            half.grad = torch.full((2,), 5e-3, dtype=torch.float16)
+            opt.step()
+    assert sum("float16 parameters" in str(w.message) for w in seen) == 1
+    monkeypatch.setattr(adamw_module, "_warned_fp16", False)
+    full = nn.Parameter(torch.zeros(2))
+    opt = AdamW([full], lr=1e-3, cautious=True)
+    full.grad = torch.full((2,), 5e-3)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # float32: nothing to say
+
+
 def test_python_built_config_values_other_than_strings_still_reach_the_optimizer() -> None:
     """The choices check refuses unknown strings only: a torch dtype or None for muon_ns_dtype
     worked before it and still does."""
