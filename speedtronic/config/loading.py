@@ -278,6 +278,10 @@ def _match(value: Any, tp: Any) -> tuple[bool, Any]:
         return False, None
     if origin is Literal:
         choices = typing.get_args(tp)
+        if isinstance(value, bool) and ("on" if value else "off") in choices:
+            # YAML 1.1 reads an unquoted on / off as true / false: `cuda_graph: on` as written
+            # in the docs was refused as "got bool True"
+            return True, "on" if value else "off"
         if isinstance(value, str) and value not in choices:
             lowered = value.lower() if "DEBUG" not in choices else value.upper()
             if lowered in choices:

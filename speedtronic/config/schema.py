@@ -322,7 +322,7 @@ class OptimizerConfig:
     """Epsilon inside the square root of the Muon+ normalization."""
     cuda_graph: Literal["off", "on", "auto"] = "off"
     """The Muon step as one captured CUDA graph, replayed each step (CUDA only; off on CPU and
-    under ``train.compile`` with one log line). ``auto`` times 3 eager steps against 3 replays
+    under ``compile`` with one log line). ``auto`` times 3 eager steps against 3 replays
     after the warm-up and keeps the faster. Off by default until a GPU run has measured it
     (benchmarks/gpu_check.sh); docs/optimizers.md lists what invalidates a capture."""
     cautious: bool = False

@@ -307,3 +307,17 @@ def test_a_fixed_length_list_says_how_many_items():
     with pytest.raises(ConfigError, match=r"optimizer.betas: expected a list of 2 floats, got "
                                           r"list \[0.9\]"):
         load_config({"optimizer": {"betas": [0.9]}})
+
+
+def test_unquoted_on_and_off_in_yaml_mean_the_choices_on_and_off(tmp_path):
+    """YAML 1.1 reads on / off as booleans: `cuda_graph: on`, as the docs write it, was refused
+    as "got bool True". A boolean maps to a choice named on / off only where one exists."""
+    path = tmp_path / "run.yaml"
+    path.write_text("optimizer:\n  name: muon\n  cuda_graph: on\ntorchft:\n  mode: off\n")
+    cfg = load_config(path)
+    assert (cfg.optimizer.cuda_graph, cfg.torchft.mode) == ("on", "off")
+    assert load_config(path, ["optimizer.cuda_graph=off"]).optimizer.cuda_graph == "off"
+    path.write_text("torchft:\n  mode: on\n")  # no choice named on: still an error
+    with pytest.raises(ConfigError, match=r"torchft\.mode: expected 'off' \| 'ddp' \| 'diloco', "
+                                          r"got bool True"):
+        load_config(path)
