@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 
 from ..config import ConfigError, SpeedtronicConfig
+from ..config.scaling import check_fsdp
 from ..errors import RunLockedError
 from .metrics import require_hook_packages
 from .run_lock import held_by
@@ -162,6 +163,7 @@ def preflight(cfg: SpeedtronicConfig) -> list[str]:
     """Every check ``train`` makes before touching a device (``validate`` runs this); raises
     :class:`ConfigError` naming the key. Returns one line per check."""
     _check_model_name(cfg)
+    check_fsdp(cfg)  # data_parallel.fsdp's combinations: the config alone decides
     lines = [_check_data_files(cfg)]  # first: it may set model.vocab_size from the tokenizer
     lines.insert(0, check_model_size(cfg, _device_type(cfg)))
     check_run_dir(cfg.run_dir)

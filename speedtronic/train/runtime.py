@@ -26,6 +26,7 @@ from torch import nn
 
 from .. import optim
 from ..config import ConfigError, SpeedtronicConfig, load_config
+from ..config.scaling import check_fsdp
 from ..data import DataBundle, build_data, check_data
 from ..distributed import DataParallel, init_data_parallel, launched_rank
 from ..kernels import cpu as cpu_kernels
@@ -202,6 +203,7 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
     resume = resume or cfg.checkpoint.resume
     run_dir = cfg.run_dir
     check_run_dir(run_dir)
+    check_fsdp(cfg)  # as validate does: one config means one thing, torchrun or not
     level = getattr(logging, cfg.logging.level)
     logging.getLogger("speedtronic").setLevel(level)
     writer = launched_rank() == 0  # under torchrun only rank 0 writes the run directory
@@ -340,11 +342,6 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
     dev = resolve_device(device if device is not None else cfg.run.device)
     if cfg.torchft.mode != "off":  # before torchrun's group: a torchft group is one process
         from ..distributed import torchft_groups
-
-        if cfg.data_parallel.fsdp:  # says why FSDP2 and torchft do not combine
-            from ..distributed.fsdp import check_fsdp
-
-            check_fsdp(cfg)
 
         torchft_groups.check_supported(cfg)
     dp = init_data_parallel(dev, cfg.data_parallel.timeout_s)

@@ -21,7 +21,10 @@ def _cfg(tmp_path: Path, **sections) -> Path:
     raw = {k: dict(v) for k, v in BASE.items()}
     raw["run"]["output_dir"] = str(tmp_path / "runs")
     for sec, values in sections.items():
-        raw.setdefault(sec, {}).update(values)
+        if isinstance(values, dict):
+            raw.setdefault(sec, {}).update(values)
+        else:  # a root key
+            raw[sec] = values
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -38,6 +41,11 @@ def _cfg(tmp_path: Path, **sections) -> Path:
       if importlib.util.find_spec("tensorboard") is None else []),
     ({"data": {"tokenizer": "/no/such/tokenizer.json", "text_path": "/no/such/texts"}},
      "data.tokenizer: file not found"),
+    # combinations FSDP2 cannot run: refused only at torchrun start-up before
+    ({"data_parallel": {"fsdp": True, "zero1": True}},
+     "data_parallel.fsdp: true with data_parallel.zero1: true"),
+    ({"data_parallel": {"fsdp": True}, "ooo_backprop": True},
+     "data_parallel.fsdp: true with ooo_backprop: true"),
 ])
 def test_validate_refuses_what_train_refuses(tmp_path, capsys, sections, message):
     cfg = _cfg(tmp_path, **sections)

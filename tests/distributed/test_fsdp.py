@@ -96,7 +96,7 @@ def test_fsdp_resume_is_bitwise(tmp_path):
     ({"precision": {"mode": "fp16"}}, "data_parallel.fsdp: true with precision.mode: fp16"),
     ({"distributed": {"enabled": True, "store": "file:///nowhere"}},
      "data_parallel.fsdp: true with distributed.enabled: true"),
-    ({"root": {"ooo_backprop": True}}, "ooo_backprop: true cannot run under torchrun"),
+    ({"root": {"ooo_backprop": True}}, "data_parallel.fsdp: true with ooo_backprop: true"),
 ])
 def test_what_fsdp_cannot_run_is_refused(tmp_path, over, message):
     root = over.pop("root", {})
