@@ -16,13 +16,14 @@ the package imports it. :mod:`.env` is the ``speedtronic env`` report.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import RunPreempted, SpeedtronicError, mask_secrets
@@ -45,9 +46,12 @@ class _CurrentStdoutHandler(logging.StreamHandler):
     process (tests, notebooks) with stdout swapped in between, and a handler bound to the first
     stream then writes to a closed file."""
 
+    to_stderr = False
+    """Set by :func:`console_for_output`: stdout holds a command's output (JSON, YAML, text)."""
+
     @property  # type: ignore[override]
     def stream(self):  # noqa: ANN201
-        return sys.stdout
+        return sys.stderr if self.to_stderr else sys.stdout
 
     @stream.setter
     def stream(self, value) -> None:  # noqa: ANN001
@@ -68,6 +72,25 @@ def _stdout_to_devnull() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, sys.stdout.fileno())
     os.close(devnull)
+
+
+@contextlib.contextmanager
+def console_for_output() -> Iterator[None]:
+    """While a command prints what a program may read (``validate``'s config, ``env --json``,
+    ``sample``'s text): info lines are dropped and warnings go to stderr. A warning once landed
+    at the top of ``validate --format json``'s stdout, which then did not parse."""
+    root = logging.getLogger("speedtronic")
+    handlers = [h for h in root.handlers if isinstance(h, _CurrentStdoutHandler)]
+    level = root.level
+    root.setLevel(logging.WARNING)
+    for h in handlers:
+        h.to_stderr = True
+    try:
+        yield
+    finally:
+        root.setLevel(level)
+        for h in handlers:
+            h.to_stderr = False
 
 
 def _setup_logging(debug: bool) -> None:
@@ -202,14 +225,8 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     if not args.config_only:
         from ..train.preflight import preflight
 
-        # The checks' own log lines would land in stdout, which holds the config alone.
-        quiet = logging.getLogger("speedtronic")
-        level = quiet.level
-        quiet.setLevel(logging.WARNING)
-        try:
+        with console_for_output():  # stdout holds the config alone
             lines = preflight(cfg)
-        finally:
-            quiet.setLevel(level)
         for line in lines:
             print(f"ok: {line}", file=sys.stderr)
     data = cfg.to_dict(redact=True)
@@ -231,13 +248,8 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
     # Collecting the kernel status loads the kernels, whose loader logs its decision line: the
     # report already holds it (kernels.reason), and with --json stdout must be JSON alone.
-    quiet = logging.getLogger("speedtronic")
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)
-    try:
+    with console_for_output():
         info = collect_env()
-    finally:
-        quiet.setLevel(level)
     print(_strict_json(info) if args.json else format_env(info))
     return 0
 

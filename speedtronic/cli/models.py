@@ -50,7 +50,6 @@ def _codec(cfg: Any, tokenizer: str | None) -> tuple[Callable[[str], list[int]],
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
-    import logging
 
     from ..config import ConfigError
     from ..models.generate import generate
@@ -67,13 +66,10 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from ..train.precision import resolve_device
 
     args.device = str(resolve_device(args.device))  # an unavailable device: one line, exit 2
-    quiet = logging.getLogger("speedtronic")
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)  # stdout holds the text alone
-    try:
+    from . import console_for_output
+
+    with console_for_output():  # stdout holds the text alone
         model, cfg, path = load_run_model(args.run_dir, args.checkpoint, args.device)
-    finally:
-        quiet.setLevel(level)
     encode, decode, stop = _codec(cfg, args.tokenizer)
     prompt = encode(args.prompt)
     if not prompt:

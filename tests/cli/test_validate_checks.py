@@ -84,3 +84,16 @@ def test_validate_refuses_a_run_directory_a_live_run_holds(tmp_path, capsys):
         assert main(["validate", "--config", str(cfg)]) == 2
         assert f"is in use by pid {os.getpid()}" in capsys.readouterr().err
     assert main(["validate", "--config", str(cfg)]) == 0  # released: fine again
+
+
+def test_a_warning_during_validate_goes_to_stderr_and_the_json_on_stdout_parses(tmp_path, capsys):
+    """A warning (uint32 ids in a uint16 file) once led validate --format json's stdout."""
+    import json
+
+    tokens = tmp_path / "tok32.bin"
+    np.arange(1000, dtype=np.int32).tofile(tokens)
+    cfg = _cfg(tmp_path, data={"tokens_path": str(tokens)}, model={"vocab_size": 70_000})
+    assert main(["validate", "--config", str(cfg), "--format", "json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["data"]["tokens_path"] == str(tokens)
+    assert "looks like uint32" in err and "looks like uint32" not in out
