@@ -153,16 +153,28 @@ class CheckpointManager:
     Args:
         directory: checkpoint folder (created on first save).
         keep_last: keep the newest N checkpoints (None keeps all).
+        owner: this process writes the run (it holds the run directory's lock): it removes
+            what interrupted saves left behind. A reader (``sample``, ``export``, ``--resume``'s
+            lookup) deletes nothing: on another host or in another container it cannot see the
+            writer's pid, and it once deleted a live run's checkpoint mid-write.
     """
 
-    def __init__(self, directory: str | Path, keep_last: int | None = 3) -> None:
+    def __init__(self, directory: str | Path, keep_last: int | None = 3, *,
+                 owner: bool = False) -> None:
         self.directory = Path(directory)
         self.keep_last = keep_last
-        self._remove_stale_temp_files()
+        if owner:
+            self._remove_stale_temp_files()
 
     def _remove_stale_temp_files(self) -> None:
         if not self.directory.is_dir():
             return
+        for digest in self.directory.glob("step_*.sha256"):
+            # a prune or a save killed between its two files: a digest without its checkpoint
+            if _NAME_RE.match(digest.with_suffix(".pt").name) and \
+                    not digest.with_suffix(".pt").exists():
+                logger.info("checkpoint: removing %s (its checkpoint is gone)", digest.name)
+                digest.unlink(missing_ok=True)
         for tmp in self.directory.glob(".*.tmp-*"):
             if _writer_alive(tmp):  # another live process is writing it: not ours to delete
                 logger.info("checkpoint: leaving %s alone (its writer, pid %s, is alive)", tmp,
@@ -262,9 +274,15 @@ class CheckpointManager:
                 # must describe the file still in place, or that checkpoint would read corrupt
                 atomic_write_text(digest, _sha256_file(final) + "\n")
         newest = f"the newest, {kept[0][1].name}, is intact" if kept else "none was saved yet"
+        import errno as _errno
+
+        full = isinstance(cause, OSError) and cause.errno in (_errno.ENOSPC, _errno.EDQUOT)
+        advice = ("Free space (or raise the quota)" if full else
+                  "Fix the cause (the folder must stay writable and nothing else may write in "
+                  "it)")
         return CheckpointError(f"saving the checkpoint of step {step} in {self.directory} "
                                f"failed: {why}; committed checkpoints are untouched ({newest}). "
-                               "Free space (or raise the quota) and train again with --resume")
+                               f"{advice} and train again with --resume")
 
     def prune(self) -> None:
         """Delete all but the newest ``keep_last`` checkpoints (never the one ``latest`` names)."""

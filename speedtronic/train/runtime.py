@@ -249,7 +249,8 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
         cfg.save(run_dir / "config.yaml")
         if cfg.checkpoint.enabled:
             trainer.checkpoints = CheckpointManager(run_dir / cfg.checkpoint.directory,
-                                                    keep_last=cfg.checkpoint.keep_last)
+                                                    keep_last=cfg.checkpoint.keep_last,
+                                                    owner=True)
             trainer.checkpoints.probe_writable()
         # The hooks (TensorBoard, wandb) are built after a resume restored the RNG streams:
         # keep whatever they draw out of the run's streams, or resume would not be bitwise.

@@ -146,10 +146,20 @@ def test_layout_pointer_and_keep_last(tmp_path):
         "step_00000015.sha256"]
 
 
-def test_stale_temp_files_are_removed_at_start(tmp_path):
-    (tmp_path / ".step_00000007.pt.tmp-123").write_bytes(b"half")
+def test_stale_temp_files_and_orphan_digests_are_removed_by_the_runs_owner_only(tmp_path):
+    """A reader (sample, export, a resume lookup) deletes nothing: from another host or
+    container a live writer's pid looks dead, and a reader once deleted its checkpoint
+    mid-write. The owner (it holds the run lock) removes what interrupted saves left."""
+    mgr = CheckpointManager(tmp_path, keep_last=None)
+    mgr.save(3, {"step": 3, "model": {}})
+    junk = [tmp_path / ".step_00000007.pt.tmp-123", tmp_path / "step_00000005.sha256"]
+    for path in junk:  # a temp file of a dead writer; a digest whose prune was cut short
+        path.write_bytes(b"half")
     CheckpointManager(tmp_path)
-    assert not list(tmp_path.iterdir())
+    assert all(path.exists() for path in junk)
+    CheckpointManager(tmp_path, owner=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "latest", "step_00000003.pt", "step_00000003.sha256"]
 
 
 class _Evil:

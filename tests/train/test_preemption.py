@@ -158,7 +158,7 @@ def test_temp_files_of_a_live_writer_are_left_alone(tmp_path):
         live.write_bytes(b"in progress")
         dead = tmp_path / f".step_00000006.pt.tmp-{os.getpid()}"  # ours: a failed save
         dead.write_bytes(b"half")
-        CheckpointManager(tmp_path)
+        CheckpointManager(tmp_path, owner=True)
         assert live.exists() and not dead.exists()
     finally:
         sleeper.communicate(b"")
