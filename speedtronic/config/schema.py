@@ -24,7 +24,7 @@ import json
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 
 import yaml
@@ -415,7 +415,9 @@ class CheckpointConfig:
     enabled: bool = True
     """Write checkpoints."""
     directory: str = "checkpoints"
-    """Folder, relative to the run directory."""
+    """Folder, relative to the run directory and inside it (no absolute path, no ``..``): the
+    run lock and the move-aside of an earlier run cover the run directory only, so a folder
+    outside it let two runs overwrite, and resume from, each other's checkpoints."""
     every_steps: int = 500
     """Save every N optimizer steps (and at the end of the run)."""
     keep_last: int | None = 3
@@ -427,6 +429,12 @@ class CheckpointConfig:
     (a wall-clock bound on lost work, e.g. under a scheduler's time limit); None = steps only."""
 
     def validate(self, p: str = "checkpoint") -> None:
+        parts = PurePosixPath(self.directory.replace("\\", "/")).parts
+        require(bool(self.directory.strip()) and not self.directory.startswith(("/", "\\", "~"))
+                and ".." not in parts and ":" not in self.directory,
+                f"{p}.directory", f"must be a folder inside the run directory (a relative path "
+                f"without '..', e.g. checkpoints), got {brief(self.directory)}; to keep "
+                f"checkpoints on another disk, put the run there (run.output_dir)")
         require(self.every_steps > 0, f"{p}.every_steps", f"must be > 0, got {self.every_steps}")
         if self.every_seconds is not None:
             require(self.every_seconds > 0, f"{p}.every_seconds",

@@ -263,14 +263,14 @@ def test_console_script_imports_user_modules_from_the_working_directory(tmp_path
 
 @pytest.mark.usefixtures("one_thread")
 def test_an_unwritable_checkpoint_folder_stops_the_run_before_its_first_step(tmp_path, capsys):
-    blocker = tmp_path / "blocker"
-    blocker.write_text("a file where the checkpoint folder's parent should be")
+    # the run's own config.yaml (written before the probe) is a file where the checkpoint
+    # folder's parent should be
     raw = tiny_raw(tmp_path / "out", checkpoint={"every_steps": 3,
-                                                "directory": str(blocker / "ckpt")})
+                                                "directory": "config.yaml/ckpt"})
     cfg = _write(tmp_path / "run.yaml", raw)
     assert main(["train", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not writable" in err[0] and "blocker" in err[0], err
+    assert len(err) == 1 and "not writable" in err[0] and "config.yaml" in err[0], err
     metrics = tmp_path / "out" / "t" / "metrics.jsonl"
     assert not metrics.exists() or '"train_step"' not in metrics.read_text()
 

@@ -91,6 +91,8 @@ def test_wrong_types_are_errors(raw, key):
      "optimizer.muon_coefficients"),
     ({"distributed": {"enabled": True}}, "distributed.store"),
     ({"distributed": {"node_id": "../evil"}}, "distributed.node_id"),
+    ({"checkpoint": {"directory": "/elsewhere/ckpt"}}, "checkpoint.directory"),
+    ({"checkpoint": {"directory": "../shared"}}, "checkpoint.directory"),
     ({"distributed": {"store": "file:///tmp/s", "endpoint_url": "http://minio:9000"}},
      "distributed.endpoint_url"),
     ({"distributed": {"store": "s3://b/p", "endpoint_url": "minio:9000"}},
