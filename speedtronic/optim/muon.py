@@ -326,10 +326,18 @@ class MuonCacheMixin:
     def nonfinite_counts(self) -> list[tuple[tuple[int, int], int]]:
         """Matrix updates skipped because their 16-bit Newton-Schulz result was not finite, per
         shape group: ``[(shape, count)]``, empty when none. Such a matrix keeps its weight
-        decay, gets no update that step and its momentum restarts from zero; the rest of its
-        group updates as usual. Reads device counters: call it where values are read anyway
-        (log steps)."""
+        decay and gets no update; the rest of its group updates as usual. A non-finite gradient
+        is the cause and stays in that matrix's momentum, so it is skipped every step until
+        :meth:`restart_nonfinite_momentum`. Reads device counters: call it where values are
+        read anyway (log steps)."""
         return self.muon_cache.nonfinite_counts()
+
+    def restart_nonfinite_momentum(self) -> int:
+        """Zero the momentum of the matrices the 16-bit guard keeps skipping (their momentum is
+        not finite), so they train again from their next finite gradient; returns how many.
+        One pass over the momentum and one host read: call it when :meth:`nonfinite_counts`
+        grew (the trainer does, at its log steps)."""
+        return self.muon_cache.restart_nonfinite_momentum()
 
 
 

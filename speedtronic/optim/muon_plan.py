@@ -147,6 +147,20 @@ class StepCache:
                                                           + g.momentum.shape[0]].sum())
                 for g in self.groups if g.guard_slot is not None]
 
+    def restart_nonfinite_momentum(self) -> int:
+        """Zero the momentum of every guarded matrix whose momentum is not finite (a non-finite
+        gradient reached it; the guard skips that matrix each step until then). One pass over
+        the guarded banks and one host read: call it where the guard's counters were seen to
+        grow, not every step. Returns how many matrices restarted."""
+        restarted = []
+        for g in self.groups:
+            if g.guard_slot is None:
+                continue
+            bad = g.momentum.sum(dim=(-2, -1)).mul(0).isnan()         # (b,) bool
+            g.momentum.masked_fill_(bad.view(-1, 1, 1), 0)
+            restarted.append(bad.sum())
+        return int(torch.stack(restarted).sum()) if restarted else 0
+
     def nonfinite_counts(self) -> list[tuple[tuple[int, int], int]]:
         """``(shape, skipped matrix updates: non-finite 16-bit results)`` per group with a hit
         (reads the device counters in one host sync, so call it where the trainer already

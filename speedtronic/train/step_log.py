@@ -107,13 +107,20 @@ class StepLog:
 
     def _report_skipped_updates(self, counts: list[tuple[tuple[int, int], int]]) -> None:
         """One warning per shape group with a non-finite 16-bit Newton-Schulz result since the
-        last log step (the Muon step skipped those matrices' updates on the device)."""
+        last log step (the Muon step skipped those matrices' updates on the device), and the
+        skipped matrices' momentum restarted so they train again."""
         seen = self._skipped_seen
+        grew = False
         for shape, count in counts:
             if count > seen.get(shape, 0):
                 logger.warning("muon: %d update(s) of %dx%d matrices up to step %d had a "
-                               "non-finite 16-bit Newton-Schulz result: skipped, their momentum "
-                               "restarted (%d so far). A non-finite gradient is the cause: lower "
-                               "optimizer.lr, or set train.on_nonfinite: skip to drop such steps",
+                               "non-finite 16-bit Newton-Schulz result and were skipped (%d so "
+                               "far); their momentum restarts now. A non-finite gradient is the "
+                               "cause: lower optimizer.lr, or set train.on_nonfinite: skip to "
+                               "drop such steps",
                                count - seen.get(shape, 0), shape[0], shape[1], self.step, count)
                 seen[shape] = count
+                grew = True
+        if grew:
+            optimizer = getattr(self.optimizer, "local", self.optimizer)  # ZeRO-1: its share
+            optimizer.restart_nonfinite_momentum()

@@ -8,6 +8,8 @@ on a size once the workspace budget gives one chunk per group)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch._dynamo
@@ -264,32 +266,40 @@ def test_the_guard_skips_only_the_non_finite_matrix_and_counts_it_per_group(chun
 
 
 @pytest.mark.parametrize("fused", [False, True])
-def test_a_matrix_skipped_by_the_guard_trains_again_once_its_gradients_are_finite(
+def test_a_matrix_skipped_by_the_guard_trains_again_once_its_momentum_restarts(
         fused, monkeypatch):
-    """The skipped matrix's momentum restarts from zero: its next finite step is Muon's first
-    step on that gradient, and the other matrices never noticed."""
+    """The bad gradient stays in the skipped matrix's momentum (skipped again at its next,
+    finite gradient) until restart_nonfinite_momentum, called where the counters are read;
+    then its next step is Muon's first step on that gradient. The others never noticed."""
     from speedtronic.optim import muon_step
+    from speedtronic.train.step_log import StepLog
 
     monkeypatch.setitem(muon_step.FUSED_ROUTE_OFF_CUDA, "cpu", fused)
     torch.manual_seed(0)
     hit, other = nn.Parameter(torch.randn(8, 16)), nn.Parameter(torch.randn(8, 16))
     tall = nn.Parameter(torch.randn(16, 8))  # joins the group transposed
-    fresh = nn.Parameter(hit.detach().clone())
     opt = Muon([hit, other, tall], lr=0.1, weight_decay=0.0, ns_dtype="fp16")
-    ref = Muon([fresh], lr=0.1, weight_decay=0.0, ns_dtype="fp16")
     hit.grad = torch.full_like(hit, float("nan"))
     other.grad, tall.grad = torch.randn_like(other), torch.randn_like(tall)
     held = hit.detach().clone()
     opt.step()
-    assert torch.equal(hit, held) and opt.nonfinite_counts() == [((8, 16), 1)]
+    hit.grad = torch.randn_like(hit)
+    moved = [p.detach().clone() for p in (other, tall)]
+    opt.step()
+    assert torch.equal(hit, held) and opt.nonfinite_counts() == [((8, 16), 2)]
+    assert all(not torch.equal(p, b) for p, b in zip((other, tall), moved, strict=True))
+    # what the trainer does at a log step whose counters grew
+    log = SimpleNamespace(_skipped_seen={}, step=2, optimizer=opt)
+    StepLog._report_skipped_updates(log, opt.nonfinite_counts())
+    assert opt.restart_nonfinite_momentum() == 0  # done: nothing left to restart
+    fresh = nn.Parameter(hit.detach().clone())
+    ref = Muon([fresh], lr=0.1, weight_decay=0.0, ns_dtype="fp16")
     g = torch.randn_like(hit)
     hit.grad, fresh.grad = g, g.clone()
-    moved = [p.detach().clone() for p in (other, tall)]
     opt.step()
     ref.step()
     torch.testing.assert_close(hit, fresh)  # as if its first step
-    assert all(not torch.equal(p, b) for p, b in zip((other, tall), moved, strict=True))
-    assert opt.nonfinite_counts() == [((8, 16), 1)]
+    assert opt.nonfinite_counts() == [((8, 16), 2)]
 
 
 def test_workspace_bytes_follow_the_budget():
