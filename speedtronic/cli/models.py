@@ -14,6 +14,17 @@ from collections.abc import Callable
 from typing import Any
 
 
+def _seed(text: str) -> int:
+    """``--seed``: an int torch's generator takes (a larger one failed deep inside torch)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= value < 2**63:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2^63), got {text}")
+    return value
+
+
 def add_sample(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sample", help="generate text from a run's checkpoint")
     p.add_argument("run_dir", metavar="RUN_DIR")
@@ -23,7 +34,8 @@ def add_sample(sub: argparse._SubParsersAction) -> None:
                    help="0 = greedy; higher = more random (default 0.8)")
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely ids "
                                                          "(0 = all)")
-    p.add_argument("--seed", type=int, default=0, help="same seed, same text (same device)")
+    p.add_argument("--seed", type=_seed, default=0,
+                   help="same seed, same text (same device); 0 <= seed < 2^63")
     p.add_argument("--checkpoint", help="a checkpoint file (default: the newest verified one)")
     p.add_argument("--tokenizer", help="tokenizer.json for runs on token files without "
                                        "data.tokenizer")

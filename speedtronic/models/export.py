@@ -118,7 +118,10 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str | Path,
                           "(exported as LlamaForCausalLM) nor a Hugging Face model (written "
                           "with save_pretrained); a custom model has no known Hugging Face "
                           "layout")
-    out = Path(out_dir)
+    out = Path(out_dir).absolute()  # "-o ." has no name to stage beside
+    if out.parent == out:
+        raise ConfigError(f"export: output {out_dir} is a filesystem root; give -o a new or "
+                          "empty folder")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"export: output {out} exists and is not a folder; give -o a new or "
                           "empty folder")
