@@ -78,7 +78,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from ..train.precision import resolve_device
 
     args.device = str(resolve_device(args.device))  # an unavailable device: one line, exit 2
-    from . import console_for_output
+    from .console import console_for_output
 
     with console_for_output():  # stdout holds the text alone
         model, cfg, path = load_run_model(args.run_dir, args.checkpoint, args.device)

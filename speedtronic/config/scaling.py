@@ -8,15 +8,12 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-from ..errors import ConfigError, brief
+from ..errors import brief
 from .rules import INF_IS_NO_LIMIT, require
 
-if TYPE_CHECKING:
-    from .schema import SpeedtronicConfig
-
-__all__ = ["DataParallelConfig", "DistributedConfig", "TorchftConfig", "check_fsdp"]
+__all__ = ["DataParallelConfig", "DistributedConfig", "TorchftConfig"]
 
 
 @dataclass
@@ -361,38 +358,3 @@ class TorchftConfig:
         require(0 <= self.manager_port < 65536, f"{p}.manager_port", "must be in 0..65535")
         require(self.inner_steps >= 1, f"{p}.inner_steps", "must be >= 1")
         require(0.0 <= self.outer_momentum < 1.0, f"{p}.outer_momentum", "must be in [0, 1)")
-
-
-def check_fsdp(cfg: SpeedtronicConfig) -> None:
-    """Refuse what does not combine with ``data_parallel.fsdp`` (config only, no torch: ``train``
-    and ``validate`` run it before anything is built, in one process or under torchrun)."""
-    if not cfg.data_parallel.fsdp:
-        return
-    key = "data_parallel.fsdp: true"
-    if cfg.data_parallel.zero1:
-        raise ConfigError(f"{key} with data_parallel.zero1: true: FSDP2 already shards the "
-                          "optimizer state (with the parameters and gradients); set one of "
-                          "them to false")
-    if cfg.optimizer.cuda_graph != "off":
-        raise ConfigError(f"{key} with optimizer.cuda_graph: {cfg.optimizer.cuda_graph}: the "
-                          "DTensor Muon step all-gathers each matrix, which is not part of a "
-                          "captured graph; set optimizer.cuda_graph: off")
-    if cfg.ooo_backprop:
-        raise ConfigError(f"{key} with ooo_backprop: true: FSDP2 reduce-scatters a unit's "
-                          "gradients when its backward ends, before the out-of-order scheduler "
-                          "has computed the deferred weight gradients; set ooo_backprop: false")
-    if cfg.torchft.mode != "off":
-        raise ConfigError(f"{key} with torchft.mode: {cfg.torchft.mode}: FSDP2 inside a "
-                          "torchft replica group (HSDP) is not built (a group of torchrun "
-                          "ranks runs DDP); set torchft.mode: off or data_parallel.fsdp: false")
-    if cfg.distributed.enabled:
-        raise ConfigError(f"{key} with distributed.enabled: true (hierarchical DiLoCo): the "
-                          "worker group's relay and outer step read and install whole "
-                          "parameters, not DTensor shards; set data_parallel.fsdp: false")
-    if cfg.compile is True:
-        raise ConfigError(f"{key} with compile: true: compiling a fully_shard model is not "
-                          "tested in this engine; set compile: false or auto (auto stays off "
-                          "under FSDP2)")
-    if cfg.precision.mode == "fp16":
-        raise ConfigError(f"{key} with precision.mode: fp16: GradScaler's unscale is not "
-                          "built for DTensor gradients; use precision.mode: bf16 or fp32")

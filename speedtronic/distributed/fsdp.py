@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from ..config import SpeedtronicConfig
-from ..config.scaling import check_fsdp
+from ..config.combinations import check_fsdp
 from .process_group import DataParallel
 
 logger = logging.getLogger("speedtronic.distributed")

@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 
 from ..config import ConfigError, SpeedtronicConfig
-from ..config.scaling import check_fsdp
+from ..config.combinations import check_fsdp
 from ..errors import RunLockedError
 from .metrics import require_hook_packages
 from .run_lock import held_by

@@ -11,22 +11,19 @@ from __future__ import annotations
 import json
 import logging
 import logging.handlers
-import math
 import os
-import random
 import threading
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from .. import optim
 from ..config import ConfigError, SpeedtronicConfig, load_config
-from ..config.scaling import check_fsdp
+from ..config.combinations import check_fsdp
 from ..data import DataBundle, build_data, check_data
 from ..distributed import DataParallel, init_data_parallel, launched_rank
 from ..kernels import cpu as cpu_kernels
@@ -35,7 +32,6 @@ from ..models.hf import check_forward
 from . import host_memory
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from .metrics import (
-    RUN_LOG_HANDLER,
     Hook,
     MetricsLogger,
     PeerMetrics,
@@ -47,69 +43,15 @@ from .precision import resolve_device, resolve_precision
 from .preflight import check_model_size, check_run_dir
 from .resume import resume_trainer
 from .run_lock import RunLock
+from .run_log import check_log_file, open_log_file, remove_log_handlers
 from .run_model import init_from
+from .schedule import build_scheduler, lr_factor, seed_everything
 from .trainer import Trainer, TrainerCallback, TrainResult
 
 logger = logging.getLogger("speedtronic.runtime")
 
 __all__ = ["build_trainer", "train_from_config", "build_scheduler", "build_optimizer",
            "lr_factor", "seed_everything"]
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (all devices) for reproducible init and data order."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
-def lr_factor(step: int, warmup: int, horizon: int, name: str, min_ratio: float) -> float:
-    """Multiplier of the peak lr before optimizer step ``step`` (0-based).
-
-    Linear warmup ``(step+1)/warmup`` for ``step < warmup``; then 1 (constant) or a cosine from 1
-    down to ``min_ratio`` at ``horizon`` (held there after it).
-    """
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    if name == "constant":
-        return 1.0
-    progress = min(1.0, max(0.0, (step - warmup) / max(1, horizon - warmup)))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-
-def build_scheduler(optimizer: torch.optim.Optimizer,
-                    cfg: SpeedtronicConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """One LambdaLR over every param group, so per-group lrs (Muon vs AdamW) keep their ratio.
-
-    The factor is a closure, not a callable object, so LambdaLR's state_dict stores only the
-    step counter: a resumed run uses the schedule of *its* config.
-    """
-    s = cfg.scheduler
-    horizon = s.max_steps or cfg.run.max_steps
-    _warn_about_schedule(cfg, horizon)
-
-    def factor(step: int) -> float:
-        return lr_factor(step, s.warmup_steps, horizon, s.name, s.min_lr_ratio)
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def _warn_about_schedule(cfg: SpeedtronicConfig, horizon: int) -> None:
-    """A schedule that cannot do what it says gets one warning naming both numbers."""
-    s, steps = cfg.scheduler, cfg.run.max_steps
-    if s.warmup_steps > steps:  # lr_factor reaches 1.0 at step warmup_steps (1-based)
-        logger.warning("scheduler: warmup_steps=%d > run.max_steps=%d, so the run never reaches "
-                       "its peak learning rate (it ends at %.0f%% of it); set "
-                       "scheduler.warmup_steps to at most %d, e.g. %d (10%% of the run)",
-                       s.warmup_steps, steps, 100.0 * steps / max(1, s.warmup_steps), steps,
-                       steps // 10)
-    elif s.name == "cosine" and horizon < steps:
-        logger.warning("scheduler: the cosine ends at scheduler.max_steps=%d but the run lasts "
-                       "run.max_steps=%d, so the last %d steps stay at min_lr_ratio=%g; set "
-                       "scheduler.max_steps to %d or null (= run.max_steps)", horizon, steps,
-                       # a horizon at or below the warmup: the first step after warmup is
-                       # still the peak (progress 0), so one step fewer sits at the floor
-                       steps - max(horizon, s.warmup_steps + 1), s.min_lr_ratio, steps)
 
 
 def build_optimizer(model: nn.Module, cfg: SpeedtronicConfig,
@@ -211,7 +153,7 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
     # or moves anything there.
     lock = RunLock(run_dir, "resume" if resume else "train") if writer else None
     try:
-        log_buffer = _check_log_file(cfg, run_dir) if writer else None
+        log_buffer = check_log_file(cfg, run_dir) if writer else None
     except BaseException:
         if lock is not None:
             lock.release()
@@ -239,13 +181,13 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
                 # saved just ahead of it, does not hold: compare once reported the eval before.
                 for hook in hooks:
                     hook("eval", {k: v for k, v in last_eval.items() if k != "event"})
-            _remove_log_handlers(own)  # logging.file too: its held lines are not written
+            remove_log_handlers(own)  # logging.file too: its held lines are not written
             return trainer
         # --resume without a checkpoint is a fresh run: an earlier run's files are moved aside
         # as for any fresh run (it once appended a second step-0 run to their metrics)
         _prepare_run_dir(run_dir, resumed, asked_to_resume=resume)
         if log_buffer is not None:
-            own.append(_open_log_file(log_buffer))
+            own.append(open_log_file(log_buffer))
         cfg.save(run_dir / "config.yaml")
         if cfg.checkpoint.enabled:
             trainer.checkpoints = CheckpointManager(run_dir / cfg.checkpoint.directory,
@@ -262,7 +204,7 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
                                         start_step=trainer.step)
         restore_rng_state(rng)
     except BaseException:
-        _remove_log_handlers(own)  # a failed build leaves none of its handlers behind
+        remove_log_handlers(own)  # a failed build leaves none of its handlers behind
         if lock is not None:
             lock.release()
         raise
@@ -299,14 +241,6 @@ def _nothing_left(trainer: Trainer, run_dir: Path) -> tuple[bool, dict[str, Any]
     except OSError:
         pass
     return False, None
-
-
-def _remove_log_handlers(handlers: Sequence[logging.Handler]) -> None:
-    """Detach and close these handlers (only these: another run's log file keeps its own)."""
-    root = logging.getLogger("speedtronic")
-    for handler in handlers:
-        root.removeHandler(handler)
-        handler.close()
 
 
 def _as_data_bundle(cfg: SpeedtronicConfig, data: Any) -> None:
@@ -425,63 +359,6 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
     return trainer
 
 
-class _HeldLogLines(logging.handlers.MemoryHandler):
-    """The build's log lines, held until ``path`` can be opened (see :func:`_check_log_file`)."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(capacity=100_000, flushLevel=logging.CRITICAL + 1)
-        self.path = path
-        self.set_name(RUN_LOG_HANDLER)
-
-
-def _check_log_file(cfg: SpeedtronicConfig, run_dir: Path) -> _HeldLogLines | None:
-    """``logging.file``, checked before anything is written, with a handler that holds the
-    build's log lines in memory until :func:`_open_log_file` (after the run dir is prepared)
-    writes them to the file: a file inside the run dir must follow the new run, and the file
-    should still hold the device, model and resume lines.
-
-    A file outside the run dir is opened (for appending) right away, so a path that cannot be
-    written fails before an earlier run is moved aside."""
-    if not cfg.logging.file:
-        return None
-    path = Path(cfg.logging.file)
-    try:
-        parent = path.parent.resolve()
-        inside_run = parent == run_dir.resolve() or run_dir.resolve() in parent.parents
-        problem = ("it is a directory" if path.is_dir() else
-                   "its folder does not exist" if not parent.is_dir() and not inside_run else None)
-        if problem is None and not inside_run:
-            with open(path, "a", encoding="utf-8"):
-                pass
-    except OSError as exc:
-        problem = exc.strerror or str(exc)
-    if problem:
-        raise ConfigError(f"logging.file: cannot append to {str(path)[:300]} ({problem}); give "
-                          "a writable file path in an existing folder or in the run directory")
-    buffer = _HeldLogLines(path)
-    logging.getLogger("speedtronic").addHandler(buffer)
-    return buffer
-
-
-def _open_log_file(buffer: _HeldLogLines) -> logging.Handler:
-    path = buffer.path
-    path.parent.mkdir(parents=True, exist_ok=True)  # a folder inside the run directory
-    try:
-        handler = logging.FileHandler(path, encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"logging.file: cannot open {path} for appending "
-                          f"({exc.strerror or exc}); give a writable file path") from None
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    handler.set_name(RUN_LOG_HANDLER)
-    root = logging.getLogger("speedtronic")
-    buffer.setTarget(handler)
-    buffer.flush()  # the build's lines, in order, then the file handler takes over
-    root.removeHandler(buffer)
-    buffer.close()
-    root.addHandler(handler)
-    return handler
-
-
 def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: bool = False,
                       device: str | torch.device | None = None, hooks: Iterable[Hook] = (),
                       callbacks: Sequence[TrainerCallback] = (), model: nn.Module | None = None,
@@ -508,7 +385,7 @@ def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: 
             # rank preloaded and the non-plotting ones exited first). Wait for it instead.
             preload.join(timeout=60)
         trainer.metrics.close()
-        _remove_log_handlers(trainer.log_handlers)
+        remove_log_handlers(trainer.log_handlers)
         trainer.release_run_lock()
         if trainer.dp is not None:
             trainer.dp.close()

@@ -17,7 +17,7 @@ def _sched(**kw):
 
 
 def test_warmup_longer_than_the_run_names_both_numbers(caplog):
-    with caplog.at_level(logging.WARNING, logger="speedtronic.runtime"):
+    with caplog.at_level(logging.WARNING, logger="speedtronic.schedule"):
         _sched(run={"max_steps": 60}, scheduler={"warmup_steps": 100})
     (msg,) = [r.getMessage() for r in caplog.records]
     assert "warmup_steps=100 > run.max_steps=60" in msg and "ends at 60%" in msg
@@ -25,7 +25,7 @@ def test_warmup_longer_than_the_run_names_both_numbers(caplog):
 
 
 def test_warmup_equal_to_the_run_reaches_the_peak_and_is_not_warned(caplog):
-    with caplog.at_level(logging.WARNING, logger="speedtronic.runtime"):
+    with caplog.at_level(logging.WARNING, logger="speedtronic.schedule"):
         sched = _sched(run={"max_steps": 4}, scheduler={"warmup_steps": 4, "name": "constant"})
     assert not caplog.records
     lrs = []
@@ -36,7 +36,7 @@ def test_warmup_equal_to_the_run_reaches_the_peak_and_is_not_warned(caplog):
 
 
 def test_cosine_horizon_shorter_than_the_run_is_said(caplog):
-    with caplog.at_level(logging.WARNING, logger="speedtronic.runtime"):
+    with caplog.at_level(logging.WARNING, logger="speedtronic.schedule"):
         _sched(run={"max_steps": 500}, scheduler={"name": "cosine", "warmup_steps": 10,
                                                    "max_steps": 300})
     (msg,) = [r.getMessage() for r in caplog.records]
@@ -50,7 +50,7 @@ def test_cosine_horizon_shorter_than_the_run_is_said(caplog):
                                               "max_steps": 100}},
 ])
 def test_sound_schedules_say_nothing(caplog, kw):
-    with caplog.at_level(logging.WARNING, logger="speedtronic.runtime"):
+    with caplog.at_level(logging.WARNING, logger="speedtronic.schedule"):
         _sched(**kw)
     assert not caplog.records
 

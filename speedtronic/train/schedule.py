@@ -1,0 +1,78 @@
+"""The learning-rate schedule and the run's seeds.
+
+One ``LambdaLR`` over every param group (:func:`build_scheduler`), so the Muon and AdamW
+groups keep the ratio of their learning rates: linear warmup, then constant or a cosine down to
+``scheduler.min_lr_ratio`` (:func:`lr_factor`). A schedule that cannot do what its config says
+(a warmup longer than the run, a cosine that ends early) gets one warning naming both numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+
+import numpy as np
+import torch
+
+from ..config import SpeedtronicConfig
+
+logger = logging.getLogger("speedtronic.schedule")
+
+__all__ = ["build_scheduler", "lr_factor", "seed_everything"]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices) for reproducible init and data order."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def lr_factor(step: int, warmup: int, horizon: int, name: str, min_ratio: float) -> float:
+    """Multiplier of the peak lr before optimizer step ``step`` (0-based).
+
+    Linear warmup ``(step+1)/warmup`` for ``step < warmup``; then 1 (constant) or a cosine from 1
+    down to ``min_ratio`` at ``horizon`` (held there after it).
+    """
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    if name == "constant":
+        return 1.0
+    progress = min(1.0, max(0.0, (step - warmup) / max(1, horizon - warmup)))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer,
+                    cfg: SpeedtronicConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    """One LambdaLR over every param group, so per-group lrs (Muon vs AdamW) keep their ratio.
+
+    The factor is a closure, not a callable object, so LambdaLR's state_dict stores only the
+    step counter: a resumed run uses the schedule of *its* config.
+    """
+    s = cfg.scheduler
+    horizon = s.max_steps or cfg.run.max_steps
+    _warn_about_schedule(cfg, horizon)
+
+    def factor(step: int) -> float:
+        return lr_factor(step, s.warmup_steps, horizon, s.name, s.min_lr_ratio)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _warn_about_schedule(cfg: SpeedtronicConfig, horizon: int) -> None:
+    """A schedule that cannot do what it says gets one warning naming both numbers."""
+    s, steps = cfg.scheduler, cfg.run.max_steps
+    if s.warmup_steps > steps:  # lr_factor reaches 1.0 at step warmup_steps (1-based)
+        logger.warning("scheduler: warmup_steps=%d > run.max_steps=%d, so the run never reaches "
+                       "its peak learning rate (it ends at %.0f%% of it); set "
+                       "scheduler.warmup_steps to at most %d, e.g. %d (10%% of the run)",
+                       s.warmup_steps, steps, 100.0 * steps / max(1, s.warmup_steps), steps,
+                       steps // 10)
+    elif s.name == "cosine" and horizon < steps:
+        logger.warning("scheduler: the cosine ends at scheduler.max_steps=%d but the run lasts "
+                       "run.max_steps=%d, so the last %d steps stay at min_lr_ratio=%g; set "
+                       "scheduler.max_steps to %d or null (= run.max_steps)", horizon, steps,
+                       # a horizon at or below the warmup: the first step after warmup is
+                       # still the peak (progress 0), so one step fewer sits at the floor
+                       steps - max(horizon, s.warmup_steps + 1), s.min_lr_ratio, steps)
