@@ -22,7 +22,7 @@ from .precision import max_memory_bytes
 
 logger = logging.getLogger("speedtronic.trainer")
 
-__all__ = ["LogInterval", "StepLog", "guard_counters"]
+__all__ = ["LogInterval", "StepLog", "guard_counters", "restart_nonfinite_momentum"]
 
 
 @dataclass
@@ -42,6 +42,14 @@ def guard_counters(optimizer: Any) -> list[tuple[tuple[int, int], torch.Tensor]]
     if cache is None:
         return []
     return cache.guard_counters()
+
+
+def restart_nonfinite_momentum(optimizer: Any) -> None:
+    """Restart the momentum the fp16 guard keeps skipping (see :func:`guard_counters`)."""
+    optimizer = getattr(optimizer, "local", optimizer)  # ZeRO-1: this rank's share
+    cache = getattr(optimizer, "__dict__", {}).get("_muon_cache")
+    if cache is not None:
+        cache.restart_nonfinite_momentum()
 
 
 class StepLog:
@@ -122,5 +130,4 @@ class StepLog:
                 seen[shape] = count
                 grew = True
         if grew:
-            optimizer = getattr(self.optimizer, "local", self.optimizer)  # ZeRO-1: its share
-            optimizer.restart_nonfinite_momentum()
+            restart_nonfinite_momentum(self.optimizer)
