@@ -79,7 +79,8 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(TensorChunks<4> t, Adam
 #pragma unroll
     for (int k = 0; k < kIlp; ++k) {
       const int64_t i = base + threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
-      gv[k] = i < len ? to_f32(g[i]) : 0.f;
+      // the reference first converts a gradient to the state dtype (a no-op when they match)
+      gv[k] = i < len ? round_to<S>(to_f32(g[i])) : 0.f;
       mv[k] = i < len ? to_f32(m[i]) : 0.f;
       vv[k] = i < len ? to_f32(v[i]) : 0.f;
     }
@@ -88,23 +89,25 @@ __global__ void __launch_bounds__(kThreads) adamw_kernel(TensorChunks<4> t, Adam
       const int64_t i = base + threadIdx.x + static_cast<int64_t>(k) * blockDim.x;
       if (i >= len) continue;
       if (MODE != 2) {
-        // The reference rounds after each foreach op; so do we (a no-op for fp32 state).
+        // The moments round as the reference's foreach ops in the state dtype do (a no-op for
+        // fp32 state).
         mv[k] = round_to<S>(lerp(mv[k], gv[k], a.w1));
         const float vb = round_to<S>(vv[k] * a.beta2);
         vv[k] = round_to<S>(vb + a.w2 * gv[k] * gv[k]);
         m[i] = from_f32<S>(mv[k]);
         v[i] = from_f32<S>(vv[k]);
       }
-      // sqrt, /bias2, +eps, reciprocal, *m: five foreach ops, five roundings to S.
-      const float root = round_to<S>(sqrtf(vv[k]));
-      const float denom = round_to<S>(round_to<S>(root / a.bias2_sqrt) + a.eps);
-      float u = round_to<S>(mv[k] * round_to<S>(1.f / denom));
+      // The direction in fp32 from the stored moments, as the reference computes it: rounded
+      // to fp16, eps = 1e-8 is 0, and an entry with v = 0 gave 1/0 * m = NaN or inf (a whole
+      // fp16 model on CUDA after one step where the fallback stayed finite).
+      const float denom = sqrtf(vv[k]) / a.bias2_sqrt + a.eps;
+      float u = mv[k] * (1.f / denom);
       const float keep = (!a.cautious || u * gv[k] > 0.f) ? 1.f : 0.f;
       if (MODE == 1) {
         kept += keep > 0.f ? 1u : 0u;
         continue;
       }
-      if (a.cautious) u = round_to<S>(u * keep * scale);
+      if (a.cautious) u = u * keep * scale;
       float pv = to_f32(p[i]);
       if (a.has_decay) pv = round_to<P>(pv * a.decay);
       p[i] = from_f32<P>(pv + (-a.step_size) * u);

@@ -124,6 +124,31 @@ def test_adamw_matches_reference(emu, sched, cautious, rescale):
             _close(params[i], params_r[i], pd, "param " + what)
 
 
+@pytest.mark.parametrize("pd,gd", [(torch.float16, torch.float16),
+                                   (torch.bfloat16, torch.bfloat16),
+                                   (torch.bfloat16, torch.float32)])
+def test_adamw_from_zero_moments_matches_the_reference_and_stays_finite(emu, pd, gd):
+    """Fresh state (v = 0), zero and tiny gradients: the kernel rounded its direction to the
+    state dtype, where eps = 1e-8 is 0 in fp16, so 1/0 * m made a whole fp16 model NaN or inf
+    after one step while the reference stayed finite. A gradient in another dtype than the
+    state is rounded to it first, as the reference does."""
+    gen = torch.Generator().manual_seed(4)
+    p = torch.randn(300, generator=gen).to(pd)
+    g = (torch.randn(300, generator=gen) * 1e-3).to(gd)
+    g[:50] = 0
+    m, v = torch.zeros(300, dtype=pd), torch.zeros(300, dtype=pd)
+    pr, mr, vr = p.clone(), m.clone(), v.clone()
+    for cautious in (False, True):
+        for step in (1, 2):
+            args = (1e-3, 0.9, 0.999, 1e-8, 0.0, step, cautious, True)
+            emu.cautious_adamw_step_([p], [g], [m], [v], *args)
+            ops.cautious_adamw_step_([pr], [g], [mr], [vr], *args)
+            assert torch.isfinite(p).all() and torch.isfinite(m).all()
+            _close(p, pr, pd, f"param {pd}/{gd} step {step}")
+            _close(m, mr, pd, "exp_avg")
+            _close(v, vr, pd, "exp_avg_sq")
+
+
 def test_adamw_zero_weight_decay_and_errors(emu):
     emu.configure("forward", 0)
     p, g = torch.randn(40), torch.randn(40)
