@@ -113,9 +113,12 @@ def _cpu_kernel_status() -> dict[str, Any]:
 
 def _kernel_status() -> dict[str, Any]:
     """The kernel loader's decision, as plain values (importing ops makes the loader decide)."""
-    from ..kernels import extension as kernels  # noqa: F401  (ops defines the schemas, then loads the kernels)
+    from ..kernels import (
+        extension,
+        ops,  # noqa: F401  (defines the schemas, then has the loader decide)
+    )
 
-    report = kernels.status()
+    report = extension.status()
     return {k: (list(v) if isinstance(v, tuple) else v)
             for k, v in dataclasses.asdict(report).items()}
 

@@ -217,15 +217,17 @@ def muon_plus_normalize(U: Tensor, eps: float = 1e-8) -> Tensor:
 
     Rows and columns are those of the parameter's layout (rows = fan_out of an ``nn.Linear``).
     ``U`` is ``(m, n)`` or ``(b, m, n)``; bf16/fp16 are computed in fp32 and returned in ``U``'s
-    dtype."""
+    dtype. The result is contiguous whatever ``U``'s layout (the CUDA kernel writes a fresh
+    contiguous tensor; the fake said ``U``'s strides, so a compiled graph planned a transposed
+    input's result with the wrong ones)."""
     _check_matrix(U, "muon_plus_normalize")
-    return _muon_plus_impl(U, eps)
+    return _muon_plus_impl(U, eps).contiguous()
 
 
 @muon_plus_normalize.register_fake
 def _(U, eps=1e-8):
     _check_matrix(U, "muon_plus_normalize")
-    return torch.empty_like(U)
+    return U.new_empty(U.shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -287,3 +287,15 @@ def test_env_lists_the_optional_packages_by_installed_version():
         except metadata.PackageNotFoundError:
             expected = None
         assert info[dist] == expected
+
+
+def test_env_has_the_kernel_loader_decide_before_it_reports():
+    """env imported the loader alone, which then had decided nothing where an extension is
+    built: its kernels line said "not loaded yet" and every optional kernel family read
+    unavailable. The ops module is what makes the loader decide (a fresh process: in this one
+    the ops are imported already)."""
+    code = ("import sys; from speedtronic.cli.env import _kernel_status; _kernel_status(); "
+            "print('speedtronic.kernels.ops' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "True", proc.stderr[-2000:]

@@ -371,3 +371,16 @@ def test_adamw_op_accepts_bf16_params_with_fp32_state():
     expected = (ref_p * (1 - 1e-2 * 0.1) - 1e-2 * upd).bfloat16()
     assert torch.allclose(m[0], m_ref) and torch.allclose(v[0], v_ref)
     assert torch.equal(p[0], expected)
+
+
+def test_muon_plus_normalize_returns_contiguous_results_and_its_fake_says_so():
+    """The CUDA kernel writes a fresh contiguous tensor; the fake once returned the input's
+    strides, so a compiled graph planned a transposed input's result with the wrong ones."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    U = torch.randn(2, 7, 5).mT                                    # (2, 5, 7), transposed
+    real = ops.muon_plus_normalize(U)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.speedtronic.muon_plus_normalize(mode.from_tensor(U))
+    assert real.is_contiguous() and fake.stride() == real.stride() == (35, 7, 1)
+    torch.testing.assert_close(real, ops.muon_plus_normalize(U.contiguous()))
