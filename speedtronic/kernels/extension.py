@@ -243,6 +243,14 @@ def _decide() -> KernelStatus:
                   registered_ops=registered_cuda_ops(), device_arch=dev)
     if dev is None:
         return KernelStatus(False, "no CUDA device visible (extension imported)", **common)
+    so_arches = common["so_arches"]
+    if so_arches and not arch_compatible(so_arches, major, minor):
+        # The build JSON records no arches for a plain `pip install .` (TORCH_CUDA_ARCH_LIST
+        # unset): the check before the import passed, and an sm_80/sm_90 binary reported
+        # "loaded" on an sm_75 device. The registered kernels stay unused (ops.kernel_or_fallback
+        # reads this status).
+        return KernelStatus(False, f"binary has {','.join(so_arches)} but the device is {dev}; "
+                            f"rebuild with TORCH_CUDA_ARCH_LIST={major}.{minor}", **common)
     ops = common["registered_ops"]
     missing = [n for n in _expected_ops if n not in ops]
     if missing:

@@ -105,6 +105,10 @@ def kernel_or_fallback(name: str, device: torch.device, dtypes: Sequence[torch.d
         return op
     if kind != "cuda":
         return op if torch.compiler.is_compiling() else _PYTHON_BODIES[name]
+    if name in _PYTORCH_IMPLS and not _kernels.available():
+        # no extension, or one the loader turned down (a device arch it lacks, a kernel
+        # missing): an imported binary's CUDA kernels are still registered with the dispatcher
+        return _PYTORCH_IMPLS[name]
     if all(d in CUDA_KERNEL_DTYPES for d in dtypes):
         return op
     tag = (name, tuple(str(d).removeprefix("torch.") for d in dtypes))

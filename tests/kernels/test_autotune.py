@@ -132,8 +132,12 @@ def test_cpu_without_measurement_uses_the_aspect_rule(monkeypatch):
     assert ran == ["gram", "standard"]
 
 
-def test_dtypes_the_cuda_kernels_lack_run_the_pytorch_implementation(caplog):
+def test_dtypes_the_cuda_kernels_lack_run_the_pytorch_implementation(caplog, monkeypatch):
     cuda = torch.device("cuda")  # a device object only: no GPU is needed to pick the path
+    # without the extension (this machine), every CUDA op runs its PyTorch implementation
+    assert ops.kernel_or_fallback("muon_post_update_", cuda, [torch.float32]) \
+        is ops._muon_post_impl
+    monkeypatch.setattr(ops._kernels, "available", lambda: True)  # as on a GPU with it built
     with caplog.at_level(logging.INFO, logger="speedtronic.ops"):
         pre = ops.kernel_or_fallback("muon_pre_orthogonalize_", cuda, [torch.float64])
         again = ops.kernel_or_fallback("muon_pre_orthogonalize_", cuda, [torch.float64])

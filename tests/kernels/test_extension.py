@@ -230,3 +230,36 @@ def test_load_before_ops_import_waits_for_the_schemas(tmp_path):
                          cwd=REPO)
     assert out.returncode == 0, out.stderr
     assert "importing speedtronic._C failed" in out.stdout
+
+
+def test_a_binary_without_the_devices_arch_is_turned_down_after_import_and_left_unused(
+        monkeypatch, tmp_path):
+    """No arch list in the build JSON (a plain `pip install .`): the check before the import
+    cannot decide, so the binary's own arches are checked after it. An sm_80/sm_90 binary once
+    reported "loaded" on an sm_75 device; its registered kernels must then stay unused."""
+    from speedtronic.kernels import ops
+
+    so = tmp_path / "_C.so"
+    so.write_bytes(b"")
+    (tmp_path / kernels.BUILD_INFO_NAME).write_text(json.dumps(
+        {"torch_version": torch.__version__, "arch_list": ""}))
+    monkeypatch.delenv("SPEEDTRONIC_DISABLE_KERNELS", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(kernels, "_find_extension", lambda: so)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    monkeypatch.setattr(kernels.importlib, "import_module", lambda name: None)
+    monkeypatch.setattr(kernels, "_so_arches", lambda path, info: ("sm_80", "sm_90"))
+    monkeypatch.setattr(kernels, "registered_cuda_ops", lambda: kernels.expected_ops())
+    try:
+        st = kernels.load(force=True)
+        assert not st.active and st.device_arch == "sm_75"
+        assert "binary has sm_80,sm_90" in st.reason and "TORCH_CUDA_ARCH_LIST=7.5" in st.reason
+        # the kernels the import registered are not what a CUDA step gets
+        assert ops.kernel_or_fallback("cautious_mask_", torch.device("cuda"), [torch.float32]) \
+            is ops._PYTORCH_IMPLS["cautious_mask_"]
+        assert ops.kernel_or_fallback("newton_schulz", torch.device("cuda"), []) \
+            is ops.newton_schulz  # no CUDA kernel of its own: the op, as before
+    finally:
+        monkeypatch.undo()
+        kernels.load(force=True)  # the real decision again for the tests after this one
