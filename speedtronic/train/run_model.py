@@ -11,6 +11,7 @@ resolved), builds the model and loads the newest verified checkpoint (or the one
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -85,7 +86,8 @@ def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
 #: (rms_norm_eps is left out: the reference model's is fixed at 1e-5, and a folder with 1e-6
 #: differs by far less than a step of training.)
 _LLAMA_ARCHITECTURE_KEYS = ("num_attention_heads", "num_key_value_heads", "head_dim",
-                            "rope_theta", "tie_word_embeddings")
+                            "rope_theta", "rope_type", "hidden_act", "attention_bias",
+                            "mlp_bias", "tie_word_embeddings")
 
 
 def _llama_changes(folder: Path, cfg: SpeedtronicConfig) -> str:
@@ -99,11 +101,52 @@ def _llama_changes(folder: Path, cfg: SpeedtronicConfig) -> str:
         theirs = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return ""  # no readable config.json: only the tensors' names and shapes are checked
-    if "rope_theta" not in theirs:  # newer transformers keep it in rope_parameters only
-        theirs["rope_theta"] = (theirs.get("rope_parameters") or {}).get("rope_theta")
-    mine = llama_config(cfg.model)
+    theirs.update(_rope(theirs))
+    mine = dict(llama_config(cfg.model), rope_type="default")
     changed = [k for k in _LLAMA_ARCHITECTURE_KEYS
                if theirs.get(k) is not None and theirs.get(k) != mine[k]]
+    return "; ".join(f"config.json has {k}={theirs[k]!r} but this model {mine[k]!r}"
+                     for k in changed)
+
+
+#: config.json keys of a Hugging Face folder whose mismatch with the model being trained still
+#: loads (same tensor shapes) but computes another function (``rope_type`` is derived).
+_HF_ARCHITECTURE_KEYS = ("num_attention_heads", "num_key_value_heads", "n_head", "head_dim",
+                         "rope_theta", "rope_type", "hidden_act", "activation_function",
+                         "attention_bias", "mlp_bias", "partial_rotary_factor", "rotary_pct",
+                         "sliding_window", "tie_word_embeddings")
+
+
+def _rope(config: dict[str, Any]) -> dict[str, Any]:
+    """``rope_theta`` and ``rope_type`` of a config.json, wherever its transformers version
+    kept them (top level, ``rope_parameters`` or ``rope_scaling``)."""
+    ropes = [r for r in (config.get("rope_parameters"), config.get("rope_scaling"))
+             if isinstance(r, dict)]
+    theta = config.get("rope_theta")
+    if theta is None:  # newer transformers keep it in rope_parameters only
+        theta = next((r["rope_theta"] for r in ropes if "rope_theta" in r), None)
+    # Llama 3.1/3.2's "llama3" (or linear, yarn, ...) scaling rescales the rotary frequencies:
+    # it loaded without a word and changed the logits by ~14 on a tiny model. So did gelu.
+    types = [r.get("rope_type") or r.get("type") for r in ropes]
+    kind = next((k for k in types if k not in (None, "default")), "default" if types else None)
+    return {"rope_theta": theta, "rope_type": kind}
+
+
+def _hf_changes(folder: Path, config: Any) -> str:
+    """The folder's config.json against the Hugging Face config being trained, for the keys
+    whose mismatch loads without a shape error (a mapping ``hf_config`` with 8 heads took a
+    4-head folder's tensors and its logits moved by 13)."""
+    import json
+
+    try:
+        theirs = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    mine = config.to_dict()
+    theirs.update(_rope(theirs))
+    mine.update(_rope(mine))
+    changed = [k for k in _HF_ARCHITECTURE_KEYS if theirs.get(k) is not None
+               and mine.get(k) is not None and theirs[k] != mine[k]]
     return "; ".join(f"config.json has {k}={theirs[k]!r} but this model {mine[k]!r}"
                      for k in changed)
 
@@ -128,6 +171,7 @@ def init_from(model: nn.Module, cfg: SpeedtronicConfig) -> str:
         tensors, changes = _safetensors(spec), ""
         if isinstance(model, HFCausalLM):
             target, what = model.hf, f"Hugging Face folder {spec}"
+            changes = _hf_changes(spec, model.hf.config)
         else:
             tensors = reference_state_from_llama(tensors, cfg.model)
             target, what = model, f"Llama folder {spec} (converted names)"

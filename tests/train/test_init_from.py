@@ -3,6 +3,8 @@ Hugging Face folder), with a fresh optimizer; what does not fit is one clear err
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from _engine_fixtures import one_thread, tiny_config  # noqa: F401
@@ -91,3 +93,52 @@ def test_a_shape_compatible_architecture_change_is_refused(tmp_path, trained):
     with pytest.raises(ConfigError, match=r"config.json has rope_theta=10000.0 but this model "
                                           r"500.0"):
         _start(tmp_path, tmp_path / "llama", model={**MODEL, "rope_base": 500.0})
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 16}},
+     "rope_type='llama3' but this model 'default'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_type='linear'"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu' but this model 'silu'"),
+])
+def test_a_llama_folder_with_rope_scaling_or_another_activation_is_refused(
+        tmp_path, trained, edit, message):
+    """Llama 3.1/3.2's rope scaling and a non-silu MLP loaded without a word: the same tensors
+    computed logits ~14 (rope) and ~2 (gelu) away from the source's on a tiny model."""
+    import json
+
+    pytest.importorskip("safetensors")
+    _, _, weights = trained
+    src = build_trainer(tiny_config(tmp_path / "x", "x", model=MODEL))
+    src.release_run_lock()
+    src.model.load_state_dict(weights)
+    folder = tmp_path / "llama"
+    export_hf(src.model, src.config.model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(edit)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        _start(tmp_path, folder, model=MODEL)
+
+
+def test_a_hugging_face_folder_of_another_architecture_is_refused_on_the_hf_route(tmp_path):
+    """model.name: hf with its own hf_config took a folder's same-shaped tensors without
+    comparing configs: 8 heads over a 4-head folder's weights moved the logits by 13."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("safetensors")
+    spec = {"model_type": "llama", "vocab_size": 256, "hidden_size": 64,
+            "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "max_position_embeddings": 64}
+    hf = transformers.LlamaForCausalLM(transformers.AutoConfig.for_model(**spec))
+    hf.save_pretrained(tmp_path / "llama")
+    with pytest.raises(ConfigError, match=r"config.json has num_attention_heads=4 but this "
+                                          r"model 8"):
+        _start(tmp_path, tmp_path / "llama", model={
+            "name": "hf", "hf_config": {**spec, "num_attention_heads": 8,
+                                        "num_key_value_heads": 8, "head_dim": 8}})
+    trainer = _start(tmp_path / "same", tmp_path / "llama",
+                     model={"name": "hf", "hf_config": spec})  # the same config: loads
+    assert all(torch.equal(trainer.model.hf.state_dict()[k], v)
+               for k, v in hf.state_dict().items())
