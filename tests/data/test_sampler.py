@@ -115,3 +115,21 @@ def test_short_token_files_name_the_file_key_and_the_right_fix(tmp_path):
     assert message.startswith(f"data.eval_tokens_path {str(tmp_path / 'val.bin')!r}: only 20 "
                               "eval tokens, fewer than block_size+1=33")
     assert "use a longer data.eval_tokens_path" in message and "eval_fraction" not in message
+
+
+def test_eval_files_inside_the_training_folder_are_never_trained_on(tmp_path):
+    """A folder of fineweb_train_*.bin and fineweb_val_*.bin as tokens_path and the val files
+    as eval_tokens_path: the val tokens were trained on too (23,000 train / 3,000 eval)."""
+    folder = tmp_path / "fw"
+    folder.mkdir()
+    (np.arange(1000) % 7).astype(np.uint16).tofile(folder / "fineweb_train_000001.bin")
+    np.full(600, 9, dtype=np.uint16).tofile(folder / "fineweb_val_000000.bin")
+    data = build_data(config({"tokens_path": str(folder),
+                              "eval_tokens_path": str(folder / "fineweb_val_*.bin")}))
+    assert "1,000 train / 600 eval tokens" in data.description
+    seen = torch.cat([x.flatten() for x, _ in take(data.train, 30)])
+    assert not (seen == 9).any()  # no val token in a training batch
+    with pytest.raises(SpeedtronicError, match="every file it names is also in "
+                                               "data.eval_tokens_path"):
+        build_data(config({"tokens_path": str(folder / "fineweb_val_000000.bin"),
+                           "eval_tokens_path": str(folder / "fineweb_val_*.bin")}))
