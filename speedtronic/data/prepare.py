@@ -45,7 +45,9 @@ SHARD_TOKENS = 1 << 26
 """Tokens per output shard (128 MiB of uint16)."""
 _TEXT_BLOCK = 1 << 20
 """Characters of a text file tokenized per task (split at a line end)."""
-_EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
+_EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
+"""End-of-document tokens, first found wins: GPT-2 / Qwen, Llama 3 (its base models' document
+end; ``<|eot_id|>`` ends a chat turn), Llama 2 / Mistral, Gemma, BERT."""
 
 
 class PreparedTokens(dict):
@@ -418,6 +420,10 @@ def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
     vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
     eos = eos_id(tokenizer)
+    if eos is None:
+        logger.warning("prepare: the tokenizer has none of the end-of-text tokens %s: documents "
+                       "are joined without a separator, and sample has no stop token",
+                       ", ".join(_EOS_NAMES))
     if d.hf_dataset is not None:
         texts: Iterator[tuple[str, str]] = _hf_rows(cfg)
         what = f"dataset {d.hf_dataset} [{d.hf_split}].{d.text_field}"

@@ -370,3 +370,33 @@ def test_validate_lists_a_text_folder_recursively_as_prepare_does(tmp_path, toke
         "tokenizer": str(tokenizer_json), "text_path": str(tmp_path / "nested")}}))
     assert main(["validate", "--config", str(config)]) == 0
     assert "data: 3 text file(s) readable, tokenizer loads" in capsys.readouterr().err
+
+
+def test_a_llama3_style_end_of_text_is_found_and_none_at_all_is_a_warning(tmp_path, caplog):
+    """Llama 3's tokenizers end a document with <|end_of_text|>: not recognised, documents were
+    joined with no separator (meta.json eos_id null) without a word."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from speedtronic.data.prepare import eos_id
+
+    def trained(specials: list[str]) -> Tokenizer:
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.train_from_iterator(["some text to learn from"] * 10, trainers.BpeTrainer(
+            vocab_size=300, special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+        return tok
+
+    llama3 = trained(["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>"])
+    assert eos_id(llama3) == llama3.token_to_id("<|end_of_text|>")
+    bare = trained([])
+    path = tmp_path / "bare.json"
+    bare.save(str(path))
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("some text to learn from\n" * 200)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.data"):
+        meta = prepare(cfg(tmp_path, {"tokenizer": str(path), "text_path": str(texts)}),
+                       workers=1)
+    assert meta["eos_id"] is None
+    assert any("none of the end-of-text tokens" in r.getMessage() for r in caplog.records)
