@@ -111,8 +111,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     from ..train.run_model import load_run_model
 
     model, cfg, path = load_run_model(args.run_dir, args.checkpoint)
+    eos = None
+    if cfg.data.tokenizer:  # the id the run's prepared data ends each document with
+        from ..data.prepare import eos_id, load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        found = eos_id(tokenizer)
+        eos = None if found is None else (tokenizer.id_to_token(found), found)
     out = export_hf(model, cfg.model, args.output or Path(args.run_dir) / "hf",
-                    tokenizer=cfg.data.tokenizer)
+                    tokenizer=cfg.data.tokenizer, eos=eos)
     kind = "LlamaForCausalLM" if cfg.model.name != "hf" else "its Hugging Face class"
     tok = "tokenizer.json copied" if (out / "tokenizer.json").exists() else \
         "no tokenizer (byte-level ids are the UTF-8 bytes)" if cfg.model.vocab_size == 256 \

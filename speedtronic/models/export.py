@@ -103,8 +103,13 @@ EXPORT_MARKER = "speedtronic_export.json"
 
 
 def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str | Path,
-              tokenizer: str | None = None) -> Path:
+              tokenizer: str | None = None, eos: tuple[str, int] | None = None) -> Path:
     """Write ``model`` as a Hugging Face folder (see the module docstring); returns it.
+
+    ``eos`` is the run's end-of-text token (name, id), written as ``eos_token_id`` (and into a
+    ``tokenizer_config.json`` beside a copied tokenizer); without it the id is written as null:
+    left out, transformers filled in Llama's defaults (bos 1, eos 2), a '"' in one run's
+    vocabulary, where serving tools would stop. No BOS: training never prepends one.
 
     The folder is written whole beside ``out_dir`` and then moved into place, so it never mixes
     files of two exports (a re-export without a tokenizer once kept the old tokenizer.json). An
@@ -133,7 +138,7 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str | Path,
     try:
         shutil.rmtree(staging, ignore_errors=True)  # a crashed earlier export's leftovers
         staging.mkdir(parents=True)
-        _write_folder(model, cfg, staging, tokenizer)
+        _write_folder(model, cfg, staging, tokenizer, eos)
         if out.exists():
             old = out.with_name(f".{out.name}.export-old")
             shutil.rmtree(old, ignore_errors=True)
@@ -155,10 +160,13 @@ def export_hf(model: nn.Module, cfg: ModelConfig, out_dir: str | Path,
     return out
 
 
-def _write_folder(model: nn.Module, cfg: ModelConfig, out: Path, tokenizer: str | None) -> None:
+def _write_folder(model: nn.Module, cfg: ModelConfig, out: Path, tokenizer: str | None,
+                  eos: tuple[str, int] | None) -> None:
     from .hf import HFCausalLM
 
     if isinstance(model, HFCausalLM):
+        if eos is not None and getattr(model.hf.config, "eos_token_id", None) is None:
+            model.hf.config.eos_token_id = eos[1]
         model.hf.save_pretrained(out)
     else:
         try:
@@ -168,7 +176,9 @@ def _write_folder(model: nn.Module, cfg: ModelConfig, out: Path, tokenizer: str 
                               "safetensors") from None
         tensors = llama_state_dict(model.state_dict(), cfg)
         save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-        (out / "config.json").write_text(json.dumps(llama_config(cfg), indent=2) + "\n")
+        config = dict(llama_config(cfg), bos_token_id=None,
+                      eos_token_id=None if eos is None else eos[1])
+        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     copied = None
     if tokenizer:
         source = Path(tokenizer).expanduser()
@@ -176,4 +186,9 @@ def _write_folder(model: nn.Module, cfg: ModelConfig, out: Path, tokenizer: str 
         if source.is_file():
             shutil.copyfile(source, out / "tokenizer.json")
             copied = str(source)
+            settings: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast",
+                                        "model_max_length": cfg.max_seq_len}
+            if eos is not None:
+                settings["eos_token"] = eos[0]
+            (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
     (out / EXPORT_MARKER).write_text(json.dumps({"tokenizer": copied}, indent=2) + "\n")

@@ -40,6 +40,36 @@ def test_export_loads_in_transformers_with_equal_logits(run_dir, tmp_path, capsy
     with torch.no_grad():
         diff = (ours(x) - hf(input_ids=x).logits).abs().max().item()
     assert type(hf).__name__ == "LlamaForCausalLM" and diff <= 1e-5
+    # a byte-level run has no end-of-text id: null, not Llama's defaults (eos 2 is a byte here)
+    assert (hf.config.bos_token_id, hf.config.eos_token_id) == (None, None)
+
+
+def test_export_writes_the_runs_end_of_text_token(tmp_path, capsys):
+    """config.json had no special-token ids (transformers then said eos 2, a '"' in that run's
+    vocabulary) and the copied tokenizer no eos_token."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["some text to learn from"] * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("some text to learn from\n" * 400)
+    raw = tiny_raw(tmp_path / "runs", "t", model={"d_model": 32, "n_layer": 1, "n_head": 2},
+                   run={"max_steps": 2, "eval_every": 0},
+                   data={"tokenizer": str(tmp_path / "tokenizer.json"), "text_path": str(texts),
+                         "prepare_dir": str(tmp_path / "prepared"), "prepare_workers": 1})
+    train_from_config(load_config(raw), plot=False)
+    assert main(["export", str(tmp_path / "runs" / "t"), "-o", str(tmp_path / "hf")]) == 0
+    eos = tok.token_to_id("<|endoftext|>")
+    config = transformers.AutoConfig.from_pretrained(tmp_path / "hf")
+    assert (config.bos_token_id, config.eos_token_id) == (None, eos)
+    loaded = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert loaded.eos_token == "<|endoftext|>" and loaded.eos_token_id == eos
 
 
 def test_greedy_sampling_matches_transformers_generate(run_dir, tmp_path):
