@@ -85,6 +85,21 @@ def load_tokenizer(spec: str) -> Any:
                           "tokenizer.json works offline)") from None
 
 
+def _prepends(tokenizer: Any) -> bool:
+    """Whether the tokenizer's normalizer prepends to every call (Llama 2 / Mistral style
+    ``Prepend("▁")``): then each block of a file starts with one, where the whole file has one
+    only at its start."""
+    def walk(node: Any) -> bool:
+        if isinstance(node, dict):
+            return node.get("type") == "Prepend" or any(walk(v) for v in node.values())
+        return isinstance(node, list) and any(walk(v) for v in node)
+
+    try:
+        return walk(json.loads(tokenizer.to_str()).get("normalizer"))
+    except (AttributeError, ValueError):  # not a tokenizers.Tokenizer: nothing to say
+        return False
+
+
 def eos_id(tokenizer: Any) -> int | None:
     for name in _EOS_NAMES:
         tid = tokenizer.token_to_id(name)
@@ -430,6 +445,12 @@ def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
     else:
         files = text_files(str(d.text_path), prepared_root(cfg))
         texts = _file_blocks(files)
+        big = sum(1 for f in files if f.stat().st_size > _TEXT_BLOCK)
+        if big and _prepends(tokenizer):
+            logger.warning("prepare: the tokenizer's normalizer prepends to every call (Llama 2 "
+                           "/ Mistral style), and %d file(s) are tokenized in ~1 MiB blocks: "
+                           "each block after a file's first starts with one extra piece (about "
+                           "one token per MiB more than the whole file would give)", big)
         what = f"{len(files)} text file(s) under {d.text_path}"
     workers = workers or d.prepare_workers or max(1, (os.cpu_count() or 1))
     show = progress if progress is not None else (cfg.logging.progress_bar and

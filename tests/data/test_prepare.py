@@ -400,3 +400,30 @@ def test_a_llama3_style_end_of_text_is_found_and_none_at_all_is_a_warning(tmp_pa
                        workers=1)
     assert meta["eos_id"] is None
     assert any("none of the end-of-text tokens" in r.getMessage() for r in caplog.records)
+
+
+def test_a_normalizer_that_prepends_to_every_call_is_named_when_files_are_cut(
+        tmp_path, caplog, monkeypatch, tokenizer_json):
+    """Llama 2 / Mistral tokenizer.json files Prepend('▁') in their normalizer: each ~1 MiB
+    block then starts with an extra piece (one token per block against the whole file), which
+    the docs' "ids equal those of the whole file" did not cover. Said once, not hidden."""
+    from tokenizers import Tokenizer, models, normalizers, trainers
+
+    from speedtronic.data import prepare as prepare_module
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                           normalizers.Replace(" ", "\u2581")])
+    tok.train_from_iterator(["some text to learn from"] * 10, trainers.BpeTrainer(
+        vocab_size=60, special_tokens=["<unk>", "</s>"]))
+    tok.save(str(tmp_path / "llama2.json"))
+    assert prepare_module._prepends(tok)
+    assert not prepare_module._prepends(Tokenizer.from_file(str(tokenizer_json)))
+    monkeypatch.setattr(prepare_module, "_TEXT_BLOCK", 1000)  # a small file is cut too
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("some text to learn from\n" * 200)
+    with caplog.at_level(logging.WARNING, logger="speedtronic.data"):
+        prepare(cfg(tmp_path, {"tokenizer": str(tmp_path / "llama2.json"),
+                               "text_path": str(texts)}), workers=1)
+    assert any("prepends to every call" in r.getMessage() for r in caplog.records)
