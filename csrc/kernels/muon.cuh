@@ -51,7 +51,9 @@ __global__ void __launch_bounds__(kThreads) muon_pre_scale_kernel(MatTable<2> t,
   float s = 0.f;
   for (int i = threadIdx.x; i < a.chunks; i += blockDim.x) s += part[i];
   s = block_sum(s, scratch);
-  const float denom = fmaxf(sqrtf(s), a.eps);  // torch.optim.Muon's clamp(min=eps)
+  // torch.optim.Muon's clamp(min=eps), which keeps a NaN (fmaxf would drop it for eps, and one
+  // NaN gradient entry scaled the rest of its matrix by 1/eps)
+  const float denom = s != s ? s : fmaxf(sqrtf(s), a.eps);
   const int64_t start = static_cast<int64_t>(blockIdx.x) * kChunk;
   const int64_t len = a.numel - start < kChunk ? a.numel - start : kChunk;
   const G* g = static_cast<const G*>(t.ptr[0][mat]) + start;

@@ -128,7 +128,9 @@ __global__ void __launch_bounds__(kLeanThreads) lean_pre_scale_kernel(LeanTable 
   float s = 0.f;
   for (int k = threadIdx.x; k < mt.items; k += blockDim.x) s += t.partial[mt.partial_start + k];
   s = block_sum(s, scratch);
-  const float denom = fmaxf(sqrtf(s), mt.scale);  // torch.optim.Muon's clamp(min=eps)
+  // torch.optim.Muon's clamp(min=eps), which keeps a NaN (fmaxf would drop it for eps, and one
+  // NaN gradient entry scaled the rest of its matrix by 1/eps)
+  const float denom = s != s ? s : fmaxf(sqrtf(s), mt.scale);
   const float mu = *mt.h0;
   X* out = static_cast<X*>(mt.out);
   // Without Nesterov U = M: the gradient is not read again.

@@ -88,6 +88,27 @@ def test_lean_pre_many_matrices_and_zero_gradient(emu):
     assert emu.stats()[0] >= 4  # 2 passes x 2 tables
 
 
+def test_lean_pre_keeps_a_nan_norm_as_the_reference_does(emu):
+    """torch's clamp(min=eps) keeps a NaN norm; the kernel's fmaxf turned it into eps, so one
+    NaN gradient entry scaled the rest of its matrix by 1/eps (entries of -3e6, or inf in
+    fp16). Now the whole matrix is NaN on both sides, which the 16-bit guard skips."""
+    emu.configure("forward", 0)
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(6, 10, generator=gen) * 1e-3 for _ in range(2)]
+    grads[0][2, 3] = float("nan")
+    args = ([torch.tensor(0.9)], [0, 0], [1, 1], [1e-7, 1e-7])
+    for odtype in (torch.float32, torch.float16):
+        outs = {}
+        for name, fn in (("emu", emu.muon_lean_pre_), ("ref", ops._lean_pre_impl)):
+            m = [torch.zeros(6, 10), torch.zeros(6, 10)]
+            o = [torch.empty(6, 10, dtype=odtype) for _ in range(2)]
+            fn(grads, m, o, [], *args)
+            outs[name] = o
+        assert outs["emu"][0].isnan().all() and outs["ref"][0].isnan().all()
+        torch.testing.assert_close(outs["emu"][1].float(), outs["ref"][1].float(),
+                                   rtol=1e-2, atol=1e-2)
+
+
 @pytest.mark.parametrize("pdtype,udtype", [(torch.float32, torch.float16),
                                            (torch.float32, torch.float32),
                                            (torch.bfloat16, torch.float32)])
