@@ -126,13 +126,20 @@ class DataParallel:
         """Wait for every rank (on the control group: no device work involved)."""
         dist.barrier(group=self.control)
 
-    def close(self) -> None:
+    def close(self, together: bool = True) -> None:
         """Leave the process group (idempotent), all ranks together: a rank that tore its
         gloo connections down while rank 0 was still writing the last checkpoint was once
-        aborted at exit ("terminate called without an active exception", CI)."""
+        aborted at exit ("terminate called without an active exception", CI).
+
+        ``together=False`` (this rank failed on its own): leave at once. The others are inside
+        a step's collectives, not at this barrier; waiting there held the failed rank, and the
+        healthy one in its all-reduce, for ``data_parallel.timeout_s`` (600 s by default)
+        before torchrun could stop the job. Leaving closes the connections, so the others'
+        collectives fail now."""
         if dist.is_initialized():
             try:
-                self.barrier()
+                if together:
+                    self.barrier()
             finally:
                 dist.destroy_process_group()
 

@@ -26,6 +26,7 @@ from ..config import ConfigError, SpeedtronicConfig, load_config
 from ..config.combinations import check_fsdp
 from ..data import DataBundle, build_data, check_data
 from ..distributed import DataParallel, init_data_parallel, launched_rank
+from ..errors import RunPreempted
 from ..kernels import cpu as cpu_kernels
 from ..models import build_model
 from ..models.hf import check_forward
@@ -375,8 +376,13 @@ def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: 
     plots = plot and (trainer.dp is None or trainer.dp.is_main)  # rank 0 alone plots
     preload = (_preload_plotting() if plots and trainer.config.data.num_workers == 0
                else None)
+    alone = True  # a failure of this rank only, unless the ranks agreed to stop
     try:
         result = trainer.fit()
+        alone = False
+    except RunPreempted:
+        alone = False  # every rank stops at the step they agreed on (the trainer's stop vote)
+        raise
     finally:
         if preload is not None:
             # A daemon thread still inside matplotlib's C++ import when the interpreter exits
@@ -388,7 +394,7 @@ def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: 
         remove_log_handlers(trainer.log_handlers)
         trainer.release_run_lock()
         if trainer.dp is not None:
-            trainer.dp.close()
+            trainer.dp.close(together=not alone)
     if plots:
         _write_plot(result.run_dir)
     return result

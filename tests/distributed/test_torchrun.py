@@ -23,7 +23,8 @@ ROOT = HERE.parent.parent
 
 
 def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    env.update(extra)
     env.pop("WORLD_SIZE", None)
     return env
 
@@ -149,6 +150,39 @@ def test_a_failing_rank_ends_the_job_with_its_error(tmp_path):
     assert proc.returncode != 0
     assert "planted failure on rank 1" in proc.stdout + proc.stderr
     assert not (tmp_path / "dp" / "weights_rank0.pt").exists()
+
+
+def test_a_rank_that_fails_alone_leaves_at_once_through_the_cli(tmp_path):
+    """speedtronic train's own exit path: a rank that raised waited for the others at the
+    closing barrier while they waited for it in a step's all-reduce, so the job ended only
+    after data_parallel.timeout_s (here 200 s), with gloo timeouts after the real error."""
+    import time
+
+    (tmp_path / "failing_model.py").write_text(
+        "import os\n"
+        "from speedtronic.models.reference import build_reference_transformer\n"
+        "def make(cfg):\n"
+        "    model = build_reference_transformer(cfg)\n"
+        "    forward, calls = model.forward, [0]\n"
+        "    def failing(*args, **kwargs):\n"
+        "        calls[0] += 1\n"
+        "        if os.environ.get('RANK') == '1' and calls[0] == 6:\n"
+        "            raise RuntimeError('planted failure on rank 1')\n"
+        "        return forward(*args, **kwargs)\n"
+        "    model.forward = failing\n"
+        "    return model\n")
+    cfg = engine_config(tmp_path, "fails", data_parallel={"timeout_s": 200},
+                        run={"max_steps": 50, "eval_every": 0})
+    raw = yaml.safe_load(cfg.read_text())
+    raw["model"]["name"] = "failing_model:make"
+    cfg.write_text(yaml.safe_dump(raw))
+    start = time.monotonic()
+    proc = torchrun(["-m", "speedtronic", "train", "--config", str(cfg)], timeout=400,
+                    PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    took = time.monotonic() - start
+    assert proc.returncode != 0 and "planted failure on rank 1" in proc.stderr, \
+        proc.stderr[-3000:]
+    assert took < 150, f"the job took {took:.0f} s: a rank waited out timeout_s (200 s)"
 
 
 @pytest.mark.parametrize("over, message", [
