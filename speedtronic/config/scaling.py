@@ -152,6 +152,17 @@ class DistributedConfig:
     """S3 endpoint URL (MinIO, R2, HF buckets' S3 gateway) for an ``s3://`` store; None =
     the ``AWS_ENDPOINT_URL`` environment variable, else AWS itself."""
 
+    def store_waits(self) -> dict[str, float]:
+        """A worker's longest waits on the store, by the keys that bound them: at start, at the
+        end, and at a round boundary (the push-pull wait for the master, then the bounded wait
+        while ``max_unapplied`` deltas are unapplied). In a torchrun worker group the other
+        ranks spend them in a collective, so ``data_parallel.timeout_s`` must exceed each."""
+        return {"distributed.start_timeout": self.start_timeout,
+                "final_sync_timeout + shutdown_timeout":
+                    self.final_sync_timeout + self.shutdown_timeout,
+                "push_pull_timeout + unapplied_wait":
+                    self.push_pull_timeout + self.unapplied_wait}
+
     @property
     def master_poll(self) -> float:
         """The master's listing interval in seconds (``master_poll_interval`` or
@@ -231,9 +242,10 @@ class DataParallelConfig:
     """Seconds any collective may wait: a rank that died or hangs ends the job with an error
     after this long instead of a silent wait (torchrun itself stops the others when a rank
     exits with an error). null = 600, or, for a torchrun group that is one DiLoCo worker, 60 s
-    more than rank 0's longest wait for the store (``distributed.start_timeout``, or
-    ``final_sync_timeout + shutdown_timeout``), which the other ranks spend in a collective
-    (at the defaults 600 = 600 was refused, so the documented command failed)."""
+    more than rank 0's longest wait for the store (``distributed.start_timeout``,
+    ``final_sync_timeout + shutdown_timeout``, or ``push_pull_timeout + unapplied_wait`` at a
+    round boundary), which the other ranks spend in a collective (at the defaults 600 = 600 was
+    refused, so the documented command failed)."""
     shard_muon: bool = True
     """Each rank orthogonalizes 1/world of the Muon matrices and all-gathers the results
     (bitwise equal to every rank doing all of them). Newton-Schulz FLOPs per rank drop to
@@ -276,7 +288,7 @@ class DataParallelConfig:
         """Fill a null ``timeout_s`` (see the field)."""
         if self.timeout_s is not None:
             return
-        longest = max(diloco.start_timeout, diloco.final_sync_timeout + diloco.shutdown_timeout)
+        longest = max(diloco.store_waits().values())
         self.timeout_s = 600.0
         if diloco.enabled and math.isfinite(longest):  # .inf: the start check asks for a value
             self.timeout_s = max(600.0, longest + 60.0)

@@ -19,6 +19,7 @@ group's ``data_parallel.timeout_s`` must exceed them: checked at start.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -37,14 +38,16 @@ def check_hierarchical(cfg: SpeedtronicConfig) -> None:
         raise ConfigError("distributed.role: master under torchrun: the master is one process "
                           "(python -m speedtronic.diloco master, or one speedtronic train with "
                           "role: master); only a worker can be a torchrun group")
-    longest = max(d.start_timeout, d.final_sync_timeout + d.shutdown_timeout)
+    # Rank 0's longest wait on the store while the other ranks sit in a collective (the round
+    # boundary's waits were left out: a 40 s push-pull wait under a 15 s timeout_s was
+    # accepted and ended in a gloo timeout).
+    which, longest = max(d.store_waits().items(), key=lambda item: item[1])
     if longest >= cfg.data_parallel.timeout_s:
         raise ConfigError(
             f"data_parallel.timeout_s: {cfg.data_parallel.timeout_s:g} s, but rank 0 of this "
-            f"DiLoCo worker group may wait up to {longest:g} s for the store "
-            "(distributed.start_timeout, or final_sync_timeout + shutdown_timeout) while the "
-            "other ranks wait for it in a collective; set data_parallel.timeout_s above "
-            f"{longest:g}")
+            f"DiLoCo worker group may wait up to {longest:g} s for the store ({which}) while "
+            "the other ranks wait for it in a collective; set data_parallel.timeout_s above "
+            f"{longest:g}" + (" or lower those waits" if math.isinf(longest) else ""))
 
 
 class GroupRelay:

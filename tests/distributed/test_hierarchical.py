@@ -99,3 +99,13 @@ def test_what_a_worker_group_cannot_be_is_refused_before_it_starts():
     assert defaults.data_parallel.timeout_s == 660
     check_hierarchical(defaults)
     assert load_config({}).data_parallel.timeout_s == 600  # no DiLoCo: torch's usual bound
+    # the round boundary's waits count too: rank 0 waits for the master there
+    push_pull = load_config({"distributed": {**base["distributed"], "push_pull_timeout": 100},
+                             "data_parallel": {"timeout_s": 120}})
+    with pytest.raises(ConfigError, match=r"up to 130 s for the store \(push_pull_timeout \+ "
+                                          r"unapplied_wait\)"):
+        check_hierarchical(push_pull)
+    forever = load_config({"distributed": {**base["distributed"], "unapplied_wait": float("inf")}})
+    assert forever.data_parallel.timeout_s == 600  # no finite bound to derive one from
+    with pytest.raises(ConfigError, match="or lower those waits"):
+        check_hierarchical(forever)
