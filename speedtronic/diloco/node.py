@@ -178,6 +178,7 @@ class Worker(ConsistentBase):
                     self.node_id, self.session, self.store.url, cfg.inner_steps,
                     cfg.compression, cfg.poll_interval)
         deadline = time.monotonic() + cfg.start_timeout
+        last = ""  # the last reason no global could be installed, said once until it changes
         while self._candidate is None:  # every node starts from the published global
             try:
                 self._poll_once()
@@ -186,15 +187,19 @@ class Worker(ConsistentBase):
                                   "use the same model.* settings (and vocab) on every "
                                   "node") from None
             except (StoreUnavailable, TransientStoreError, FormatError) as exc:
-                logger.warning("diloco worker %s: waiting for the first global: %s",
-                               self.node_id, exc)
+                if str(exc) != last:  # a damaged global was said once per poll: 51 in 10 s
+                    logger.warning("diloco worker %s: waiting for the first global: %s",
+                                   self.node_id, exc)
+                last = str(exc)
             except StoreError as exc:  # denied, a missing bucket, ...: waiting cannot help
                 raise StoreError(f"diloco worker {self.node_id}: cannot read the store: "
                                  f"{exc}") from None
             if self._candidate is None:
                 if time.monotonic() >= deadline:
-                    raise StoreError(f"diloco: no global published at {self.store.url} within "
-                                     f"start_timeout={cfg.start_timeout}s (is the master up?)")
+                    why = (f"the published one cannot be used: {last}" if last else
+                           "is the master up?")
+                    raise StoreError(f"diloco: no usable global at {self.store.url} within "
+                                     f"start_timeout={cfg.start_timeout}s ({why})")
                 self._stop.wait(min(cfg.poll_interval, 1.0))
         self._install(trainer)
         self._threads = [threading.Thread(target=self._upload_loop, daemon=True,

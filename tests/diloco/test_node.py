@@ -156,6 +156,30 @@ def test_a_worker_whose_model_cannot_take_the_global_stops_at_once(tmp_path, mas
     worker.close()
 
 
+def test_a_damaged_global_is_named_once_and_in_the_start_error(tmp_path, caplog):
+    """A flipped byte in the published global: the worker warned once per poll (51 times in
+    10 s) and then said "no global published (is the master up?)", though one was."""
+    import logging
+
+    from speedtronic.diloco.store import StoreError
+
+    url = f"file://{tmp_path}/store"
+    store = open_store(url)
+    pointer = _put_global(store, initial_weights(), version=0)
+    store.put(codec.POINTER_KEY, pointer.to_bytes())
+    blob = bytearray(store.get(pointer.path))
+    blob[-1] ^= 0xFF
+    store.put(pointer.path, bytes(blob))
+    worker = Worker(make_cfg(url, start_timeout=1.0, poll_interval=0.05), node_id="w0")
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        with pytest.raises(StoreError, match=r"no usable global .*the published one cannot "
+                                             r"be used: .*sha256"):
+            worker.on_train_start(FakeTrainer(TinyModel(0)))
+    worker.close()
+    said = [r for r in caplog.records if "waiting for the first global" in r.getMessage()]
+    assert len(said) == 1
+
+
 def test_a_dead_master_thread_fails_the_run_with_one_line(tmp_path, monkeypatch):
     """role: master trains as a worker and aggregates in a thread; when that thread dies the
     run must stop with the cause, not train on and exit 0."""
