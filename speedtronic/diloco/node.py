@@ -177,6 +177,7 @@ class Worker(ConsistentBase):
         logger.info("diloco worker %s (session %s): store %s, H=%d, codec %s, poll %.1fs",
                     self.node_id, self.session, self.store.url, cfg.inner_steps,
                     cfg.compression, cfg.poll_interval)
+        self._warn_about_checkpoint_cadence(trainer)
         deadline = time.monotonic() + cfg.start_timeout
         last = ""  # the last reason no global could be installed, said once until it changes
         while self._candidate is None:  # every node starts from the published global
@@ -209,6 +210,20 @@ class Worker(ConsistentBase):
         for t in self._threads:
             t.start()
         self._wall_start = time.perf_counter()
+
+    def _warn_about_checkpoint_cadence(self, trainer: Any) -> None:
+        """A worker killed between checkpoints resumes from the last one and trains the rounds
+        since then again; their deltas were already applied, so those samples count twice.
+        Checkpoints at every round boundary bound it to the round in flight."""
+        ckpt = getattr(getattr(trainer, "config", None), "checkpoint", None)
+        H = self.cfg.inner_steps
+        if ckpt is None or not ckpt.enabled or ckpt.every_steps <= H:
+            return
+        logger.warning("diloco worker %s: checkpoint.every_steps=%d > distributed.inner_steps="
+                       "%d: after a crash this worker resumes up to %d rounds back and trains "
+                       "their samples again (their deltas were applied already); set "
+                       "checkpoint.every_steps to %d", self.node_id, ckpt.every_steps, H,
+                       math.ceil(ckpt.every_steps / H) - 1, H)
 
     def after_optimizer_step(self, trainer: Any, step: int) -> None:
         t0 = time.perf_counter()

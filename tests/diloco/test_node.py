@@ -375,3 +375,26 @@ def test_a_worker_that_cannot_read_the_store_stops_at_once(tmp_path):
     with pytest.raises(StoreError, match="cannot read the store: get global/latest.json: HTTP 403"):
         worker.on_train_start(FakeTrainer(TinyModel(0)))
     assert time.monotonic() - t0 < 30
+
+
+def test_a_checkpoint_cadence_longer_than_a_round_is_a_warning(tmp_path, caplog):
+    """Killed between checkpoints, a worker resumes from the last one and trains the rounds
+    since then again (their deltas were applied): with every_steps > H it is warned at start."""
+    import logging
+    from types import SimpleNamespace
+
+    worker = Worker(make_cfg(f"file://{tmp_path}/s", inner_steps=100), node_id="w0")
+
+    def trainer(every: int, enabled: bool = True) -> SimpleNamespace:
+        return SimpleNamespace(config=SimpleNamespace(checkpoint=SimpleNamespace(
+            enabled=enabled, every_steps=every)))
+
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        for every, enabled in ((100, True), (50, True), (1000, False)):
+            worker._warn_about_checkpoint_cadence(trainer(every, enabled))
+        assert not caplog.records
+        worker._warn_about_checkpoint_cadence(trainer(500))
+    (record,) = caplog.records
+    assert "checkpoint.every_steps=500 > distributed.inner_steps=100" in record.getMessage()
+    assert "up to 4 rounds back" in record.getMessage()
+    worker.close()
