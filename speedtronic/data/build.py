@@ -44,7 +44,7 @@ from .token_files import (
     TOKEN_CHUNK,
     TokenFileStore,
     open_token_file,
-    resolve_token_paths,
+    split_token_paths,
 )
 from .user import (
     UserIterator,
@@ -265,22 +265,7 @@ def _token_stores(cfg: SpeedtronicConfig) -> tuple[TokenFileStore, TokenFileStor
     # A prepared source's shards come from data.text_path / data.hf_dataset, not tokens_path.
     key = "data.tokens_path" if d.tokens_path is not None else (
         f"data.{'hf_dataset' if d.hf_dataset is not None else 'text_path'} (prepared shards)")
-    paths = resolve_token_paths(spec, "data.tokens_path")
-    eval_paths = (resolve_token_paths(eval_spec, "data.eval_tokens_path")
-                  if eval_spec is not None else [])
-    held_out = {p.resolve() for p in eval_paths}
-    if held_out & {p.resolve() for p in paths}:
-        # A folder of fineweb_train_*.bin and fineweb_val_*.bin as tokens_path, the val files
-        # as eval_tokens_path: the eval tokens were trained on too, without a word.
-        kept = [p for p in paths if p.resolve() not in held_out]
-        if not kept:
-            raise ConfigError(f"data.tokens_path {spec!r}: every file it names is also in "
-                              f"data.eval_tokens_path {eval_spec!r}; eval data is never trained "
-                              "on: give training files of their own")
-        logger.info("data: %d file(s) of data.tokens_path %r are data.eval_tokens_path's: "
-                    "left out of training (eval data is never trained on)",
-                    len(paths) - len(kept), spec)
-        paths = kept
+    paths, eval_paths = split_token_paths(spec, eval_spec)
     files = [open_token_file(p, d.tokens_dtype, "data.tokens_path") for p in paths]
     vocab = cfg.model.vocab_size  # settled by check_data; each chunk read is checked against it
     stream = TokenFileStore(files, vocab_size=vocab)

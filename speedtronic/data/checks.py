@@ -17,7 +17,7 @@ from .token_files import (
     max_token_id,
     open_token_file,
     raw_dtype_hint,
-    resolve_token_paths,
+    split_token_paths,
 )
 
 logger = logging.getLogger("speedtronic.data")
@@ -45,10 +45,9 @@ def check_data(cfg: SpeedtronicConfig) -> None:
     if d.tokens_path is None and d.tokenizer is None:
         return
     spec, eval_spec, _ = _token_paths(cfg)  # prepares a tokenizer source (meta.json: its vocab)
-    paths = [("data.tokens_path", p) for p in resolve_token_paths(spec, "data.tokens_path")]
-    if eval_spec is not None:
-        paths += [("data.eval_tokens_path", p)
-                  for p in resolve_token_paths(eval_spec, "data.eval_tokens_path")]
+    train_paths, eval_paths = split_token_paths(spec, eval_spec)
+    paths = ([("data.tokens_path", p) for p in train_paths]
+             + [("data.eval_tokens_path", p) for p in eval_paths])
     meta = Path(spec) / "meta.json"
     vocab_from_data: int | None = None
     if meta.is_file():

@@ -107,6 +107,29 @@ def resolve_token_paths(spec: str, key: str) -> list[Path]:
     return expand_paths(spec, key, suffixes=(".bin", ".npy"))
 
 
+def split_token_paths(spec: str, eval_spec: str | None) -> tuple[list[Path], list[Path]]:
+    """(training files, eval files) of ``data.tokens_path`` and ``data.eval_tokens_path``.
+
+    A training folder or glob that also holds the eval files (fineweb_train_*.bin beside
+    fineweb_val_*.bin, the val files as eval_tokens_path) once trained on the eval tokens too,
+    without a word: they are left out of training, and a spec with nothing else is refused."""
+    paths = resolve_token_paths(spec, "data.tokens_path")
+    if eval_spec is None:
+        return paths, []
+    eval_paths = resolve_token_paths(eval_spec, "data.eval_tokens_path")
+    held_out = {p.resolve() for p in eval_paths}
+    kept = [p for p in paths if p.resolve() not in held_out]
+    if not kept:
+        raise ConfigError(f"data.tokens_path {spec!r}: every file it names is also in "
+                          f"data.eval_tokens_path {eval_spec!r}; eval data is never trained "
+                          "on: give training files of their own")
+    if len(kept) < len(paths):
+        logger.info("data: %d file(s) of data.tokens_path %r are data.eval_tokens_path's: left "
+                    "out of training (eval data is never trained on)", len(paths) - len(kept),
+                    spec)
+    return kept, eval_paths
+
+
 def open_token_file(path: Path, dtype: str, key: str) -> TokenFile:
     """Memory-map one shard, checking its layout; every problem is a ConfigError naming ``key``."""
     f = _open_token_file(path, dtype, key)

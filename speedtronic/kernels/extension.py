@@ -244,6 +244,14 @@ def _decide() -> KernelStatus:
     if dev is None:
         return KernelStatus(False, "no CUDA device visible (extension imported)", **common)
     so_arches = common["so_arches"]
+    if so_arches and not parse_arch_list(str(info.get("arch_list", ""))):
+        # No recorded list (TORCH_CUDA_ARCH_LIST unset): torch built the build machine's arch
+        # and PTX of it, which the driver compiles for any newer device; the binary's own
+        # symbol names the SASS only.
+        newest = max((a for a in so_arches if a.startswith("sm_")),
+                     key=lambda a: int(a[3:].removesuffix("a")), default=None)
+        if newest is not None:
+            so_arches = (*so_arches, "compute_" + newest[3:].removesuffix("a"))
     if so_arches and not arch_compatible(so_arches, major, minor):
         # The build JSON records no arches for a plain `pip install .` (TORCH_CUDA_ARCH_LIST
         # unset): the check before the import passed, and an sm_80/sm_90 binary reported

@@ -109,8 +109,6 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
     for p in group["params"]:
         if p.grad is None:
             continue
-        if p.dtype == torch.float16:
-            _warn_fp16_moments()
         if p.grad.is_sparse:
             raise RuntimeError(f"AdamW does not support sparse gradients (parameter shape "
                                f"{tuple(p.shape)})")
@@ -119,6 +117,8 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
             st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if st["exp_avg_sq"].dtype == torch.float16 and not torch.compiler.is_compiling():
+            _warn_fp16_moments()
         owners.append(p)
         if p.is_complex():
             params.append(torch.view_as_real(p))

@@ -10,6 +10,7 @@ resolved), builds the model and loads the newest verified checkpoint (or the one
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +61,6 @@ def load_run_model(run_dir: str | Path, checkpoint: str | Path | None = None,
 
 
 def _safetensors(folder: Path) -> dict[str, torch.Tensor]:
-    import json
 
     try:
         from safetensors.torch import load_file
@@ -93,7 +93,6 @@ _LLAMA_ARCHITECTURE_KEYS = ("num_attention_heads", "num_key_value_heads", "head_
 def _llama_changes(folder: Path, cfg: SpeedtronicConfig) -> str:
     """The folder's config.json against the Llama config of this reference model, for the keys
     whose mismatch loads without a shape error (n_head, rope_base, tied head, ...)."""
-    import json
 
     from ..models.export import llama_config
 
@@ -122,6 +121,11 @@ def _rope(config: dict[str, Any]) -> dict[str, Any]:
     kept them (top level, ``rope_parameters`` or ``rope_scaling``)."""
     ropes = [r for r in (config.get("rope_parameters"), config.get("rope_scaling"))
              if isinstance(r, dict)]
+    if any(isinstance(v, dict) for r in ropes for v in r.values()):
+        # per layer type (Gemma 3: sliding and full attention each have their own): compared
+        # whole, as transformers normalized them
+        nested = {k: v for r in ropes for k, v in r.items() if isinstance(v, dict)}
+        return {"rope_theta": None, "rope_type": json.dumps(nested, sort_keys=True)}
     theta = config.get("rope_theta")
     if theta is None:  # newer transformers keep it in rope_parameters only
         theta = next((r["rope_theta"] for r in ropes if "rope_theta" in r), None)
@@ -136,11 +140,11 @@ def _hf_changes(folder: Path, config: Any) -> str:
     """The folder's config.json against the Hugging Face config being trained, for the keys
     whose mismatch loads without a shape error (a mapping ``hf_config`` with 8 heads took a
     4-head folder's tensors and its logits moved by 13)."""
-    import json
+    try:  # through transformers, as ``config`` was: it renames and nests some rope settings
+        from transformers import AutoConfig
 
-    try:
-        theirs = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        theirs = AutoConfig.from_pretrained(str(folder)).to_dict()
+    except Exception:  # noqa: BLE001 - no readable config.json: the tensors' shapes decide
         return ""
     mine = config.to_dict()
     theirs.update(_rope(theirs))

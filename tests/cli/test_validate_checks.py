@@ -97,3 +97,15 @@ def test_a_warning_during_validate_goes_to_stderr_and_the_json_on_stdout_parses(
     out, err = capsys.readouterr()
     assert json.loads(out)["data"]["tokens_path"] == str(tokens)
     assert "looks like uint32" in err and "looks like uint32" not in out
+
+
+def test_validate_refuses_training_files_that_are_all_eval_files(tmp_path, capsys):
+    """The rule lived in build_data only: validate passed a config train then refused."""
+    val = tmp_path / "val.bin"
+    np.arange(600, dtype=np.uint16).tofile(val)
+    cfg = _cfg(tmp_path, data={"tokens_path": str(val), "eval_tokens_path": str(val)},
+               model={"vocab_size": 1000})
+    for command in ("validate", "train"):
+        assert main([command, "--config", str(cfg)]) == 2
+        err = capsys.readouterr().err
+        assert "every file it names is also in data.eval_tokens_path" in err, err

@@ -260,6 +260,10 @@ def test_a_binary_without_the_devices_arch_is_turned_down_after_import_and_left_
             is ops._PYTORCH_IMPLS["cautious_mask_"]
         assert ops.kernel_or_fallback("newton_schulz", torch.device("cuda"), []) \
             is ops.newton_schulz  # no CUDA kernel of its own: the op, as before
+        # a newer device than the binary's newest SASS runs its PTX (torch embeds it when no
+        # arch list was given): that binary is kept
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+        assert kernels.load(force=True).active
     finally:
         monkeypatch.undo()
         kernels.load(force=True)  # the real decision again for the tests after this one
