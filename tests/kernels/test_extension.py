@@ -64,16 +64,22 @@ def test_build_for_another_torch_is_not_imported(monkeypatch, tmp_path):
     assert "speedtronic._C" not in imported  # never loads a mismatched binary
 
 
-def test_incompatible_device_arch_is_caught_before_import(monkeypatch, tmp_path):
+def _fake_cuda_build(monkeypatch, tmp_path, arch_list: str, capability: tuple[int, int]) -> None:
+    """A built extension (empty file, build JSON with ``arch_list``) beside a CUDA torch that
+    sees one device of ``capability``."""
     so = tmp_path / "_C.so"
     so.write_bytes(b"")
     (tmp_path / kernels.BUILD_INFO_NAME).write_text(json.dumps(
-        {"torch_version": torch.__version__, "arch_list": "8.0;9.0"}))
+        {"torch_version": torch.__version__, "arch_list": arch_list}))
     monkeypatch.delenv("SPEEDTRONIC_DISABLE_KERNELS", raising=False)
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setattr(kernels, "_find_extension", lambda: so)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (12, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+
+
+def test_incompatible_device_arch_is_caught_before_import(monkeypatch, tmp_path):
+    _fake_cuda_build(monkeypatch, tmp_path, "8.0;9.0", (12, 0))
     imported = []
     monkeypatch.setattr(kernels.importlib, "import_module", lambda name: imported.append(name))
     st = kernels.load(force=True)
@@ -239,15 +245,7 @@ def test_a_binary_without_the_devices_arch_is_turned_down_after_import_and_left_
     reported "loaded" on an sm_75 device; its registered kernels must then stay unused."""
     from speedtronic.kernels import ops
 
-    so = tmp_path / "_C.so"
-    so.write_bytes(b"")
-    (tmp_path / kernels.BUILD_INFO_NAME).write_text(json.dumps(
-        {"torch_version": torch.__version__, "arch_list": ""}))
-    monkeypatch.delenv("SPEEDTRONIC_DISABLE_KERNELS", raising=False)
-    monkeypatch.setattr(torch.version, "cuda", "13.0")
-    monkeypatch.setattr(kernels, "_find_extension", lambda: so)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    _fake_cuda_build(monkeypatch, tmp_path, "", (7, 5))
     monkeypatch.setattr(kernels.importlib, "import_module", lambda name: None)
     monkeypatch.setattr(kernels, "_so_arches", lambda path, info: ("sm_80", "sm_90"))
     monkeypatch.setattr(kernels, "registered_cuda_ops", lambda: kernels.expected_ops())
