@@ -56,6 +56,10 @@ inline void check_pair(const at::Tensor& ref, const at::Tensor& t, const char* o
                     t.device(), " but the first tensor is on ", ref.device());
   TORCH_CHECK_VALUE(t.numel() == ref.numel(), "speedtronic::", op, ": ", what, "[", i, "] has ",
                     t.numel(), " elements, expected ", ref.numel());
+  // Paired element by element after .contiguous(): a (6, 4) gradient beside a (4, 6) update
+  // was silently matched by flat index, where the PyTorch implementation refuses it.
+  TORCH_CHECK_VALUE(t.sizes() == ref.sizes(), "speedtronic::", op, ": ", what, "[", i,
+                    "] has shape ", t.sizes(), ", expected ", ref.sizes());
 }
 
 inline at::Tensor zeros_i64(int64_t n, const at::Device& dev) {

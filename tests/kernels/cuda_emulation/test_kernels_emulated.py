@@ -95,6 +95,12 @@ def test_cautious_mask_rejects_mismatch(emu):
         emu.cautious_mask_([torch.zeros(3)], [], True)
     with pytest.raises(ValueError, match="elements"):
         emu.cautious_mask_([torch.zeros(3)], [torch.zeros(4)], True)
+    # as many elements, another shape: was paired by flat index (the PyTorch body refuses it)
+    with pytest.raises(ValueError, match=r"grads\[0\] has shape \[6, 4\], expected \[4, 6\]"):
+        emu.cautious_mask_([torch.zeros(4, 6)], [torch.zeros(6, 4)], True)
+    with pytest.raises(ValueError, match="shape"):
+        emu.cautious_adamw_step_([torch.zeros(4, 6)], [torch.zeros(6, 4)], [torch.zeros(4, 6)],
+                                 [torch.zeros(4, 6)], 1e-3, 0.9, 0.95, 1e-8, 0.0, 1, False, True)
     with pytest.raises(ValueError, match="Double"):
         emu.cautious_mask_([torch.zeros(3, dtype=torch.float64)], [torch.zeros(3)], True)
 
