@@ -83,6 +83,10 @@ class EagerMethodsMixin:
 FP32_STATE_KEYS = frozenset({"momentum_buffer"})
 """State keys that are always float32 regardless of the parameter dtype."""
 
+SAVED_FP32_KEYS = frozenset({"exp_avg", "exp_avg_sq"})
+"""State keys kept float32 on load where they were saved float32 (AdamW's moments of float16
+parameters); saved in the parameter's dtype, they load as torch loads them."""
+
 
 class Fp32StateMixin:
     """Mixin for ``torch.optim.Optimizer`` subclasses; see the module docstring."""
@@ -93,8 +97,8 @@ class Fp32StateMixin:
         keep: dict[int, dict[str, torch.Tensor]] = {}
         for pid, st in state_dict.get("state", {}).items():
             if isinstance(st, dict):
-                found = {k: v for k, v in st.items()
-                         if k in FP32_STATE_KEYS and isinstance(v, torch.Tensor)}
+                found = {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and (
+                    k in FP32_STATE_KEYS or (k in SAVED_FP32_KEYS and v.dtype == torch.float32))}
                 if found:
                     keep[pid] = found
         super().load_state_dict(state_dict)  # type: ignore[misc]

@@ -3,13 +3,17 @@
 State per parameter uses torch.optim.AdamW's keys and dtypes on both paths (``step`` as a 0-d
 float32 tensor, ``exp_avg`` and ``exp_avg_sq`` in the parameter dtype), so a checkpoint written
 with ``cautious: false`` loads with ``cautious: true`` and vice versa, with or without the CUDA
-kernels.
+kernels. One exception: float16 parameters keep float32 moments. In float16, ``(1 - beta2) g^2``
+is 0 for ``|g|`` below ~7.7e-3 at beta2 = 0.999, and the step divides by eps: a 5e-3 gradient
+moved a weight by 250 in one step (torch's unfused AdamW gives inf, its fused one overshoots).
+The cost is 4 more bytes per float16 parameter; such parameters take the foreach op, which
+reads float32 moments beside float16 weights (torch's fused kernel wants one dtype). A float16
+state (a torch.optim.AdamW checkpoint) is upcast at its next step.
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
@@ -19,7 +23,13 @@ from torch import Tensor
 from torch.optim.adam import adam as _torch_adam
 
 from ..kernels import ops
-from ._state import EagerMethodsMixin, checked_or_dropped, fill_group_defaults, run_closure
+from ._state import (
+    EagerMethodsMixin,
+    Fp32StateMixin,
+    checked_or_dropped,
+    fill_group_defaults,
+    run_closure,
+)
 
 __all__ = ["AdamW", "adamw_step", "ADAMW_DEFAULTS", "fused_supported"]
 
@@ -82,24 +92,6 @@ def _same_layout(a: Tensor, b: Tensor) -> bool:
                if n > 1)
 
 
-_warned_fp16 = False
-
-
-def _warn_fp16_moments() -> None:
-    """Once per process: float16 parameters keep float16 moments (torch.optim.AdamW's rule,
-    kept so checkpoints load both ways), and ``(1 - beta2) * g^2`` is 0 in float16 for |g| below
-    ~7.7e-3 at beta2 = 0.999: the step divides by eps and is orders of magnitude too large (a
-    5e-3 gradient moved a weight by 250 in one step; torch's unfused AdamW gives inf)."""
-    global _warned_fp16
-    if not _warned_fp16:
-        _warned_fp16 = True
-        warnings.warn("AdamW on float16 parameters: its moments are float16 too, where "
-                      "(1 - beta2) * grad^2 underflows to 0 for |grad| < ~7.7e-3 and the update "
-                      "blows up. Keep the parameters in float32 and train under autocast "
-                      "(precision: fp16 in the config does), or use bfloat16 parameters",
-                      UserWarning, stacklevel=2)
-
-
 def adamw_step(state: dict, group: dict[str, Any]) -> None:
     """One AdamW step on one param group (keys of :data:`ADAMW_DEFAULTS`).
 
@@ -113,12 +105,15 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
             raise RuntimeError(f"AdamW does not support sparse gradients (parameter shape "
                                f"{tuple(p.shape)})")
         st = state[p]
+        moments = torch.float32 if p.dtype == torch.float16 else p.dtype  # see the module doc
         if "step" not in st:
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
-            st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        if st["exp_avg_sq"].dtype == torch.float16 and not torch.compiler.is_compiling():
-            _warn_fp16_moments()
+            st["exp_avg"] = torch.zeros_like(p, dtype=moments,
+                                             memory_format=torch.preserve_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, dtype=moments,
+                                                memory_format=torch.preserve_format)
+        elif st["exp_avg_sq"].dtype != moments and p.dtype == torch.float16:
+            st["exp_avg"], st["exp_avg_sq"] = st["exp_avg"].float(), st["exp_avg_sq"].float()
         owners.append(p)
         if p.is_complex():
             params.append(torch.view_as_real(p))
@@ -147,8 +142,32 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
                                 float(group["weight_decay"]), steps[i], bool(group["cautious"]),
                                 bool(group["cautious_rescale"]))
         return
+    mixed = [i for i, p in enumerate(params) if exp_avgs[i].dtype != p.dtype]
+    if mixed and _use_fused(group, params):
+        # float16 weights with float32 moments: torch's fused kernel wants one dtype per
+        # tensor, so those take the op below and the rest stays fused
+        rest = [i for i in range(len(params)) if exp_avgs[i].dtype == params[i].dtype]
+        _adamw_step_parts(state, group, owners, params, grads, exp_avgs, exp_avg_sqs, steps,
+                         rest, fused=True)
+        _adamw_step_parts(state, group, owners, params, grads, exp_avgs, exp_avg_sqs, steps,
+                         mixed, fused=False)
+        return
+    _adamw_step_parts(state, group, owners, params, grads, exp_avgs, exp_avg_sqs, steps,
+                     list(range(len(params))), fused=_use_fused(group, params))
+
+
+def _adamw_step_parts(state: dict, group: dict[str, Any], owners: list[Tensor],
+                     params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                     exp_avg_sqs: list[Tensor], steps: list[Tensor], which: list[int],
+                     fused: bool) -> None:
+    """The eager step of the parameters ``which`` (indices into the lists) on one path."""
+    if not which:
+        return
+    owners, params, grads, exp_avgs, exp_avg_sqs, steps = (
+        [xs[i] for i in which] for xs in (owners, params, grads, exp_avgs, exp_avg_sqs, steps))
+    beta1, beta2 = group["betas"]
     lr = float(group["lr"])  # eager: a CPU scalar for the kernels below
-    if _use_fused(group, params):
+    if fused:
         # torch's fused kernel wants each step on its parameter's device.
         for i, p in enumerate(params):
             if steps[i].device != p.device:
@@ -180,7 +199,7 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
                                  bool(group["cautious_rescale"]))
 
 
-class AdamW(EagerMethodsMixin, torch.optim.Optimizer):
+class AdamW(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
     """AdamW (decoupled weight decay) with an optional cautious mask.
 
     ``cautious=False`` runs torch's own fused kernel when available (``fused=None``), else the
