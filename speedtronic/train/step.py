@@ -158,7 +158,9 @@ class OptimizerStep:
         ran = 0
         for _ in range(k):
             x, y = next(it)
-            n = counted_tokens(y) if weigh else None
+            # counted at k = 1 too: an all-padding batch there once reached the loss as NaN and
+            # stopped the run (or counted as a skipped non-finite step) instead of being skipped
+            n = counted_tokens(y)
             self._micro_since_log += 1
             self.tokens += x.numel()
             self.samples += x.shape[0]
@@ -182,7 +184,7 @@ class OptimizerStep:
             self._loss_sum += torch.stack(step_losses).sum() * (factor - 1.0)
         if not ran:  # every micro-batch was padding: no loss to log either
             self._micro_since_log -= k
-        return ran > 0 or not weigh
+        return ran > 0
 
     def _accumulate_step_data_parallel(self, it: Iterator[Any]) -> bool:
         """One step's local micro-batches under DDP, weighted by the step's tokens over all

@@ -515,6 +515,26 @@ def test_a_step_of_only_padding_updates_nothing_and_logs_no_loss(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+def test_an_all_padding_batch_without_accumulation_is_skipped_not_a_nan(tmp_path):
+    """Labels were counted only when accumulating: at one micro-batch per step an all-padding
+    batch reached the loss as NaN and stopped the run (train.on_nonfinite: stop)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, 32, (3, 4, 8), generator=g)
+    y = torch.randint(0, 32, (3, 4, 8), generator=g)
+    y[1] = -100
+    batches = [(x[i], y[i]) for i in range(3)]
+    cfg = tiny_config(tmp_path, name="pad1", run={"max_steps": 3, "eval_every": 0},
+                      logging={"every_steps": 1}, checkpoint={"enabled": False},
+                      data={"micro_batch_size": 4, "target_batch_size": 4},
+                      train={"on_nonfinite": "stop"})
+    trainer = build_trainer(cfg, model=TinyLM(), data=_Batches(batches))
+    updates = []
+    trainer.optimizer.register_step_post_hook(lambda opt, a, kw: updates.append(trainer.step))
+    result = trainer.fit()
+    trainer.metrics.close()
+    assert result.steps == 3 and updates == [0, 2] and trainer.skipped_steps == 0
+
+
 def test_a_failed_build_leaves_no_log_handler(tmp_path):
     from speedtronic.errors import SpeedtronicError
 
