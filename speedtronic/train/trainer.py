@@ -38,7 +38,7 @@ from .precision import PrecisionPlan, decide_compile
 from .preemption import PreemptionGuard, requeue_slurm_job
 from .step import OptimizerStep
 from .step_log import LogInterval, StepLog
-from .trainer_state import TrainerState
+from .trainer_state import DEFAULT_CALLBACK_NAME, TrainerState
 
 logger = logging.getLogger("speedtronic.trainer")
 
@@ -54,7 +54,8 @@ class TrainerCallback(Protocol):
     ``state_dict()`` is saved in checkpoints under ``name`` and handed back on resume.
     """
 
-    name: str = "callback"
+    name: str = DEFAULT_CALLBACK_NAME
+    """The key of this callback's state in checkpoints (the default: the class name)."""
 
     def on_train_start(self, trainer: Trainer) -> None:
         """Called once before the first step of ``fit`` (after a resume is applied)."""
@@ -211,6 +212,7 @@ class Trainer(OptimizerStep, StepLog, TrainerState):
         self.stopped_by: BaseException | None = None
         """The exception (KeyboardInterrupt included) that ended ``fit`` early; None after a
         run that reached its target. Set before ``on_train_end`` is called."""
+        self._check_callback_names()
         self._configure_features()
 
     # ----------------------------------------------------------------------------- setup

@@ -26,7 +26,10 @@ from ..errors import SpeedtronicError
 from .checkpoint import capture_rng_state, mismatch_details, restore_rng_state
 from .nonfinite import NonFiniteGuard
 
-__all__ = ["TrainerState"]
+__all__ = ["DEFAULT_CALLBACK_NAME", "TrainerState"]
+
+DEFAULT_CALLBACK_NAME = "callback"
+""":class:`~speedtronic.train.trainer.TrainerCallback`'s default ``name``."""
 
 
 class TrainerState(NonFiniteGuard):
@@ -34,6 +37,7 @@ class TrainerState(NonFiniteGuard):
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-exactly (see :mod:`speedtronic.train.checkpoint`)."""
+        self._check_callback_names()  # also those appended after the trainer was built
         train = getattr(self.data, "train", None)
         rng = capture_rng_state()
         ranks = None
@@ -101,6 +105,8 @@ class TrainerState(NonFiniteGuard):
         saved_cb = state.get("callbacks") or {}
         for cb in self.callbacks:
             name = self._cb_name(cb)
+            if name not in saved_cb and getattr(cb, "name", None) == DEFAULT_CALLBACK_NAME:
+                name = DEFAULT_CALLBACK_NAME  # a checkpoint written before the class-name key
             if name in saved_cb and callable(getattr(cb, "load_state_dict", None)):
                 cb.load_state_dict(saved_cb[name])
         self.step = int(state["step"])
@@ -156,7 +162,24 @@ class TrainerState(NonFiniteGuard):
 
     @staticmethod
     def _cb_name(cb: Any) -> str:
-        return str(getattr(cb, "name", type(cb).__name__))
+        """The key of a callback's state in a checkpoint: its ``name``, or its class name where
+        it kept :class:`TrainerCallback`'s default (two such subclasses once shared the key
+        "callback", and on resume one got the other's state)."""
+        name = getattr(cb, "name", None)
+        return type(cb).__name__ if name in (None, DEFAULT_CALLBACK_NAME) else str(name)
+
+    def _check_callback_names(self) -> None:
+        """Two callbacks with state under one key would overwrite each other's: refused."""
+        seen: dict[str, Any] = {}
+        for cb in self.callbacks:
+            if not callable(getattr(cb, "state_dict", None)):
+                continue
+            name = self._cb_name(cb)
+            if name in seen:
+                raise SpeedtronicError(
+                    f"callbacks {type(seen[name]).__name__} and {type(cb).__name__} both save "
+                    f"their state under {name!r}; give each a distinct `name` attribute")
+            seen[name] = cb
 
     def save_checkpoint(self, force: bool = False) -> Path | None:
         """Write a checkpoint of the current step (no-op if checkpointing is off, or if this

@@ -602,3 +602,42 @@ def test_a_failing_final_eval_keeps_the_final_checkpoint(tmp_path, monkeypatch):
         train_from_config(cfg, model=TinyLM(), data=FixedData(), plot=False)
     steps = [step for step, _ in CheckpointManager(tmp_path / "t" / "checkpoints").list()]
     assert steps and steps[0] == 6, steps
+
+
+def test_callbacks_keep_their_own_checkpoint_state(tmp_path):
+    """TrainerCallback's default name was the key of every subclass that kept it: two of them
+    shared "callback" in the checkpoint and on resume one got the other's state."""
+    from speedtronic.errors import SpeedtronicError
+    from speedtronic.train import TrainerCallback
+
+    class A(TrainerCallback):
+        def state_dict(self):
+            return {"who": "A"}
+
+        def load_state_dict(self, state):
+            self.loaded = state
+
+    class B(A):
+        def state_dict(self):
+            return {"who": "B"}
+
+    cfg = tiny_config(tmp_path, name="cb", run={"max_steps": 2, "eval_every": 0})
+    trainer = build_trainer(cfg, model=TinyLM(), data=FixedData(), callbacks=[A(), B()])
+    trainer.fit()
+    trainer.release_run_lock()
+    trainer.metrics.close()
+    state = torch.load(trainer.checkpoints.list()[0][1], weights_only=True)
+    assert state["callbacks"] == {"A": {"who": "A"}, "B": {"who": "B"}}
+    a, b = A(), B()
+    again = build_trainer(cfg, model=TinyLM(), data=FixedData(), callbacks=[a, b], resume=True)
+    again.release_run_lock()
+    again.metrics.close()
+    assert (a.loaded, b.loaded) == ({"who": "A"}, {"who": "B"})
+    twin = B()
+    twin.name = "A"  # a chosen name that collides: refused, not overwritten
+    with pytest.raises(SpeedtronicError, match="both save their state under 'A'"):
+        build_trainer(tiny_config(tmp_path, name="cb2"), model=TinyLM(), data=FixedData(),
+                      callbacks=[A(), twin])
+    fine = build_trainer(tiny_config(tmp_path, name="cb2"), model=TinyLM(), data=FixedData())
+    fine.release_run_lock()  # the refused build left no lock behind
+    fine.metrics.close()
