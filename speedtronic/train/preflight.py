@@ -136,7 +136,18 @@ def _check_data_files(cfg: SpeedtronicConfig) -> str:
         from ..data.checks import check_data
 
         check_data(cfg)
-        return f"data: {d.tokens_path or 'bundled / synthetic'}: ok"
+        if d.tokens_path is not None:
+            return f"data: {d.tokens_path}: ok"
+        if d.synthetic or d.dataset is not None:
+            return f"data: {'synthetic' if d.synthetic else d.dataset}: ok"
+        # the default: the stdlib's own source. Building its split takes ~0.02 s; unchecked,
+        # validate passed a data.stdlib_max_bytes too small to hold out a file, which train
+        # then refused
+        from ..data.sources import python_tag, stdlib_corpus
+
+        corpus = stdlib_corpus(d.stdlib_max_bytes, d.eval_fraction)
+        return (f"data: python {python_tag()} stdlib source ({len(corpus.train_paths)} train / "
+                f"{len(corpus.eval_paths)} eval files): ok")
     if d.tokenizer is not None:
         from ..data.prepare import load_tokenizer
 

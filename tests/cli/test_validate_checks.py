@@ -41,6 +41,8 @@ def _cfg(tmp_path: Path, **sections) -> Path:
       if importlib.util.find_spec("tensorboard") is None else []),
     ({"data": {"tokenizer": "/no/such/tokenizer.json", "text_path": "/no/such/texts"}},
      "data.tokenizer: file not found"),
+    # the default data, the stdlib's source: validate said "ok" without building its split
+    ({"data": {"stdlib_max_bytes": 2000}}, "stdlib corpus too small to split"),
     # combinations FSDP2 cannot run: refused only at torchrun start-up before
     ({"data_parallel": {"fsdp": True, "zero1": True}},
      "data_parallel.fsdp: true with data_parallel.zero1: true"),
