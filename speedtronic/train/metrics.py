@@ -196,8 +196,14 @@ class MetricsLogger:
             self._bar = None
         for hook in self.hooks:
             close = getattr(hook, "close", None)
-            if callable(close):
+            if not callable(close):
+                continue
+            try:
                 close()
+            except Exception as exc:  # a sink that cannot close (wandb.finish, a full disk)
+                # once ended a finished run with its error and left the run directory locked
+                logger.warning("metrics hook %r failed to close: %s: %s (the run's own "
+                               "metrics.jsonl is complete)", hook, type(exc).__name__, exc)
         if self._file is not None and not self._file.closed:
             self._file.close()
 

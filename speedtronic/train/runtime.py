@@ -390,11 +390,13 @@ def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: 
             # exception", SIGABRT (seen at the end of short torchrun test jobs, where every
             # rank preloaded and the non-plotting ones exited first). Wait for it instead.
             preload.join(timeout=60)
-        trainer.metrics.close()
-        remove_log_handlers(trainer.log_handlers)
-        trainer.release_run_lock()
-        if trainer.dp is not None:
-            trainer.dp.close(together=not alone)
+        try:
+            trainer.metrics.close()
+            remove_log_handlers(trainer.log_handlers)
+        finally:  # whatever failed above, the run directory is free again
+            trainer.release_run_lock()
+            if trainer.dp is not None:
+                trainer.dp.close(together=not alone)
     if plots:
         _write_plot(result.run_dir)
     return result

@@ -641,3 +641,27 @@ def test_callbacks_keep_their_own_checkpoint_state(tmp_path):
     fine = build_trainer(tiny_config(tmp_path, name="cb2"), model=TinyLM(), data=FixedData())
     fine.release_run_lock()  # the refused build left no lock behind
     fine.metrics.close()
+
+
+def test_a_hook_that_cannot_close_neither_fails_the_run_nor_keeps_it_locked(tmp_path, caplog):
+    """A hook whose close() raised (wandb.finish, a full disk) ended a finished run with that
+    error, skipped the plot and left the run directory locked for the process's lifetime."""
+    from speedtronic.train.runtime import train_from_config
+
+    class Sink:
+        def __call__(self, event, payload):
+            pass
+
+        def close(self):
+            raise RuntimeError("close boom")
+
+    cfg = tiny_config(tmp_path, name="hookclose", run={"max_steps": 2, "eval_every": 0},
+                      checkpoint={"enabled": False})
+    with caplog.at_level(logging.WARNING, logger="speedtronic.metrics"):
+        result = train_from_config(cfg, model=TinyLM(), data=FixedData(), hooks=[Sink()],
+                                   plot=False)
+    assert result.steps == 2 and "close boom" in caplog.text
+    again = build_trainer(cfg, model=TinyLM(), data=FixedData())  # not "in use by pid ..."
+    again.release_run_lock()
+    again.metrics.close()
+
