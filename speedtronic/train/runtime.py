@@ -29,7 +29,7 @@ from ..distributed import DataParallel, init_data_parallel, launched_rank
 from ..errors import RunPreempted
 from ..kernels import cpu as cpu_kernels
 from ..models import build_model
-from ..models.hf import check_forward
+from ..models.hf import adapt_model, check_forward
 from . import host_memory
 from .checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
 from .metrics import (
@@ -318,6 +318,10 @@ def _build_parts(cfg: SpeedtronicConfig, *, resume: bool, device: str | torch.de
             logger.info(init_from(model, cfg))
         elif cfg.model.init_from:
             logger.info("init_from: skipped (--resume loads the checkpoint's weights)")
+    else:
+        # a Hugging Face model passed in is wrapped as a factory's is: called positionally it
+        # took the labels as its attention_mask and returned no loss
+        model = adapt_model(model)
     model = model.to(dev)
     if fsdp:  # before the optimizer: it must hold the sharded (DTensor) parameters
         from ..distributed.fsdp import wrap_model_fsdp

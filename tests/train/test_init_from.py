@@ -142,3 +142,21 @@ def test_a_hugging_face_folder_of_another_architecture_is_refused_on_the_hf_rout
                      model={"name": "hf", "hf_config": spec})  # the same config: loads
     assert all(torch.equal(trainer.model.hf.state_dict()[k], v)
                for k, v in hf.state_dict().items())
+
+
+def test_a_hugging_face_model_passed_in_trains_as_a_factory_one_would(tmp_path):
+    """train_from_config(model=<a PreTrainedModel>) called it with (input_ids, labels): the
+    labels landed in attention_mask and no loss came back."""
+    transformers = pytest.importorskip("transformers")
+    from speedtronic.train.runtime import train_from_config
+
+    hf = transformers.LlamaForCausalLM(transformers.AutoConfig.for_model(
+        model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+        max_position_embeddings=64))
+    before = hf.model.embed_tokens.weight.detach().clone()
+    cfg = tiny_config(tmp_path, "hfin", model={**MODEL, "vocab_size": 256},
+                      run={"max_steps": 2, "eval_every": 2}, checkpoint={"enabled": False})
+    result = train_from_config(cfg, model=hf, plot=False)
+    assert result.steps == 2 and result.final_eval_loss is not None
+    assert not torch.equal(before, hf.model.embed_tokens.weight)  # the object passed in trained
