@@ -30,7 +30,7 @@ from ..models.loss import extract_loss
 from ..ooo import scheduler as ooo
 from ..ooo.trial import OOOTrial
 from . import shapes
-from .accumulation import IGNORE_INDEX
+from .accumulation import IGNORE_INDEX, counted_tokens
 from .checkpoint import CheckpointManager
 from .metrics import Heartbeat, MetricsLogger, format_step_line
 from .mfu import MfuMeter
@@ -168,8 +168,8 @@ class Trainer(OptimizerStep, StepLog, TrainerState):
         self.last_eval_loss: float | None = None
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._eval_cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._eval_count = 0  # held-out batches over all ranks
-        self._eval_weights: list[float] = []  # per cached batch: 0 for an FSDP2 filler
+        self._eval_total_weight = 0.0  # label tokens of the held-out batches over all ranks
+        self._eval_weights: list[float] = []  # per cached batch: its label tokens (0: none)
         self._forward = self._ddp if self._ddp is not None else model
         self._compile_pending = False
         self._ooo = None
@@ -294,22 +294,27 @@ class Trainer(OptimizerStep, StepLog, TrainerState):
                 fn(self, *args)
 
     def evaluate(self) -> float:
-        """Mean loss over the fixed held-out batches (the same batches every call)."""
+        """Mean loss per label token over the fixed held-out batches (the same every call).
+
+        Token-weighted like training: each batch's mean loss counts by its label tokens, and a
+        batch of nothing but padding counts for nothing (its mean is NaN, which once made every
+        eval_loss of the run NaN). Labels that cannot be counted on the host weigh 1 per batch."""
         if self._eval_cache is None:
             batches = list(self.data.eval_batches(self.config.run.eval_batches))
-            self._eval_count = len(batches)
-            weights = [1.0] * len(batches)
+            counts = [counted_tokens(y) for _, y in batches]
+            weights = [1.0 if n is None else float(n) for n in counts]
+            self._eval_total_weight = sum(weights)  # over every rank's share
             if self.dp is not None:  # each rank evaluates its share; the sum is all-reduced
                 world = self.dp.world_size
-                mine = batches[self.dp.rank::world]
+                mine, weights = batches[self.dp.rank::world], weights[self.dp.rank::world]
                 if self._fsdp and batches:
                     # an FSDP2 forward is a collective: every rank runs as many batches, a
                     # rank short of its share re-runs the first one with weight 0
                     pad = -(-len(batches) // world) - len(mine)
-                    mine, weights = mine + [batches[0]] * pad, [1.0] * len(mine) + [0.0] * pad
+                    mine, weights = mine + [batches[0]] * pad, weights + [0.0] * pad
                 batches = mine
             self._eval_cache = [(x.to(self.device), y.to(self.device)) for x, y in batches]
-            self._eval_weights = weights[:len(batches)]
+            self._eval_weights = weights
         was_training = self.model.training
         self.model.eval()
         total = torch.zeros((), device=self.device)
@@ -317,11 +322,13 @@ class Trainer(OptimizerStep, StepLog, TrainerState):
             for (x, y), w in zip(self._eval_cache, self._eval_weights, strict=True):
                 with self.precision.autocast():
                     loss = extract_loss(self.model(x, y)).float()
-                total += loss if w == 1.0 else loss * w
+                if w:  # 0: all padding (a NaN mean), or an FSDP2 filler
+                    total += loss * w
         self.model.train(was_training)
         if self.dp is not None:
             self.dp.all_reduce_sum(total)
-        value = float(total.item()) / max(1, self._eval_count)
+        value = (float(total.item()) / self._eval_total_weight if self._eval_total_weight
+                 else float("nan"))
         self.last_eval_loss = value
         self.metrics.emit("eval", {"step": self.step, "eval_loss": value})
         self.metrics.line(f"eval step {self.step} | eval_loss {value:.4f}")

@@ -665,3 +665,27 @@ def test_a_hook_that_cannot_close_neither_fails_the_run_nor_keeps_it_locked(tmp_
     again.release_run_lock()
     again.metrics.close()
 
+
+
+def test_eval_is_a_mean_over_label_tokens_and_an_all_padding_batch_counts_for_nothing(tmp_path):
+    """Eval averaged each batch's mean loss: an all-padding eval batch (a NaN mean) made every
+    eval_loss of the run NaN, and a half-padded batch weighed as much as a full one."""
+    data = FixedData(n=4)
+    x0, y0 = data.batches[0]
+    half = y0.clone()
+    half[:, 4:] = -100
+    data.batches[1] = (data.batches[1][0], half)
+    data.batches[2] = (data.batches[2][0], torch.full_like(y0, -100))
+    cfg = tiny_config(tmp_path, name="evalpad", run={"max_steps": 1, "eval_every": 1,
+                                                      "eval_batches": 3},
+                      checkpoint={"enabled": False})
+    trainer = build_trainer(cfg, model=TinyLM(), data=data)
+    value = trainer.evaluate()
+    trainer.release_run_lock()
+    trainer.metrics.close()
+    xs = torch.cat([x for x, _ in data.batches[:3]])
+    ys = torch.cat([y for _, y in data.batches[:3]])
+    trainer.model.eval()
+    with torch.no_grad():  # one mean over every label token of the three batches
+        expected = trainer.model(xs, ys).item()
+    assert math.isfinite(value) and value == pytest.approx(expected, rel=1e-5)
