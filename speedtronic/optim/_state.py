@@ -84,8 +84,8 @@ FP32_STATE_KEYS = frozenset({"momentum_buffer"})
 """State keys that are always float32 regardless of the parameter dtype."""
 
 SAVED_FP32_KEYS = frozenset({"exp_avg", "exp_avg_sq"})
-"""State keys kept float32 on load where they were saved float32 (AdamW's moments of float16
-parameters); saved in the parameter's dtype, they load as torch loads them."""
+"""AdamW's moments: kept float32 on load for a float16 parameter where they were saved float32;
+otherwise loaded as torch loads them (cast to the parameter's dtype)."""
 
 
 class Fp32StateMixin:
@@ -110,5 +110,7 @@ class Fp32StateMixin:
             if p is None:
                 continue
             for key, value in found.items():
+                if key in SAVED_FP32_KEYS and p.dtype not in (torch.float16, torch.complex32):
+                    continue  # other dtypes keep torch's rule: moments in the parameter's dtype
                 self.state[p][key] = value.to(device=p.device, dtype=torch.float32,  # type: ignore[attr-defined]
                                               copy=True)

@@ -92,6 +92,11 @@ def _same_layout(a: Tensor, b: Tensor) -> bool:
                if n > 1)
 
 
+#: Moment dtypes that differ from the parameter's: float16 underflows (the module docstring);
+#: a complex32 parameter's real and imaginary parts are float16 too.
+_MOMENTS = {torch.float16: torch.float32, torch.complex32: torch.complex64}
+
+
 def adamw_step(state: dict, group: dict[str, Any]) -> None:
     """One AdamW step on one param group (keys of :data:`ADAMW_DEFAULTS`).
 
@@ -105,15 +110,16 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
             raise RuntimeError(f"AdamW does not support sparse gradients (parameter shape "
                                f"{tuple(p.shape)})")
         st = state[p]
-        moments = torch.float32 if p.dtype == torch.float16 else p.dtype  # see the module doc
+        moments = _MOMENTS.get(p.dtype, p.dtype)  # see the module docstring
         if "step" not in st:
             st["step"] = torch.tensor(0.0, dtype=torch.float32)
             st["exp_avg"] = torch.zeros_like(p, dtype=moments,
                                              memory_format=torch.preserve_format)
             st["exp_avg_sq"] = torch.zeros_like(p, dtype=moments,
                                                 memory_format=torch.preserve_format)
-        elif st["exp_avg_sq"].dtype != moments and p.dtype == torch.float16:
-            st["exp_avg"], st["exp_avg_sq"] = st["exp_avg"].float(), st["exp_avg_sq"].float()
+        elif st["exp_avg_sq"].dtype != moments and p.dtype in _MOMENTS:
+            st["exp_avg"], st["exp_avg_sq"] = (st["exp_avg"].to(moments),
+                                               st["exp_avg_sq"].to(moments))
         owners.append(p)
         if p.is_complex():
             params.append(torch.view_as_real(p))

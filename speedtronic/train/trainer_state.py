@@ -103,10 +103,14 @@ class TrainerState(NonFiniteGuard):
         if own.get("data") is not None and hasattr(train, "load_state_dict"):
             train.load_state_dict(own["data"])
         saved_cb = state.get("callbacks") or {}
+        # a checkpoint written before the class-name key holds one "callback" entry: it is
+        # whose only where one callback keeps the default name
+        defaults = [cb for cb in self.callbacks
+                    if getattr(cb, "name", None) == DEFAULT_CALLBACK_NAME]
         for cb in self.callbacks:
             name = self._cb_name(cb)
-            if name not in saved_cb and getattr(cb, "name", None) == DEFAULT_CALLBACK_NAME:
-                name = DEFAULT_CALLBACK_NAME  # a checkpoint written before the class-name key
+            if name not in saved_cb and len(defaults) == 1 and cb is defaults[0]:
+                name = DEFAULT_CALLBACK_NAME
             if name in saved_cb and callable(getattr(cb, "load_state_dict", None)):
                 cb.load_state_dict(saved_cb[name])
         self.step = int(state["step"])

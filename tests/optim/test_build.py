@@ -376,6 +376,19 @@ def test_adamw_keeps_float32_moments_for_float16_parameters(cautious, fused):
     assert torch.equal(state[0]["exp_avg_sq"], opt.state[half]["exp_avg_sq"])
 
 
+def test_float32_moments_loaded_into_bfloat16_parameters_follow_torch_s_rule():
+    """Only float16 parameters keep float32 moments on load; a float32 run's checkpoint loaded
+    into bfloat16 parameters gets bfloat16 moments, as torch.optim.AdamW gives."""
+    full = nn.Parameter(torch.randn(4))
+    opt = AdamW([full], lr=1e-3)
+    full.grad = torch.randn(4)
+    opt.step()
+    bf = nn.Parameter(full.detach().to(torch.bfloat16))
+    again = AdamW([bf], lr=1e-3)
+    again.load_state_dict(opt.state_dict())
+    assert again.state[bf]["exp_avg"].dtype == torch.bfloat16
+
+
 def test_a_torch_adamw_float16_state_is_upcast_at_the_next_step():
     half = nn.Parameter(torch.zeros(4, dtype=torch.float16))
     theirs = torch.optim.AdamW([half], lr=1e-3)
