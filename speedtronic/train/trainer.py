@@ -172,6 +172,7 @@ class Trainer(OptimizerStep, StepLog, TrainerState):
         self._eval_weights: list[float] = []  # per cached batch: its label tokens (0: none)
         self._forward = self._ddp if self._ddp is not None else model
         self._compile_pending = False
+        self._compile_seconds = 0.0  # the first compiled micro-step's time (see fit)
         self._ooo = None
         self._ooo_trial: OOOTrial | None = None
         self._shape_report = None
@@ -439,6 +440,10 @@ class Trainer(OptimizerStep, StepLog, TrainerState):
                 # Evaluations and checkpoints are not training steps: keep them out of the
                 # interval's ms/step, tokens/s and MFU (an eval once put 93 against 77 ms/step).
                 interval.start += time.perf_counter() - t_pause
+                # the first compiled forward + backward too (its step still counts: the
+                # first interval's ms/step is then a little low, not 100x high)
+                interval.start += self._compile_seconds
+                self._compile_seconds = 0.0
                 if signum is not None and not last:
                     self._stop_for_preemption(signum)
         except BaseException as exc:

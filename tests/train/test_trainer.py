@@ -689,3 +689,41 @@ def test_eval_is_a_mean_over_label_tokens_and_an_all_padding_batch_counts_for_no
     with torch.no_grad():  # one mean over every label token of the three batches
         expected = trainer.model(xs, ys).item()
     assert math.isfinite(value) and value == pytest.approx(expected, rel=1e-5)
+
+
+def test_the_first_compiled_step_is_kept_out_of_step_timing(tmp_path, monkeypatch):
+    """A 17 s compile read as 17353 ms/step and a wrong eta on the first log line; the first
+    compiled forward + backward is now left out of the interval as evals and saves are (a
+    fake clock: every read advances 1 ms, the first compiled micro-step 1000 s)."""
+    from types import SimpleNamespace
+
+    import speedtronic.train.step as step_module
+    import speedtronic.train.trainer as trainer_module
+    from speedtronic.train.metrics import read_metrics
+
+    clock = [0.0]
+
+    def fake_perf_counter() -> float:
+        clock[0] += 1e-3
+        return clock[0]
+
+    for module in (trainer_module, step_module):
+        monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=fake_perf_counter))
+    cfg = tiny_config(tmp_path, run={"max_steps": 4, "eval_every": 0},
+                      logging={"every_steps": 2}, checkpoint={"enabled": False})
+    trainer = build_trainer(cfg, model=TinyLM(), data=FixedData())
+    trainer._compile_pending = True  # as after compile: true (the model itself stays eager)
+    original = trainer._micro_step
+
+    def compiling(*args, **kwargs):
+        if not trainer._compile_pending and not getattr(compiling, "done", False):
+            compiling.done = True
+            clock[0] += 1000.0  # the compile
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_micro_step", compiling)
+    trainer.fit()
+    trainer.metrics.close()
+    recs = [r for r in read_metrics(trainer.metrics.path) if r["event"] == "train_step"]
+    assert [r["step"] for r in recs] == [2, 4]
+    assert all(r["step_ms"] < 1000.0 for r in recs), [r["step_ms"] for r in recs]
