@@ -15,31 +15,31 @@ def check_fsdp(cfg: SpeedtronicConfig) -> None:
     and ``validate`` run it before anything is built, in one process or under torchrun)."""
     if not cfg.data_parallel.fsdp:
         return
-    key = "data_parallel.fsdp: true"
-    if cfg.data_parallel.zero1:
-        raise ConfigError(f"{key} with data_parallel.zero1: true: FSDP2 already shards the "
-                          "optimizer state (with the parameters and gradients); set one of "
-                          "them to false")
-    if cfg.optimizer.cuda_graph != "off":
-        raise ConfigError(f"{key} with optimizer.cuda_graph: {cfg.optimizer.cuda_graph}: the "
-                          "DTensor Muon step all-gathers each matrix, which is not part of a "
-                          "captured graph; set optimizer.cuda_graph: off")
-    if cfg.ooo_backprop:
-        raise ConfigError(f"{key} with ooo_backprop: true: FSDP2 reduce-scatters a unit's "
-                          "gradients when its backward ends, before the out-of-order scheduler "
-                          "has computed the deferred weight gradients; set ooo_backprop: false")
-    if cfg.torchft.mode != "off":
-        raise ConfigError(f"{key} with torchft.mode: {cfg.torchft.mode}: FSDP2 inside a "
-                          "torchft replica group (HSDP) is not built (a group of torchrun "
-                          "ranks runs DDP); set torchft.mode: off or data_parallel.fsdp: false")
-    if cfg.distributed.enabled:
-        raise ConfigError(f"{key} with distributed.enabled: true (hierarchical DiLoCo): the "
-                          "worker group's relay and outer step read and install whole "
-                          "parameters, not DTensor shards; set data_parallel.fsdp: false")
-    if cfg.compile is True:
-        raise ConfigError(f"{key} with compile: true: compiling a fully_shard model is not "
-                          "tested in this engine; set compile: false or auto (auto stays off "
-                          "under FSDP2)")
-    if cfg.precision.mode == "fp16":
-        raise ConfigError(f"{key} with precision.mode: fp16: GradScaler's unscale is not "
-                          "built for DTensor gradients; use precision.mode: bf16 or fp32")
+    c = cfg
+    rules = [  # (refused when true, the other setting, why and what to change)
+        (c.data_parallel.zero1, "data_parallel.zero1: true",
+         "FSDP2 already shards the optimizer state (with the parameters and gradients); set "
+         "one of them to false"),
+        (c.optimizer.cuda_graph != "off", f"optimizer.cuda_graph: {c.optimizer.cuda_graph}",
+         "the DTensor Muon step all-gathers each matrix, which is not part of a captured "
+         "graph; set optimizer.cuda_graph: off"),
+        (c.ooo_backprop, "ooo_backprop: true",
+         "FSDP2 reduce-scatters a unit's gradients when its backward ends, before the "
+         "out-of-order scheduler has computed the deferred weight gradients; set "
+         "ooo_backprop: false"),
+        (c.torchft.mode != "off", f"torchft.mode: {c.torchft.mode}",
+         "FSDP2 inside a torchft replica group (HSDP) is not built (a group of torchrun ranks "
+         "runs DDP); set torchft.mode: off or data_parallel.fsdp: false"),
+        (c.distributed.enabled, "distributed.enabled: true (hierarchical DiLoCo)",
+         "the worker group's relay and outer step read and install whole parameters, not "
+         "DTensor shards; set data_parallel.fsdp: false"),
+        (c.compile is True, "compile: true",
+         "compiling a fully_shard model is not tested in this engine; set compile: false or "
+         "auto (auto stays off under FSDP2)"),
+        (c.precision.mode == "fp16", "precision.mode: fp16",
+         "GradScaler's unscale is not built for DTensor gradients; use precision.mode: bf16 "
+         "or fp32"),
+    ]
+    for on, other, why in rules:
+        if on:
+            raise ConfigError(f"data_parallel.fsdp: true with {other}: {why}")

@@ -148,18 +148,17 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
                                 float(group["weight_decay"]), steps[i], bool(group["cautious"]),
                                 bool(group["cautious_rescale"]))
         return
-    mixed = [i for i, p in enumerate(params) if exp_avgs[i].dtype != p.dtype]
-    if mixed and _use_fused(group, params):
-        # float16 weights with float32 moments: torch's fused kernel wants one dtype per
-        # tensor, so those take the op below and the rest stays fused
-        rest = [i for i in range(len(params)) if exp_avgs[i].dtype == params[i].dtype]
-        _adamw_step_parts(state, group, owners, params, grads, exp_avgs, exp_avg_sqs, steps,
-                         rest, fused=True)
-        _adamw_step_parts(state, group, owners, params, grads, exp_avgs, exp_avg_sqs, steps,
-                         mixed, fused=False)
+    lists = (state, group, owners, params, grads, exp_avgs, exp_avg_sqs, steps)
+    every = range(len(params))
+    if not _use_fused(group, params):
+        _adamw_step_parts(*lists, list(every), fused=False)
         return
-    _adamw_step_parts(state, group, owners, params, grads, exp_avgs, exp_avg_sqs, steps,
-                     list(range(len(params))), fused=_use_fused(group, params))
+    # float16 weights with float32 moments: torch's fused kernel wants one dtype per tensor,
+    # so those take the op and the rest stays fused
+    same = [i for i in every if exp_avgs[i].dtype == params[i].dtype]
+    mixed = [i for i in every if exp_avgs[i].dtype != params[i].dtype]
+    _adamw_step_parts(*lists, same, fused=True)
+    _adamw_step_parts(*lists, mixed, fused=False)
 
 
 def _adamw_step_parts(state: dict, group: dict[str, Any], owners: list[Tensor],

@@ -35,19 +35,22 @@ class LogInterval:
     samples: int
 
 
+def _step_cache(optimizer: Any) -> Any:
+    """The lean Muon step's cache of ``optimizer`` (this rank's share under ZeRO-1), or None
+    for an optimizer without one; never builds it."""
+    optimizer = getattr(optimizer, "local", optimizer)
+    return getattr(optimizer, "__dict__", {}).get("_muon_cache")
+
+
 def guard_counters(optimizer: Any) -> list[tuple[tuple[int, int], torch.Tensor]]:
     """``(shape, device counter)`` of the lean Muon step's fp16 guard, if the optimizer has it."""
-    optimizer = getattr(optimizer, "local", optimizer)  # ZeRO-1: this rank's share
-    cache = getattr(optimizer, "__dict__", {}).get("_muon_cache")
-    if cache is None:
-        return []
-    return cache.guard_counters()
+    cache = _step_cache(optimizer)
+    return [] if cache is None else cache.guard_counters()
 
 
 def restart_nonfinite_momentum(optimizer: Any) -> None:
     """Restart the momentum the fp16 guard keeps skipping (see :func:`guard_counters`)."""
-    optimizer = getattr(optimizer, "local", optimizer)  # ZeRO-1: this rank's share
-    cache = getattr(optimizer, "__dict__", {}).get("_muon_cache")
+    cache = _step_cache(optimizer)
     if cache is not None:
         cache.restart_nonfinite_momentum()
 
