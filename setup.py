@@ -208,6 +208,7 @@ def extension_modules() -> tuple[list, dict]:
         """Writes ``_C.build.json`` beside the binary; the loader reads it before importing."""
 
         built_cuda = False
+        failed_cuda = False
 
         def build_extension(self, ext):  # noqa: D401 - setuptools hook
             if ext.name == CPU_EXTENSION:
@@ -219,10 +220,23 @@ def extension_modules() -> tuple[list, dict]:
             except Exception as exc:  # noqa: BLE001 - nvcc, the compiler or the linker
                 if mode == "1":
                     raise
+                self.failed_cuda = True
                 # auto: the documented promise is "build when possible, otherwise say why"
                 # (an nvcc failure, e.g. one too old for sm_90a, once failed the whole install)
                 _say(f"not built ({type(exc).__name__}: {str(exc)[:300]}); the pure-PyTorch "
                      "ops will be used (SPEEDTRONIC_CUDA=1 makes this an error)")
+
+        def _remove_stale_binary(self) -> None:
+            """After a failed in-place (editable) rebuild, delete the previous ``_C`` and its
+            build info from the source tree. setuptools copies nothing for an optional
+            extension that failed, so the old binary would stay and load: compiled from older
+            sources but for the same torch, it passes every check the loader can make."""
+            name = os.path.basename(self.get_ext_filename(self.get_ext_fullname("speedtronic._C")))
+            for stale in (name, "_C.build.json"):
+                path = os.path.join(ROOT, "speedtronic", stale)
+                if os.path.exists(path):
+                    os.remove(path)
+                    _say(f"removed the previous build's {os.path.relpath(path, ROOT)}")
 
         def _compile_sm90a(self, ext) -> str:
             """nvcc on SM90A_SOURCE for sm_90a alone (it includes no torch header)."""
@@ -250,6 +264,8 @@ def extension_modules() -> tuple[list, dict]:
 
         def run(self):  # noqa: D401 - setuptools hook
             super().run()
+            if self.failed_cuda and self.inplace:
+                self._remove_stale_binary()
             if not self.built_cuda:
                 return
             info = {

@@ -9,6 +9,7 @@
 #   (ii) full build of speedtronic._C against torch==2.14.1 (cu130) in a venv made here,
 #        `import speedtronic._C`, and a check that every op of speedtronic.kernels.ops has a CUDA kernel
 #        registered with the dispatcher.
+#   (iii) a failed in-place rebuild (an nvcc that fails every compile) deletes the previous _C.
 # About 8 minutes on 2 cores (venv 2-3 min, compile-only 1-2 min, full build ~4 min).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -120,4 +121,26 @@ assert cpu_kernels.status().loaded, cpu_kernels.status().line()
 print("ci[cuda]:", cpu_kernels.status().line())
 EOF
 )
+
+# ---- (iii) a failed in-place rebuild leaves no stale _C behind -----------------------------
+# An nvcc that answers --version but fails every compile; the copy holds a previous build's
+# _C and build info, which setup.py must delete (else the loader imports the old binary).
+STALE="$WORK/stale-tree"
+mkdir -p "$STALE" "$WORK/fake-cuda/bin"
+git ls-files -z | xargs -0 cp --parents -t "$STALE"
+printf '#!/bin/sh\n[ "$1" = --version ] && exec "%s" --version\necho "fake nvcc: fails on purpose" >&2\nexit 1\n' \
+    "$NVCC" > "$WORK/fake-cuda/bin/nvcc"
+chmod +x "$WORK/fake-cuda/bin/nvcc"
+so_name="_C$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
+echo "previous build" > "$STALE/speedtronic/$so_name"
+echo "{}" > "$STALE/speedtronic/_C.build.json"
+(cd "$STALE" && CUDA_HOME="$WORK/fake-cuda" TORCH_CUDA_ARCH_LIST="9.0" \
+    "$VENV/bin/python" setup.py -q build_ext --inplace > "$WORK/stale.log" 2>&1) || {
+    cat "$WORK/stale.log" >&2; echo "ci: FAILED: a failed CUDA build failed the install" >&2; exit 1; }
+if [[ -e "$STALE/speedtronic/$so_name" || -e "$STALE/speedtronic/_C.build.json" ]]; then
+    cat "$WORK/stale.log" >&2
+    echo "ci: FAILED: a failed in-place rebuild left the previous speedtronic/$so_name" >&2
+    exit 1
+fi
+echo "ci[cuda]: a failed in-place rebuild removes the previous _C"
 echo "ci[cuda]: passed"
