@@ -24,7 +24,12 @@ class ConfigError(SpeedtronicError, ValueError):
 class NonFiniteError(SpeedtronicError):
     """The loss, a gradient norm or a weight became NaN or infinite (``train.on_nonfinite``).
 
-    Raised before anything non-finite is written: every committed checkpoint stays finite."""
+    Raised before anything non-finite is written: every committed checkpoint stays finite.
+    ``step`` is the first step found non-finite (None where unknown)."""
+
+    def __init__(self, message: str, step: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class RunLockedError(SpeedtronicError):

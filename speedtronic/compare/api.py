@@ -8,6 +8,7 @@ variant started from the same weights and saw the same batches -> table, JSON an
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import platform
@@ -179,6 +180,7 @@ def _sweep_variant(config: str | Path | Mapping[str, Any], overrides: Sequence[s
                          callbacks=callbacks)
         loss = record["final_eval_loss"]
         points.append({"lr": lr, "factor": factor, "final_eval_loss": loss,
+                       "diverged_at": record.get("diverged_at"),
                        "run_dir": record["run_dir"]})
     finite = [p for p in points if p["final_eval_loss"] is not None
               and math.isfinite(p["final_eval_loss"])]
@@ -221,6 +223,7 @@ def _write_outputs(out: Path, base: SpeedtronicConfig, parsed: list[Variant],
         "tokens_per_step": base.data.target_batch_size * base.data.block_size,
     }
     files = {"table": out / "compare.md", "json": out / "compare.json"}
+    _keep_other_report(out, [v.name for v in parsed], settings)
     target = summary[baseline]["final_eval_loss"]["mean"]
     title = f"{settings['steps']} steps, {settings['seeds']} seed(s), device {meta['device']}"
     if plot_loss(records, target, out / "compare_loss.png", title):
@@ -242,6 +245,49 @@ def _write_outputs(out: Path, base: SpeedtronicConfig, parsed: list[Variant],
     files["table"].write_text(_markdown(meta, table, sweep, files), encoding="utf-8")
     logger.info("compare: wrote %s", ", ".join(str(p) for p in files.values()))
     return CompareResult(summary=summary, records=records, files=files, table=table)
+
+
+def _sweep_loss(point: dict[str, Any]) -> str:
+    loss = point["final_eval_loss"]
+    if loss is None or not math.isfinite(loss):
+        at = point.get("diverged_at")
+        return "diverged" + (f" at step {at}" if at is not None else "")
+    return f"{loss:.4f}"
+
+
+#: The report files one comparison writes into its --output-dir.
+REPORT_FILES = ("compare.md", "compare.json", "compare_loss.png", "compare_spectrum.png")
+
+
+def _keep_other_report(out: Path, names: list[str], settings: dict[str, Any]) -> None:
+    """An output dir whose report covers other variants, seeds or steps keeps that report: its
+    files are renamed ``compare.old-<time>.md`` etc. before the new one is written (a rerun
+    with another variant list once replaced it silently; the run dirs stay shared, reused by
+    name). The same comparison again just refreshes its report."""
+    try:
+        old = json.loads((out / "compare.json").read_text(encoding="utf-8"))
+        old_meta = old["meta"]
+        same = (list(old["variants"]) == names
+                and all(old_meta.get(k) == settings[k] for k in ("steps", "seeds")))
+    except FileNotFoundError:
+        return
+    except (OSError, ValueError, KeyError, TypeError):
+        same = False  # unreadable: keep it, the new report must not destroy it
+    if same:
+        return
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 0
+    while any(out.glob(f"compare*.old-{stamp}.*")):  # two reruns in one second
+        n += 1
+        stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{n}"
+    moved = []
+    for name in REPORT_FILES:
+        path = out / name
+        if path.exists():
+            aside = path.with_name(f"{path.stem}.old-{stamp}{path.suffix}")
+            path.replace(aside)
+            moved.append(aside.name)
+    logger.warning("compare: %s held the report of another comparison; kept it as %s",
+                   out, ", ".join(moved))
 
 
 def _markdown(meta: dict[str, Any], table: str, sweep: dict[str, Any],
@@ -267,7 +313,7 @@ def _markdown(meta: dict[str, Any], table: str, sweep: dict[str, Any],
                   f"{next(iter(sweep.values()))['steps']} steps each, best final eval loss):", "",
                   "| variant | key | tried (eval loss) | chosen |", "|---|---|---|---:|"]
         for name, s in sweep.items():
-            tried = ", ".join(f"{p['lr']:.4g} ({p['final_eval_loss']:.4f})" for p in s["points"])
+            tried = ", ".join(f"{p['lr']:.4g} ({_sweep_loss(p)})" for p in s["points"])
             edge = " (grid edge)" if s["at_edge"] else ""
             lines.append(f"| {name} | {s['key']} | {tried} | {s['chosen']:.4g}{edge} |")
         lines.append("")

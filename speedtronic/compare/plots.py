@@ -7,6 +7,7 @@ line; the table and the JSON are still written.
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -84,8 +85,11 @@ def plot_loss(records: dict[str, list[dict[str, Any]]], target: float | None,
 def _zoom_y(ax: Any, records: dict[str, list[dict[str, Any]]]) -> None:
     """Clip the y axis to the interesting part: the first eval is far above the rest and would
     flatten every difference at the end into one line."""
-    losses = [row[1] for runs in records.values() for run in runs for row in run["evals"]]
-    finals = [run["evals"][-1][1] for runs in records.values() for run in runs if run["evals"]]
+    # finite only: a diverged run's last eval may be NaN or inf
+    losses = [row[1] for runs in records.values() for run in runs for row in run["evals"]
+              if math.isfinite(row[1])]
+    finals = [run["evals"][-1][1] for runs in records.values() for run in runs
+              if run["evals"] and math.isfinite(run["evals"][-1][1])]
     if len(losses) < 3 or not finals:
         return
     low = min(losses)

@@ -60,6 +60,10 @@ def aggregate(records: dict[str, list[dict[str, Any]]], baseline: str) -> dict[s
         row["steps_to_baseline"] = stats([h[0] for h in hits])
         row["time_to_baseline_s"] = stats([h[1] for h in hits])
         row["reached_baseline"] = f"{len(hits)}/{len(reached)}"
+        # Runs stopped by the non-finite guard have no final losses (stats skip them): the
+        # table says how many diverged and where, instead of averaging over the rest silently.
+        row["diverged_at"] = [int(r["diverged_at"]) for r in runs
+                              if r.get("diverged_at") is not None]
         row["lr"] = runs[0].get("lr")
         row["lr_key"] = runs[0].get("lr_key")
         row["seeds"] = [r["seed"] for r in runs]
@@ -93,8 +97,14 @@ def markdown_table(summary: dict[str, Any], variants: dict[str, str], baseline: 
         if 0 < n_hit < n_all:
             steps += f" ({reached} seeds)"
         label = name if variants.get(name) in (None, name) else f"{name} ({variants[name]})"
+        final_eval = _fmt(row["final_eval_loss"], 4)
+        diverged = row.get("diverged_at") or []
+        if diverged and len(diverged) == len(row["seeds"]):
+            final_eval = f"diverged (step {min(diverged)})"
+        elif diverged:
+            final_eval += f" ({len(diverged)}/{len(row['seeds'])} seeds diverged)"
         lines.append("| " + " | ".join([
-            label, lr, _fmt(row["final_train_loss"], 4), _fmt(row["final_eval_loss"], 4),
+            label, lr, _fmt(row["final_train_loss"], 4), final_eval,
             _fmt(row["best_eval_loss"], 4), steps, secs, _fmt(row["tokens_per_s"], 0),
             _fmt(row["optimizer_step_ms"], 2), _fmt(row["peak_memory_mib"], 0),
             _fmt(row["mean_stable_rank"], 1)]) + " |")

@@ -9,6 +9,8 @@ Layout of ``--output-dir``::
 
 A run with a done-file is never trained again; one without resumes from its newest checkpoint.
 A done-file or checkpoint made with a different config is refused instead of silently reused.
+A run whose loss or weights turn non-finite is a result, not a failure of the comparison: its
+done-file records ``diverged_at`` (no final losses) and the other variants still run.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from ..config import SpeedtronicConfig
-from ..errors import SpeedtronicError
+from ..errors import NonFiniteError, SpeedtronicError
 from .recorder import CompareRecorder
 from .report import write_json
 from .spectrum import summarize_spectra
@@ -194,14 +197,40 @@ def run_one(cfg: SpeedtronicConfig, spec: RunSpec, *, device: str | None,
     from ..train.runtime import train_from_config
 
     rec = CompareRecorder(spectra=spec.spectra)
-    result = train_from_config(cfg, resume=resume, device=device, hooks=[rec],
-                               callbacks=[rec, *callbacks], plot=False)
+    try:
+        result = train_from_config(cfg, resume=resume, device=device, hooks=[rec],
+                                   callbacks=[rec, *callbacks], plot=False)
+    except NonFiniteError as exc:
+        # A diverging variant (or sweep point) once aborted the whole comparison with no
+        # report, and a rerun diverged again at the same step.
+        record = _diverged_record(cfg, spec, rec, exc, fingerprint, current)
+        write_json(run_dir / DONE_FILE, record, strict=False)
+        logger.warning("compare: %s: diverged at step %s (non-finite loss, gradient norm or "
+                       "weights); recorded as diverged in %s, the comparison goes on", label,
+                       record["diverged_at"], run_dir / DONE_FILE)
+        return record
     if not rec.finished:
         raise SpeedtronicError(f"compare: {label} stopped at step {result.steps} of {spec.steps}")
     record = _record(cfg, spec, rec, result, fingerprint, current)
     write_json(run_dir / DONE_FILE, record, strict=False)  # read back by Python only
     logger.info("compare: %s: done, final eval loss %.4f, %.1f s training", label,
                 record["final_eval_loss"], record["train_time_s"])
+    return record
+
+
+def _diverged_record(cfg: SpeedtronicConfig, spec: RunSpec, rec: CompareRecorder,
+                     exc: NonFiniteError, fingerprint: str,
+                     current: dict[str, Any]) -> dict[str, Any]:
+    """The record of a run stopped by the non-finite guard: its evals and train losses up to
+    the divergence, no final losses (the report shows "diverged"), ``diverged_at`` = the first
+    non-finite step."""
+    failed = exc.step if exc.step is not None else spec.steps
+    trained = max(0, failed - 1)  # the steps before the first non-finite one
+    tokens_per_step = cfg.data.target_batch_size * cfg.data.block_size
+    partial = SimpleNamespace(steps=trained, tokens=trained * tokens_per_step)
+    record = _record(cfg, spec, rec, partial, fingerprint, current)
+    record.update(final_train_loss=None, final_eval_loss=None, diverged_at=int(failed),
+                  error=str(exc))
     return record
 
 
@@ -240,6 +269,7 @@ def _record(cfg: SpeedtronicConfig, spec: RunSpec, rec: CompareRecorder, result:
         "optimizer_steps_timed": len(s["optimizer_step_s"]),
         "peak_memory_mib": peak / 2**20 if peak else None,
         "memory_kind": s["memory_kind"],
+        "diverged_at": None,
         "evals": evals,
         "train_losses": losses,
         "spectrum": spectrum,

@@ -77,7 +77,8 @@ class NonFiniteGuard:
             + ("optimizer.grad_clip: 1.0, " if self.config.optimizer.grad_clip is None else "")
             + "precision.mode: bf16 or fp32"
             + ("" if self._skip_nonfinite else ", or train.on_nonfinite: skip to drop such steps")
-            + "; then train again (--resume continues from the checkpoint with the new values)")
+            + "; then train again (--resume continues from the checkpoint with the new values)",
+            step=step)
 
     def _refuse_nonfinite_state(self) -> None:
         """Before a save: the interval's loss, its finite-step count and every weight must be

@@ -160,3 +160,58 @@ def test_warmup_warning_only_when_the_runs_never_reach_the_peak(tiny_yaml, tmp_p
     assert bool(lines) == warned, lines
     if warned:
         assert "set scheduler.warmup_steps to at most 2" in lines[0]
+
+
+BOOM = "boom:optimizer.lr=1e6,optimizer.grad_clip=null"  # NaN within a few steps
+
+
+def test_a_diverging_variant_is_reported_and_the_others_still_run(tiny_yaml, tmp_path, capsys):
+    """A variant the non-finite guard stops once aborted the whole comparison (exit 2, no
+    report, the variants after it never ran); a rerun diverged again at the same step."""
+    out = tmp_path / "cmp"
+    argv = ["compare", "--config", str(tiny_yaml), "--variant", "adamw", "--variant", BOOM,
+            "--variant", "muon", "--steps", "4", "--output-dir", str(out)]
+    assert main(argv) == 0
+    report = json.loads((out / "compare.json").read_text())
+    assert list(report["variants"]) == ["adamw", "boom", "muon"]
+    boom = report["variants"]["boom"]["runs"][0]
+    assert 1 <= boom["diverged_at"] <= 4 and boom["final_eval_loss"] is None
+    assert "not finite" in boom["error"]
+    for name in ("adamw", "muon"):
+        run = report["variants"][name]["runs"][0]
+        assert run["diverged_at"] is None and run["steps"] == 4
+        assert run["final_eval_loss"] is not None
+    table = (out / "compare.md").read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| boom"))
+    assert f"diverged (step {boom['diverged_at']})" in row
+    done = out / "runs" / "boom-seed0" / DONE_FILE
+    stamp = done.stat().st_mtime_ns
+    capsys.readouterr()
+    assert main(argv) == 0  # the rerun reuses the recorded divergence instead of training again
+    assert done.stat().st_mtime_ns == stamp
+
+
+def test_lr_sweep_drops_a_diverging_point(tiny_yaml, tmp_path):
+    out = tmp_path / "cmp"
+    result = run_compare(tiny_yaml, ["adamw:optimizer.grad_clip=null"], steps=4, lr_sweep=True,
+                         sweep_fraction=0.5, lr_factors=(1.0, 1e9), output_dir=out)
+    sweep = json.loads((out / "compare.json").read_text())["sweep"]["adamw"]
+    diverged = [p for p in sweep["points"] if p["diverged_at"] is not None]
+    assert [p["factor"] for p in diverged] == [1e9]
+    assert sweep["chosen"] == pytest.approx(3e-4)
+    assert result.records["adamw"][0]["diverged_at"] is None
+    assert "diverged at step" in (out / "compare.md").read_text()
+
+
+def test_a_rerun_with_other_variants_keeps_the_earlier_report(tiny_yaml, tmp_path):
+    out = tmp_path / "cmp"
+    run_compare(tiny_yaml, ["adamw", "muon"], steps=2, output_dir=out)
+    first = (out / "compare.json").read_text()
+    run_compare(tiny_yaml, ["adamw", "muon"], steps=2, output_dir=out)  # same comparison
+    assert not list(out.glob("compare.old-*"))  # refreshed in place, the runs reused
+    run_compare(tiny_yaml, ["muon"], steps=2, output_dir=out)
+    kept = list(out.glob("compare.old-*.json"))
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["variants"].keys() == \
+        json.loads(first)["variants"].keys() == {"adamw", "muon"}
+    assert list(out.glob("compare.old-*.md"))
+    assert list(json.loads((out / "compare.json").read_text())["variants"]) == ["muon"]
