@@ -248,6 +248,20 @@ def _head_dim_extra(module: nn.Module, head_dim: int) -> int | None:
     return per_unit or None
 
 
+def _vocab_heads(model: nn.Module, vocab: int) -> set[int]:
+    """ids of the Linear layers that are the output head: tied to a vocab-sized embedding, or
+    the last Linear with ``vocab`` outputs (heads are registered after the blocks). An MLP whose
+    hidden width happens to equal the vocab size is a model dim, not the vocab: it was once
+    reported under ``vocab`` (or dropped with ``check_vocab: false``)."""
+    embeddings = {id(m.weight) for m in model.modules()
+                  if isinstance(m, nn.Embedding) and m.num_embeddings == vocab}
+    outputs = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == vocab]
+    heads = {id(m) for m in outputs if id(m.weight) in embeddings}
+    if outputs:
+        heads.add(id(outputs[-1]))
+    return heads
+
+
 def _check_model(model: nn.Module, col: _Collector, vocab: int, sv: ShapeValidationConfig) -> None:
     counted: list[tuple[torch.Tensor, int]] = []
 
@@ -260,11 +274,12 @@ def _check_model(model: nn.Module, col: _Collector, vocab: int, sv: ShapeValidat
         counted.append((weight, axis))
         return per_unit
 
+    heads = _vocab_heads(model, vocab)
     for name, m in model.named_modules():
         name = name or type(m).__name__
         if isinstance(m, nn.Linear):
             bias = 1 if m.bias is not None else 0
-            if m.out_features == vocab:
+            if id(m) in heads:
                 if sv.check_vocab:
                     col.add(f"{name}.out_features", "vocab", vocab,
                             once(m.weight, 0, m.in_features + bias))

@@ -197,3 +197,26 @@ def test_head_dim_row_names_the_d_model_that_aligns_both() -> None:
     head = _rows(report)[("head_dim", 50)]
     assert head.padded == 56  # alone it would ask for 56, i.e. d_model 112 at n_head 2
     assert "model.d_model=112 " in head.note  # 104 (d_model alone) would leave head_dim 52
+
+
+class WideMlp(nn.Module):
+    """An MLP whose hidden width (200) equals the vocab size, before an untied head."""
+
+    vocab_size = 200
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(200, 64)
+        self.up = nn.Linear(64, 200, bias=False)
+        self.down = nn.Linear(200, 64, bias=False)
+        self.head = nn.Linear(64, 200, bias=False)
+
+
+def test_an_mlp_as_wide_as_the_vocab_is_a_model_dim_not_the_vocab() -> None:
+    report = check_shapes(WideMlp(), _cfg(alignment=128), "cuda", "bf16", capability=H100)
+    rows = _rows(report)
+    assert set(rows[("vocab", 200)].where) == {"embed.num_embeddings", "head.out_features"}
+    assert set(rows[("linear", 200)].where) == {"up.out_features", "down.in_features"}
+    no_vocab = check_shapes(WideMlp(), _cfg(alignment=128, check_vocab=False), "cuda", "bf16",
+                            capability=H100)
+    assert set(_rows(no_vocab)[("linear", 200)].where) == {"up.out_features", "down.in_features"}
