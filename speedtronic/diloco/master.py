@@ -506,9 +506,15 @@ class Master(MasterLease):
                         self.skip.add(key)
                         logger.warning("diloco master: ignoring unexpected object %s", key)
                     continue
-                orphan = ver >= self.pointer.version and key not in current
+                # An orphan is a failed publish of *this* master's epoch. A newer master's
+                # objects (its publish in flight, or its current global while this one is
+                # deposed and not yet fenced) have a higher epoch: deleting them by version
+                # alone once left the pointer naming a missing global.
+                orphan = (ver >= self.pointer.version and key not in current
+                          and _epoch_of(key) == self.epoch)
                 if ver < keep_from or orphan:
                     doomed.append(key)
+            self._check_fence()  # again: listing may have taken retries' worth of time
             self.store.delete_many(doomed)
         except StoreError as exc:  # garbage collection is best effort
             logger.warning("diloco master: cleanup failed (will retry next round): %s", exc)
@@ -635,3 +641,9 @@ def _version_of(key: str) -> int | None:
     """The version in a global or master-state name this code writes, else None."""
     m = _VERSIONED.fullmatch(key)
     return int(m.group(1)) if m else None
+
+
+def _epoch_of(key: str) -> int | None:
+    """The master epoch in a global or master-state name this code writes, else None."""
+    m = _VERSIONED.fullmatch(key)
+    return int(m.group(2)) if m else None

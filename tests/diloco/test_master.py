@@ -453,3 +453,22 @@ def test_a_restarted_master_rebuilds_an_unreadable_pointer_from_the_newest_pair(
         good.path, good.sha256, good.weights_digest, good.state_path)
     _put_delta(store, delta, 1)
     assert restarted.run_once().published and read_pointer(store).version == 2
+
+
+def test_cleanup_never_deletes_a_newer_masters_objects(tmp_path):
+    """A newer master writes its global and state before it swaps the pointer; the older
+    master's cleanup in between once took them for its own failed publish (a version at or
+    above its own, not the pointer's) and deleted them, leaving the new pointer dangling."""
+    store, m = _master(tmp_path, delete_processed=True)
+    w = initial_weights()
+    _put_delta(store, {k: 0.01 * torch.randn_like(v) for k, v in w.items()}, 0)
+    m.run_once()
+    assert m.pointer.version == 1
+    newer = [codec.global_key(2, m.epoch + 1, "ab12"), codec.state_key(2, m.epoch + 1, "ab12")]
+    own_orphans = [codec.global_key(2, m.epoch, "cd34"), codec.state_key(2, m.epoch, "cd34")]
+    for key in newer + own_orphans:
+        store.put(key, b"x")
+    m._collect_garbage([])
+    assert all(store.stat(k) is not None for k in newer)
+    assert all(store.stat(k) is None for k in own_orphans)  # its own failed publish still goes
+    assert store.stat(m.pointer.path) is not None
