@@ -3,7 +3,9 @@
 The lease is ``master/lease.json``, renewed by a compare-and-swap at the start of every round
 (:meth:`MasterLease.renew_lease`). A lease held by another node is taken over only after it went
 ``lease_ttl`` seconds without renewal, timed on this process's monotonic clock so wall clocks
-need not agree. A new holder takes the next epoch and at once stamps the pointer with it
+need not agree; so is one held under this node id by a live process (a standby started from
+the same config). A restarted master (same node id, same host, the old process gone) takes it
+over at once. A new holder takes the next epoch and at once stamps the pointer with it
 (:meth:`MasterLease._fence`): the pointer's etag changes, so an older master that lost the lease
 mid-round fails its next swap, and its writes that cannot be undone check the pointer's epoch
 first (:meth:`MasterLease._check_fence`).
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from dataclasses import asdict
@@ -48,19 +52,40 @@ def _read_lease(data: bytes) -> dict[str, Any]:
         return {"holder": "<unreadable lease>", "epoch": 0}
 
 
+def _dead_predecessor(lease: dict[str, Any]) -> bool:
+    """True when ``lease`` was written on this host by a process that no longer runs (or by
+    this very process: a restarted container can reuse the dead one's pid). A lease from
+    another host, or without host and pid (older versions), cannot be checked: False."""
+    pid = lease.get("pid")
+    if lease.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return True
+    except OSError:  # PermissionError: alive, another user's
+        return False
+    return False
+
+
 class MasterLease:
     """Acquire, renew and fence the master lease."""
 
     def _lease_bytes(self, epoch: int, renewals: int) -> bytes:
         return json.dumps({"holder": self.node_id, "session": self.session, "epoch": epoch,
                            "renewals": renewals, "ttl": self.cfg.lease_ttl,
+                           "host": socket.gethostname(), "pid": os.getpid(),
                            "at": time.time()}).encode()
 
     def acquire_lease(self, stop: threading.Event, timeout: float | None = None) -> bool:
         """Block until this master holds the lease (or ``stop``/``timeout``). A lease held by
         another node is taken over only after it went ``lease_ttl`` seconds without renewal
-        (observed here on the monotonic clock, so wall clocks need not agree); a lease held by
-        this same node id (a restarted process) is taken over at once."""
+        (observed here on the monotonic clock, so wall clocks need not agree). A lease held by
+        this same node id is taken over at once only when it is a restart: written on this
+        host by a process that is gone (:func:`_dead_predecessor`). A second live master started
+        with the same config once deposed the running one at once; it now stands by."""
         deadline = None if timeout is None else time.monotonic() + timeout
         seen, since, told = None, time.monotonic(), False
         while not stop.is_set():
@@ -73,7 +98,8 @@ class MasterLease:
             epoch = max(int(lease.get("epoch", 0)), pointer_epoch) + 1
             if etag != seen:
                 seen, since = etag, time.monotonic()
-            takeover = (data is None or lease.get("holder") == self.node_id
+            restart = lease.get("holder") == self.node_id and _dead_predecessor(lease)
+            takeover = (data is None or restart
                         or time.monotonic() - since >= self.cfg.lease_ttl)
             if takeover:
                 try:
@@ -85,9 +111,13 @@ class MasterLease:
                 except PreconditionFailed:
                     continue
             if not told:
-                logger.warning("diloco master %s: lease held by %s (epoch %s); standing by until "
-                               "it goes %.0fs without renewal", self.node_id, lease.get("holder"),
-                               lease.get("epoch"), self.cfg.lease_ttl)
+                same = (" under this same node id (a live duplicate, or a restart on another "
+                        "host; give a standby master its own distributed.node_id)"
+                        if lease.get("holder") == self.node_id else "")
+                logger.warning("diloco master %s: lease held by %s (epoch %s, host %s, pid %s)%s; "
+                               "standing by until it goes %.0fs without renewal", self.node_id,
+                               lease.get("holder"), lease.get("epoch"), lease.get("host", "?"),
+                               lease.get("pid", "?"), same, self.cfg.lease_ttl)
                 told = True
             if deadline is not None and time.monotonic() >= deadline:
                 return False

@@ -206,8 +206,8 @@ def test_a_damaged_lease_does_not_stop_a_master_from_starting(cluster):
 
 
 def test_two_masters_with_one_node_id_never_double_apply(cluster):
-    """The same node id reads as a restart of that master and takes over at once; the pointer
-    fence stops the older process at its next write, and every delta is applied exactly once."""
+    """A second live master under the same node id stands by (it once deposed the running one
+    at once); whichever publishes, every delta is applied exactly once."""
     a = cluster.start("master", "m0", "--expect", "w0", tag="-a")
     assert wait_for(lambda: _pointer_version(cluster.url) >= 0, TIMEOUT)
     w0 = cluster.start("worker", "w0", *WORKER)

@@ -472,3 +472,33 @@ def test_cleanup_never_deletes_a_newer_masters_objects(tmp_path):
     assert all(store.stat(k) is not None for k in newer)
     assert all(store.stat(k) is None for k in own_orphans)  # its own failed publish still goes
     assert store.stat(m.pointer.path) is not None
+
+
+def test_a_live_master_under_the_same_node_id_is_not_deposed(tmp_path):
+    """A standby started from the same config (same node id) once took the lease at once and
+    stopped the running master; only a restart (the holder's process gone) may do that."""
+    import json
+    import os
+    import signal
+    import socket
+    import subprocess
+
+    store, m = _master(tmp_path)
+    lease = json.loads(store.get("master/lease.json"))
+    assert lease["host"] == socket.gethostname() and lease["pid"] == os.getpid()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        store.put("master/lease.json", json.dumps({**lease, "pid": holder.pid}).encode())
+        again = Master(store, m.cfg, "m0", None)
+        assert not again.acquire_lease(threading.Event(), timeout=m.cfg.lease_ttl / 4)
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=10)
+        assert again.acquire_lease(threading.Event(), timeout=m.cfg.lease_ttl / 4)  # a restart
+        assert again.epoch > m.epoch
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    # a lease of this node id written on another host cannot be checked: the ttl applies
+    store.put("master/lease.json", json.dumps({**lease, "host": "elsewhere"}).encode())
+    third = Master(store, m.cfg, "m0", None)
+    assert not third.acquire_lease(threading.Event(), timeout=m.cfg.lease_ttl / 4)
