@@ -133,7 +133,9 @@ class DistributedConfig:
     """Seconds a node waits at the end for its last deltas to upload (``.inf`` = no limit)."""
     final_sync_timeout: float = field(default=0.0, metadata=INF_IS_NO_LIMIT)
     """Seconds a worker waits at the end for a global containing its last delta and installs
-    it (0 = end with local weights, ``.inf`` = no limit)."""
+    it (``.inf`` = no limit). 0, or no such global in time: with ``consistent_base`` the worker
+    ends on the newest published global (its local weights stand on a carry-shifted base),
+    without it on its local weights."""
     master_idle_timeout: float = field(default=600.0, metadata=INF_IS_NO_LIMIT)
     """A master node keeps aggregating after its own training until every node it has seen is
     done, or this many seconds pass without a new delta (``.inf`` = no limit, 0 = stop as soon

@@ -271,8 +271,33 @@ class Worker(ConsistentBase):
         marked = self._write_done_marker(max(0.0, deadline - time.monotonic()))
         if flushed and marked and self.cfg.final_sync_timeout > 0:
             self.final_synced = self.final_sync(trainer, self.cfg.final_sync_timeout)
+        if self._carry_mode and not self.final_synced:
+            self._end_on_published_global(trainer)
         self.close()
         self._log(trainer)
+
+    def _end_on_published_global(self, trainer: Any) -> None:
+        """Without a final sync, a consistent-base worker ends on the newest published global.
+
+        Its local weights stand on an install shifted back by the carry (G - c * the sum of
+        its own deltas the master had not applied yet), a base that only makes sense together
+        with the master's later application of those deltas: a worker once saved that as its
+        final model (1.6x the norm of its unapplied work away from G in an audit run). Its
+        last deltas are uploaded, so the master's globals get them."""
+        try:
+            pointer = Pointer.from_bytes(self.store.get(POINTER_KEY))
+            with self._lock:
+                self._release(self._carry.clear())
+            self._stage(pointer)
+            self._install(trainer, force=True)
+        except (StoreError, FormatError, ValueError) as exc:
+            logger.warning("diloco worker %s: cannot read the newest global (%s); its model "
+                           "ends on the consistent-base install plus its local steps, not on "
+                           "a published global", self.node_id, exc)
+            return
+        logger.info("diloco worker %s: ends on global v%d (its last deltas may not be in it "
+                    "yet: distributed.final_sync_timeout > 0 waits for them)", self.node_id,
+                    self.version)
 
     def _write_done_marker(self, timeout: float) -> bool:
         """Write ``done.json`` within ``timeout`` (what is left of ``shutdown_timeout``).

@@ -20,6 +20,7 @@ from harness import (  # noqa: E402
     initial_weights,
     make_cfg,
     read_pointer,
+    train,
 )
 
 from speedtronic.diloco import codec  # noqa: E402
@@ -502,3 +503,23 @@ def test_a_live_master_under_the_same_node_id_is_not_deposed(tmp_path):
     store.put("master/lease.json", json.dumps({**lease, "host": "elsewhere"}).encode())
     third = Master(store, m.cfg, "m0", None)
     assert not third.acquire_lease(threading.Event(), timeout=m.cfg.lease_ttl / 4)
+
+
+def test_a_worker_without_a_final_sync_ends_on_the_newest_global(tmp_path):
+    """final_sync_timeout 0 with a consistent base: the worker once kept its last install
+    (the global minus its carried, not yet applied deltas) plus local steps as its final
+    model, weights that no published global holds."""
+    store, m = _master(tmp_path, final_sync_timeout=0.0, consistent_base=True)
+    w = Worker(m.cfg, store=store, node_id="w0")
+    t = FakeTrainer(TinyModel(0))
+    H = m.cfg.inner_steps
+
+    def master_applies_first_round(step: int) -> None:
+        if step == H:
+            assert w.flush(10)
+            assert m.run_once().published
+
+    train(w, t, 3 * H, on_step=master_applies_first_round)  # rounds 2 and 3 stay unapplied
+    pointer = read_pointer(store)
+    assert pointer.version == 1 and w.version == 1
+    assert codec.tensor_digest(dict(t.model.named_parameters())) == pointer.weights_digest
