@@ -66,6 +66,7 @@ class HybridOptimizer(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.o
         self.cuda_graph = check_cuda_graph(cuda_graph, process_group)  # see optim.Muon
         self.workspace_budget = workspace_budget
         self.process_group = process_group  # sharded Newton-Schulz (speedtronic.optim.Muon)
+        self._new_muon_cache()
         super().__init__(param_groups, defaults={"momentum": None})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

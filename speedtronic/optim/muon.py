@@ -306,8 +306,17 @@ class MuonCacheMixin:
         the momentum buffers in ``state`` (none: zeros). ``load_state_dict`` and
         ``reset_state`` call it, so a compiled step (which does not re-check the plan) and a
         captured graph (which would replay the old banks) see the new state too."""
-        self.__dict__.pop("_muon_cache", None)
+        self._new_muon_cache()
         self.__dict__.pop("_muon_graph", None)
+
+    def _new_muon_cache(self) -> None:
+        """An empty plan, made here rather than at the first step: a cache first written inside
+        ``torch.compile(opt.step)`` broke the compile on torch 2.11 (Dynamo refused a new
+        attribute on the optimizer); 2.12 and later accept it."""
+        from .sharded import shard_spec
+
+        self.__dict__["_muon_cache"] = StepCache(self.workspace_budget,
+                                                 shard=shard_spec(self.process_group))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # type: ignore[misc]
@@ -316,11 +325,9 @@ class MuonCacheMixin:
     @property
     def muon_cache(self) -> StepCache:
         cache = self.__dict__.get("_muon_cache")
-        if cache is None:
-            from .sharded import shard_spec
-
-            cache = self.__dict__["_muon_cache"] = StepCache(
-                self.workspace_budget, shard=shard_spec(self.process_group))
+        if cache is None:  # unpickled: torch's Optimizer.__getstate__ keeps no other attribute
+            self._new_muon_cache()
+            cache = self.__dict__["_muon_cache"]
         return cache
 
     def nonfinite_counts(self) -> list[tuple[tuple[int, int], int]]:
@@ -392,6 +399,7 @@ class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimi
         self.workspace_budget = workspace_budget
         self.cuda_graph = check_cuda_graph(cuda_graph, process_group)
         self.process_group = process_group
+        self._new_muon_cache()
         defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                         ns_coefficients=ns_coefficients, eps=eps, ns_steps=ns_steps,
                         adjust_lr_fn=adjust_lr_fn, muon_plus=muon_plus, norm_eps=norm_eps,

@@ -191,3 +191,20 @@ def test_compiled_adamw_with_a_tensor_lr_schedule_compiles_once_and_matches_eage
     assert not dynamo_utils.counters.get("recompiles")
     for a, b in zip(mine, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["muon", "muon_plus"])
+def test_the_step_plan_exists_before_the_first_compiled_step(name):
+    """torch 2.11 (the oldest torch the package accepts) cannot compile a step that adds an
+    attribute to the optimizer: the plan was first created inside ``opt.step`` and
+    ``torch.compile(opt.step)`` raised there (2.12+ accept it, so this checks the cause). A
+    reset or a loaded state replaces the plan; it never leaves the optimizer without one."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 8))
+    opt = build_optimizer(model, OptimizerConfig(name="muon", muon_plus=name == "muon_plus"))
+    assert opt.__dict__.get("_muon_cache") is not None
+    before = opt.__dict__["_muon_cache"]
+    opt.reset_state()
+    after = opt.__dict__.get("_muon_cache")
+    assert after is not None and after is not before
+    opt.load_state_dict(opt.state_dict())
+    assert opt.__dict__.get("_muon_cache") is not None
