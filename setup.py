@@ -23,8 +23,17 @@ import shutil
 import sys
 import sysconfig
 
+import setuptools
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+
+#: pyproject.toml's SPDX license string needs setuptools 77 (PEP 639). pip's isolated build
+#: gets it from [build-system]; --no-build-isolation (the CUDA build) uses the venv's own, and
+#: torch 2.11/2.12 leave a venv's bundled 65.x in place: one line instead of a schema error.
+if int(setuptools.__version__.split(".")[0]) < 77:
+    raise SystemExit(f"speedtronic: building needs setuptools>=77, this environment has "
+                     f"{setuptools.__version__} (--no-build-isolation uses it): "
+                     "pip install 'setuptools>=77' wheel")
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("csrc")
