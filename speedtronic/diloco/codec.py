@@ -30,6 +30,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from ..errors import SpeedtronicError
+
 DELTA_FORMAT = "speedtronic-diloco-delta/1"
 GLOBAL_FORMAT = "speedtronic-diloco-global/1"
 STATE_FORMAT = "speedtronic-diloco-master-state/1"
@@ -42,8 +44,11 @@ _ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}")
 _DELTA_NAME = re.compile(r"nodes/([^/]+)/([^/]+)/d(\d{8})-b(\d{8})\.safetensors")
 
 
-class FormatError(ValueError):
-    """An object is not a valid DiLoCo object (unreadable, wrong header, failed checksum)."""
+class FormatError(SpeedtronicError, ValueError):
+    """An object is not a valid DiLoCo object (unreadable, wrong header, failed checksum).
+
+    A :class:`SpeedtronicError`: a damaged store object is reported as one line (exit 2), not
+    as a traceback from the master thread."""
 
 
 def check_id(value: str, what: str = "node id") -> str:

@@ -523,3 +523,27 @@ def test_a_worker_without_a_final_sync_ends_on_the_newest_global(tmp_path):
     pointer = read_pointer(store)
     assert pointer.version == 1 and w.version == 1
     assert codec.tensor_digest(dict(t.model.named_parameters())) == pointer.weights_digest
+
+
+def test_a_damaged_current_global_stops_the_master_with_one_line(tmp_path, caplog):
+    """A flipped byte in the global the pointer names: the master thread logged a full
+    traceback (FormatError was not a SpeedtronicError) before the CLI printed its line."""
+    import logging
+
+    from speedtronic.diloco.codec import FormatError
+    from speedtronic.diloco.service import MasterThread
+    from speedtronic.errors import SpeedtronicError
+
+    store, m = _master(tmp_path)
+    path = read_pointer(store).path
+    blob = bytearray(store.get(path))
+    blob[-1] ^= 0xFF
+    store.put(path, bytes(blob))
+    thread = MasterThread(m.cfg, "m0", lambda: initial_weights())
+    with caplog.at_level(logging.ERROR, logger="speedtronic.diloco"):
+        thread.start()
+        assert thread.join(30)
+    assert isinstance(thread.error, FormatError) and isinstance(thread.error, SpeedtronicError)
+    stopped = [r for r in caplog.records if "diloco master stopped" in r.getMessage()]
+    assert len(stopped) == 1 and "sha256" in stopped[0].getMessage()
+    assert not any(r.exc_info for r in caplog.records)
