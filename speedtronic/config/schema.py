@@ -34,6 +34,10 @@ from . import redaction
 from .rules import byte_text_file, check_choices, check_finite, require, torchrun_world_size
 from .scaling import DataParallelConfig, DistributedConfig, TorchftConfig
 
+#: Upper bound of ``run.num_threads``: above the core count of any host we know of, below what
+#: libgomp and torch.set_num_threads survive (20000 failed to create threads, 100000 crashed).
+MAX_THREADS = 1024
+
 __all__ = [
     "ConfigError",
     "RunConfig",
@@ -89,8 +93,10 @@ class RunConfig:
         require(-2**63 <= self.seed < 2**64, f"{p}.seed",
                f"must fit in 64 bits (-2**63 <= seed < 2**64), got {str(self.seed)[:40]}")
         if self.num_threads is not None:
-            require(self.num_threads > 0, f"{p}.num_threads",
-                   f"must be > 0 or null, got {self.num_threads}")
+            # 100000 segfaulted inside torch.set_num_threads, 20000 failed in libgomp
+            require(0 < self.num_threads <= MAX_THREADS, f"{p}.num_threads",
+                   f"must be in [1, {MAX_THREADS}] or null (= torch's default), got "
+                   f"{str(self.num_threads)[:40]}")
         if self.peak_tflops is not None:
             require(self.peak_tflops > 0, f"{p}.peak_tflops",
                    f"must be > 0 or null, got {self.peak_tflops}")
@@ -347,8 +353,8 @@ class OptimizerConfig:
                    f"must be > 0 or null, got {self.grad_clip}")
         require(0.0 <= self.muon_momentum < 1.0, f"{p}.muon_momentum",
                f"must be in [0, 1), got {self.muon_momentum}")
-        require(self.muon_ns_steps > 0, f"{p}.muon_ns_steps",
-               f"must be > 0, got {self.muon_ns_steps}")
+        require(0 < self.muon_ns_steps < 100, f"{p}.muon_ns_steps",
+               f"must be in [1, 100), got {str(self.muon_ns_steps)[:40]}")
         coeffs = self.muon_coefficients
         if isinstance(coeffs, str):
             require(coeffs in ("quintic", "polar_express"), f"{p}.muon_coefficients",

@@ -125,6 +125,15 @@ def _windows_bundle(train: TokenStore, held: TokenStore, description: str, vocab
                         shuffle=cfg.data.shuffle, pin_memory=pin, name=names.train)
     # Fail now, not at the first eval, if the split is too small.
     eval_windows(held, T, 1, name=names.held, fix=names.held_fix)
+    # More eval windows than the split has distinct ones only repeats them, and a huge
+    # run.eval_batches once ran the machine out of memory (killed, no message) at that eval.
+    distinct = held.n - T
+    if cfg.run.eval_batches * B > max(distinct, B):
+        raise ConfigError(
+            f"run.eval_batches={cfg.run.eval_batches}: {cfg.run.eval_batches * B} eval "
+            f"windows (x data.micro_batch_size={B}), but {names.held} has only {distinct} "
+            f"distinct windows of block_size+1={T + 1} tokens; use run.eval_batches <= "
+            f"{max(1, distinct // B)}")
 
     def make_eval(n: int) -> list[Batch]:
         windows = eval_windows(held, T, n * B, name=names.held, fix=names.held_fix)  # (n*B, T+1)

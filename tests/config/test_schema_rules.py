@@ -43,3 +43,29 @@ def test_byte_text_is_one_file_and_takes_a_home_path(tmp_path, monkeypatch):
     for spec in (str(tmp_path), str(tmp_path / "*.txt")):
         with pytest.raises(ConfigError, match="is a folder or a glob; read as bytes"):
             load_config({"data": {"text_path": spec}})
+
+
+@pytest.mark.parametrize("key, value", [
+    ("run.num_threads", 100000),  # crashed inside torch.set_num_threads (segfault)
+    ("run.num_threads", 2**70),   # "Overflow when unpacking long long", no key named
+    ("optimizer.muon_ns_steps", 100),  # refused by the optimizer only, without the key
+])
+def test_values_that_crashed_at_run_time_are_refused_with_their_key(key, value):
+    section, leaf = key.split(".")
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config({section: {leaf: value}})
+    assert getattr(getattr(load_config({section: {leaf: 8}}), section), leaf) == 8
+
+
+def test_more_eval_batches_than_the_eval_split_holds_is_refused_when_the_data_is_built():
+    """run.eval_batches=1e9 ran the machine out of memory (killed, no message) at the first
+    eval; more windows than the split has distinct ones only repeats them."""
+    from speedtronic.data import build_data
+
+    cfg = load_config({"data": {"synthetic": True, "num_tokens": 20_000, "block_size": 32,
+                                "micro_batch_size": 4}, "run": {"eval_batches": 10**9}})
+    with pytest.raises(ConfigError, match=r"run\.eval_batches=1000000000: .* use "
+                                          r"run\.eval_batches <= \d+"):
+        build_data(cfg, rank=0, world=1)
+    cfg.run.eval_batches = 2
+    assert len(build_data(cfg, rank=0, world=1).eval_batches(2)) == 2
