@@ -26,7 +26,7 @@ from ..config import ConfigError, SpeedtronicConfig, load_config
 from ..config.combinations import check_fsdp
 from ..data import DataBundle, build_data, check_data
 from ..distributed import DataParallel, init_data_parallel, launched_rank
-from ..errors import RunPreempted
+from ..errors import RunPreempted, SpeedtronicError
 from ..kernels import cpu as cpu_kernels
 from ..models import build_model
 from ..models.hf import adapt_model, check_forward
@@ -189,12 +189,15 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
         _prepare_run_dir(run_dir, resumed, asked_to_resume=resume)
         if log_buffer is not None:
             own.append(open_log_file(log_buffer))
-        cfg.save(run_dir / "config.yaml")
         if cfg.checkpoint.enabled:
             trainer.checkpoints = CheckpointManager(run_dir / cfg.checkpoint.directory,
                                                     keep_last=cfg.checkpoint.keep_last,
                                                     owner=True)
             trainer.checkpoints.probe_writable()
+        _probe_metrics_file(run_dir / "metrics.jsonl")
+        # Last: a resume that cannot write its checkpoints or metrics once rewrote config.yaml
+        # with values that never ran.
+        cfg.save(run_dir / "config.yaml")
         # The hooks (TensorBoard, wandb) are built after a resume restored the RNG streams:
         # keep whatever they draw out of the run's streams, or resume would not be bitwise.
         rng = capture_rng_state()
@@ -211,6 +214,20 @@ def build_trainer(config: SpeedtronicConfig | dict | str | Path, *, resume: bool
         raise
     trainer.log_handlers = own[1:]  # the run's file handler: train_from_config removes it
     return trainer
+
+
+def _probe_metrics_file(path: Path) -> None:
+    """Open ``metrics.jsonl`` for appending (creating it, writing nothing) so a file that cannot
+    be written stops the run before anything in its directory changes."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise SpeedtronicError(f"cannot write the run's metrics file {str(path)!r} "
+                               f"({exc.strerror or exc}); it must be a writable file: fix its "
+                               "permissions, move it away, or set run.output_dir / run.name "
+                               "to another place") from None
 
 
 def _nothing_left(trainer: Trainer, run_dir: Path) -> tuple[bool, dict[str, Any] | None]:

@@ -290,3 +290,22 @@ def test_with_a_progress_bar_the_log_file_still_gets_every_step_line(tmp_path, c
     text = log.read_text()
     assert "step 2/2" in text and "device: " in text
     assert "step 2/2" in capsys.readouterr().out  # shown above the bar as before
+
+
+def test_a_resume_that_cannot_write_its_metrics_leaves_config_yaml_alone(finished_run, capsys):
+    """config.yaml was rewritten (max_steps 4 -> 6) before the metrics file and the checkpoint
+    folder were found unusable, for a run that never trained; the error was a bare OSError."""
+    cfg_path, run_dir = finished_run
+    metrics = run_dir / "metrics.jsonl"
+    kept = metrics.read_bytes()
+    metrics.unlink()
+    metrics.mkdir()  # something that cannot be appended to
+    before = _snapshot(run_dir)
+    assert main(["train", "--config", str(cfg_path), "--resume", "--max-steps", "6"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "metrics file" in err and "metrics.jsonl" in err
+    assert _snapshot(run_dir) == before
+    metrics.rmdir()
+    metrics.write_bytes(kept)
+    assert main(["train", "--config", str(cfg_path), "--resume", "--max-steps", "6"]) == 0
+    assert yaml.safe_load((run_dir / "config.yaml").read_text())["run"]["max_steps"] == 6
