@@ -67,9 +67,13 @@ def cmd_sample(args: argparse.Namespace) -> int:
     from ..models.generate import generate
     from ..train.run_model import load_run_model
 
-    if args.max_new_tokens < 1 or not 0 <= args.temperature < math.inf or args.top_k < 0:
-        raise ConfigError("sample: --max-new-tokens must be >= 1, --temperature a finite "
-                          "number >= 0 and --top-k >= 0")
+    for bad, rule in ((args.max_new_tokens < 1, f"--max-new-tokens must be >= 1, got "
+                                                f"{args.max_new_tokens}"),
+                      (not 0 <= args.temperature < math.inf, "--temperature must be a finite "
+                       f"number >= 0 (0 = greedy), got {args.temperature:g}"),
+                      (args.top_k < 0, f"--top-k must be >= 0 (0 = all), got {args.top_k}")):
+        if bad:
+            raise ConfigError(f"sample: {rule}")
     try:
         args.prompt.encode("utf-8")
     except UnicodeEncodeError as exc:  # a raw byte from the shell arrives as a lone surrogate

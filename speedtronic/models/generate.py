@@ -40,7 +40,10 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *,
             if temperature <= 0:
                 nxt = logits.argmax(dim=-1, keepdim=True)  # (1, 1)
             else:
-                logits = logits / temperature
+                # max first: the best token scores 0, so a tiny temperature (1e-45) sends the
+                # rest to -inf instead of every logit to +-inf and softmax to NaN; float64,
+                # where 5e-324 is not 0 (in float32 it is, and 0/0 was NaN). (1, V): cheap.
+                logits = (logits - logits.amax(dim=-1, keepdim=True)).double() / temperature
                 if top_k is not None and top_k < logits.shape[-1]:
                     kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (1, 1)
                     logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -93,6 +93,16 @@ def test_sample_is_deterministic_for_a_seed(run_dir, capsys):
     assert texts[0] != texts[2]
 
 
+@pytest.mark.parametrize("temperature", [1e-45, 5e-324])
+def test_a_tiny_temperature_samples_the_greedy_tokens(run_dir, temperature):
+    """logits / 1e-45 overflowed to inf and softmax to NaN: torch.multinomial raised."""
+    model, cfg, _ = load_run_model(run_dir)
+    prompt = [int(b) for b in b"def f(x):"]
+    greedy = generate(model, prompt, 12, temperature=0, max_seq_len=cfg.model.max_seq_len)
+    assert generate(model, prompt, 12, temperature=temperature, seed=5,
+                    max_seq_len=cfg.model.max_seq_len) == greedy
+
+
 def test_sample_and_export_refuse_what_they_cannot_do(tmp_path, capsys):
     assert main(["sample", str(tmp_path)]) == 2
     assert "is not a run directory" in capsys.readouterr().err
@@ -123,7 +133,8 @@ def test_export_never_overwrites_a_foreign_folder_and_replaces_its_own_whole(run
 
 @pytest.mark.parametrize("argv, message", [
     (["--device", "tpu"], "unknown device 'tpu'"),
-    (["--temperature", "nan"], "--temperature a finite number"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    (["--top-k", "-1"], "--top-k must be >= 0 (0 = all), got -1"),
     (["--prompt", "\udcff"], "--prompt is not valid UTF-8"),
 ])
 def test_sample_refuses_bad_options_in_one_line(run_dir, capsys, argv, message):
