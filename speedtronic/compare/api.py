@@ -95,8 +95,8 @@ def run_compare(config: str | Path | Mapping[str, Any], variants: Sequence[str] 
         raise ConfigError(f"--steps: must be >= 1, got {steps}")
     if not 0.0 < sweep_fraction <= 1.0:
         raise ConfigError(f"--sweep-fraction: must be in (0, 1], got {sweep_fraction}")
-    if not lr_factors or any(not f > 0 for f in lr_factors):
-        raise ConfigError(f"--lr-factors: need positive numbers, got {list(lr_factors)}")
+    if not lr_factors or any(not 0 < f < math.inf for f in lr_factors):
+        raise ConfigError(f"--lr-factors: need finite positive numbers, got {list(lr_factors)}")
     if eval_every is not None and eval_every < 1:
         raise ConfigError(f"--eval-every: must be >= 1, got {eval_every}")
     base = load_config(config, overrides)

@@ -30,3 +30,22 @@ def test_unknown_preset_exits_2_listing_presets(tiny_yaml, tmp_path, capsys):
     assert rc == 2
     assert "'lion': unknown preset; presets: adamw, muon, muon_plus, cautious_adamw, " \
            "cautious_muon" in err
+
+
+def test_lr_factors_must_be_finite_and_not_empty(tiny_yaml, tmp_path, capsys):
+    """inf was blamed on optimizer.lr ("expected float, got str 'inf'"); an empty list ran
+    the default factors without a word."""
+    base = ["compare", "--config", str(tiny_yaml), "--variant", "adamw", "--lr-sweep",
+            "--output-dir", str(tmp_path / "c")]
+    for factors, said in (("inf,1", "--lr-factors: need finite positive numbers"),
+                          ("1e400", "--lr-factors: need finite positive numbers"),
+                          ("", "--lr-factors: expected comma-separated numbers"),
+                          (",", "--lr-factors: expected comma-separated numbers")):
+        capsys.readouterr()
+        try:
+            rc = main([*base, f"--lr-factors={factors}"])
+        except SystemExit as exc:  # argparse's own error exit
+            rc = exc.code
+        err = capsys.readouterr().err
+        assert rc == 2 and said in err and "optimizer.lr" not in err, (factors, err)
+    assert not (tmp_path / "c" / "runs").exists()
