@@ -9,9 +9,41 @@ import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import urlparse
 
-from ..errors import brief
+from ..errors import ConfigError, brief
+from .redaction import url_has_credentials
 from .rules import INF_IS_NO_LIMIT, require
+
+
+def check_store_url(url: str, credentials: bool = False) -> None:
+    """Raise :class:`ConfigError` unless ``url`` is a well-formed ``distributed.store`` URL.
+    Syntax only, no I/O: ``validate`` once passed ``s3://``, ``hf://a/b/c`` or ``file://rel``
+    that ``train`` then refused when it opened the store (which calls this too).
+    ``credentials``: refuse a user or secret in the URL too (opening a store does; a config
+    holding one still loads, so that it can be shown redacted and refused at the start)."""
+    parsed = urlparse(url)
+    # urlparse ends the authority at the first '/', so "s3://KEY:SE/CRET@bucket" (AWS secrets
+    # may hold '/') has no username for it: the regex looks before the path too
+    if credentials and (parsed.username or parsed.password or url_has_credentials(url)):
+        raise ConfigError("distributed.store: the URL must not carry credentials; set them in "
+                          "the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, HF_TOKEN)")
+    scheme = url.split("://", 1)[0]
+    if scheme not in ("file", "s3", "hf") or "://" not in url:
+        raise ConfigError(f"distributed.store: must be file:///path, s3://bucket/prefix or "
+                          f"hf://user/repo, got scheme {brief(scheme)}")
+    if scheme == "file":
+        # "file://" alone once stored into the current directory; "?..." and "#..." were
+        # dropped without a word
+        if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/") \
+                or parsed.query or parsed.fragment:
+            raise ConfigError(f"distributed.store: file URLs need an absolute path and nothing "
+                              f"after it (file:///path), got {url!r}")
+    elif scheme == "s3" and not parsed.netloc:
+        raise ConfigError(f"distributed.store: s3 URL needs a bucket: s3://bucket/prefix, "
+                          f"got {url!r}")
+    elif scheme == "hf" and f"{parsed.netloc}{parsed.path}".strip("/").count("/") != 1:
+        raise ConfigError(f"distributed.store: hf URL must be hf://user/repo, got {url!r}")
 
 __all__ = ["DataParallelConfig", "DistributedConfig", "TorchftConfig"]
 
@@ -224,9 +256,7 @@ class DistributedConfig:
         require(0 <= self.shard < self.num_shards, f"{p}.shard",
                f"must be in [0, num_shards={self.num_shards}), got {self.shard}")
         if self.store is not None:
-            require(self.store.split("://", 1)[0] in ("file", "s3", "hf"), f"{p}.store",
-                   f"must be file:///path, s3://bucket/prefix or hf://user/repo, "
-                   f"got scheme {brief(self.store.split('://', 1)[0])}")
+            check_store_url(self.store)
         if self.endpoint_url is not None:
             require(self.endpoint_url.split("://", 1)[0] in ("http", "https"), f"{p}.endpoint_url",
                    f"must be an http:// or https:// URL, got {brief(self.endpoint_url)}")

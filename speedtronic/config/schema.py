@@ -34,6 +34,8 @@ from . import redaction
 from .rules import byte_text_file, check_choices, check_finite, require, torchrun_world_size
 from .scaling import DataParallelConfig, DistributedConfig, TorchftConfig
 
+#: Files every run writes in its run directory: no checkpoint folder may be made under them.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "loss.png")
 #: Upper bound of ``run.num_threads``: above the core count of any host we know of, below what
 #: libgomp and torch.set_num_threads survive (20000 failed to create threads, 100000 crashed).
 MAX_THREADS = 1024
@@ -441,6 +443,9 @@ class CheckpointConfig:
                 f"{p}.directory", f"must be a folder inside the run directory (a relative path "
                 f"without '..', e.g. checkpoints), got {brief(self.directory)}; to keep "
                 f"checkpoints on another disk, put the run there (run.output_dir)")
+        require(not parts or parts[0] not in RUN_FILES, f"{p}.directory",
+                f"must not be inside {parts[0] if parts else ''}, a file every run writes in "
+                f"its directory ({', '.join(RUN_FILES)}); got {brief(self.directory)}")
         require(self.every_steps > 0, f"{p}.every_steps", f"must be > 0, got {self.every_steps}")
         if self.every_seconds is not None:
             require(self.every_seconds > 0, f"{p}.every_seconds",

@@ -26,7 +26,7 @@ from urllib.parse import urlparse
 
 from .._renamed import renamed
 from ..config import DistributedConfig
-from ..config.redaction import url_has_credentials
+from ..config.scaling import check_store_url
 from .store_contract import (
     AccessDenied,
     ObjectExists,
@@ -216,19 +216,9 @@ def open_store(url: str, *, retry: RetryPolicy | None = None,
     Credentials are read by the back ends from the environment only (AWS_* / HF_TOKEN).
     ``backend_kwargs`` go to the back end (``endpoint_url`` for ``s3://``).
     """
+    check_store_url(url, credentials=True)  # the config's rule, credentials refused here
     parsed = urlparse(url)
-    # urlparse ends the authority at the first '/', so "s3://KEY:SE/CRET@bucket" (AWS secrets
-    # may hold '/') has no username for it: look for "user:secret@" anywhere before the path.
-    if parsed.username or parsed.password or url_has_credentials(url):
-        raise ValueError("distributed.store: the URL must not carry credentials; set them in "
-                         "the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, HF_TOKEN)")
     if parsed.scheme == "file":
-        # "file://" alone once stored into the current directory; "?..." and "#..." were
-        # dropped without a word
-        if parsed.netloc not in ("", "localhost") or not parsed.path.startswith("/") \
-                or parsed.query or parsed.fragment:
-            raise ValueError(f"distributed.store: file URLs need an absolute path and nothing "
-                             f"after it (file:///path), got {url!r}")
         inner: Store = DirectoryStore(parsed.path)
     elif parsed.scheme == "s3":
         inner = S3Store(url, **backend_kwargs)

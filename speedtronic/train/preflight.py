@@ -62,29 +62,45 @@ def training_bytes(parameters: int) -> int:
     return parameters * BYTES_PER_PARAMETER
 
 
-def _check_model_name(cfg: SpeedtronicConfig) -> None:
-    """``model.name`` names a built-in, a registered model or an importable module (found, not
-    imported: importing a user's model module would load torch)."""
+def _require_module(key: str, spec: str) -> None:
+    """The module of ``spec`` (``"package.module:attr"``) can be found: found, not imported
+    (importing a user's module would load torch)."""
     import importlib.util
+
+    module = spec.partition(":")[0]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise ConfigError(f"{key}: cannot import module {module!r} from {spec!r}: no such "
+                          "module found (the module must be importable: installed, in the "
+                          "working directory, or on PYTHONPATH)")
+
+
+def _check_model_name(cfg: SpeedtronicConfig) -> None:
+    """``model.name`` names a built-in, a registered model or an importable module; the paths
+    ``model.init_from`` and ``model.hf_config`` name exist (train refused them at once, while
+    validate said ok)."""
     import sys
 
     from ..models.builtin import BUILTIN_MODELS, unknown_model_error
 
-    name = cfg.model.name
+    m = cfg.model
+    if m.init_from is not None and not Path(str(m.init_from)).expanduser().exists():
+        raise ConfigError(f"model.init_from: {str(m.init_from)!r} does not exist (give a run "
+                          "directory, a checkpoint .pt, or a Hugging Face folder)")
+    if m.name == "hf" and isinstance(m.hf_config, str) and \
+            not (Path(m.hf_config).expanduser() / "config.json").is_file():
+        raise ConfigError(f"model.hf_config: {m.hf_config!r} has no config.json (give a local "
+                          "folder; nothing is downloaded)")
+    name = m.name
     registry = sys.modules.get("speedtronic.models.registry")
     registered = set(getattr(registry, "_REGISTRY", {}))
     if name in BUILTIN_MODELS or name in registered:
         return
     if ":" in name:
-        module = name.partition(":")[0]
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
-            raise ConfigError(f"model.name: cannot import module {module!r} from {name!r}: "
-                              "no such module found (the module must be importable: "
-                              "installed, in the working directory, or on PYTHONPATH)")
+        _require_module("model.name", name)
         return
     raise unknown_model_error(name, registered)
 
@@ -138,6 +154,8 @@ def _check_data_files(cfg: SpeedtronicConfig) -> str:
         check_data(cfg)
         if d.tokens_path is not None:
             return f"data: {d.tokens_path}: ok"
+        if isinstance(d.dataset, str) and ":" in d.dataset:
+            _require_module("data.dataset", d.dataset)
         if d.synthetic or d.dataset is not None:
             return f"data: {'synthetic' if d.synthetic else d.dataset}: ok"
         # the default: the stdlib's own source. Building its split takes ~0.02 s; unchecked,

@@ -263,16 +263,22 @@ def test_console_script_imports_user_modules_from_the_working_directory(tmp_path
 
 @pytest.mark.usefixtures("one_thread")
 def test_an_unwritable_checkpoint_folder_stops_the_run_before_its_first_step(tmp_path, capsys):
-    # the run's own config.yaml (written before the probe) is a file where the checkpoint
-    # folder's parent should be
+    # a file where the checkpoint folder's parent should be
     raw = tiny_raw(tmp_path / "out", checkpoint={"every_steps": 3,
-                                                "directory": "config.yaml/ckpt"})
+                                                "directory": "blocker/ckpt"})
     cfg = _write(tmp_path / "run.yaml", raw)
+    (tmp_path / "out" / "t").mkdir(parents=True)
+    (tmp_path / "out" / "t" / "blocker").write_text("a file")
     assert main(["train", "--config", str(cfg)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "not writable" in err[0] and "config.yaml" in err[0], err
+    assert len(err) == 1 and "not writable" in err[0] and "blocker" in err[0], err
     metrics = tmp_path / "out" / "t" / "metrics.jsonl"
     assert not metrics.exists() or '"train_step"' not in metrics.read_text()
+    # a checkpoint folder under one of the run's own files is a config error
+    raw["checkpoint"]["directory"] = "config.yaml/ckpt"
+    assert main(["train", "--config", str(_write(tmp_path / "run2.yaml", raw))]) == 2
+    err = capsys.readouterr().err
+    assert "checkpoint.directory: must not be inside config.yaml" in err
 
 
 def test_env_lists_the_optional_packages_by_installed_version():

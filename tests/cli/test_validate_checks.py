@@ -48,6 +48,16 @@ def _cfg(tmp_path: Path, **sections) -> Path:
      "data_parallel.fsdp: true with data_parallel.zero1: true"),
     ({"data_parallel": {"fsdp": True}, "ooo_backprop": True},
      "data_parallel.fsdp: true with ooo_backprop: true"),
+    # validate said ok to each of these; train refused them at once
+    ({"model": {"init_from": "/no/such/run"}}, "model.init_from: '/no/such/run' does not exist"),
+    ({"model": {"name": "hf", "hf_config": "/no/such/folder"}},
+     "model.hf_config: '/no/such/folder' has no config.json"),
+    ({"data": {"dataset": "no_such_pkg_xyz:make"}},
+     "data.dataset: cannot import "),
+    *[({"distributed": {"enabled": True, "store": url}}, "distributed.store: ")
+      for url in ("s3://", "s3:///", "hf://", "hf://a/b/c/d", "file://", "file://relative/path")],
+    ({"optimizer": {"name": "muon", "muon_ns_steps": 100}},
+     "optimizer.muon_ns_steps: must be in [1, 100)"),
 ])
 def test_validate_refuses_what_train_refuses(tmp_path, capsys, sections, message):
     cfg = _cfg(tmp_path, **sections)
