@@ -204,3 +204,44 @@ def test_sgd_at_lr_1_averages_also_when_deltas_arrive_one_per_poll():
         one_by_one.step(apart, [(d, 1.0)], workers=3)
     assert torch.allclose(together["w"], torch.full((4,), -3.0))  # minus the mean
     assert torch.allclose(apart["w"], together["w"])
+
+
+# ----------------------------------------------------------------------------- weights
+def test_staleness_weights_are_the_documented_curves():
+    from speedtronic.diloco.outer import staleness_weight
+
+    for s in (0, 1, 3, 8):
+        assert staleness_weight(s, "none") == 1.0
+        assert staleness_weight(s, "inverse") == pytest.approx(1.0 / (1 + s))
+        assert staleness_weight(s, "inverse_sqrt") == pytest.approx((1 + s) ** -0.5)
+    with pytest.raises(ValueError, match="unknown staleness_weighting"):
+        staleness_weight(1, "linear")
+
+
+def test_nesterov_takes_the_weighted_mean_of_the_deltas():
+    """Token- or staleness-weighted deltas: the step is torch's Nesterov SGD on
+    sum(w_i d_i) / sum(w_i), not on the sum divided by the count."""
+    torch.manual_seed(3)
+    theta = {"w": torch.randn(4, 3)}
+    ref = torch.nn.Parameter(theta["w"].clone())
+    sgd = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    opt = OuterOptimizer("nesterov", 0.7, 0.9)
+    for _ in range(3):
+        d1, d2 = torch.randn(4, 3), torch.randn(4, 3)
+        opt.step(theta, [({"w": d1}, 1.0), ({"w": d2}, 0.5)])
+        ref.grad = (1.0 * d1 + 0.5 * d2) / 1.5
+        sgd.step()
+        torch.testing.assert_close(theta["w"], ref.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["delayed_nesterov", "eager_nesterov"])
+def test_a_backlog_larger_than_a_round_carries_its_excess_into_the_next_round(method):
+    """5 deltas in one poll with M=3 close one round and count 2 towards the next: one more
+    arrival then closes that round (its momentum refresh happens), not three more."""
+    opt = OuterOptimizer(method, 0.5, 0.5)
+    theta = {"w": torch.zeros(3)}
+    opt.step(theta, [({"w": torch.ones(3)}, 1.0)] * 5, workers=3)
+    assert opt.arrived == 2.0
+    buf = opt.buf["w"].clone()
+    opt.step(theta, [({"w": torch.ones(3)}, 1.0)], workers=3)
+    assert opt.arrived == 0.0 and not torch.equal(opt.buf["w"], buf)  # the round closed
