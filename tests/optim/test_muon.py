@@ -304,14 +304,38 @@ def test_params_without_grad_are_skipped_and_closure_returned() -> None:
     before = b.detach().clone()
     opt = Muon([a, b], lr=0.02)
 
+    returned = []
+    a_before = a.detach().clone()
+
     def closure():
         opt.zero_grad()
         loss = (a ** 2).sum()
         loss.backward()
+        returned.append(loss)
         return loss
 
-    assert opt.step(closure) is not None
+    assert opt.step(closure) is returned[0]  # torch's contract: the closure's own loss
+    assert not torch.equal(a, a_before)
     assert torch.equal(b, before) and b not in opt.state
+
+
+@pytest.mark.parametrize("rescale", [False, True])
+def test_cautious_leaves_entries_with_a_zero_gradient_alone(rescale) -> None:
+    """The mask keeps an update entry only where it agrees in sign with the gradient: where
+    the gradient is exactly 0 nothing moves, though the orthogonalized update is non-zero
+    there (scattered zeros: whole zero rows or columns stay zero through Newton-Schulz)."""
+    torch.manual_seed(4)
+    w = nn.Parameter(torch.randn(8, 16))
+    before = w.detach().clone()
+    g = torch.randn(8, 16)
+    zero = torch.zeros(8, 16, dtype=torch.bool)
+    zero.view(-1)[::3] = True
+    g[zero] = 0.0
+    w.grad = g
+    opt = Muon([w], lr=0.02, weight_decay=0.0, cautious=True, cautious_rescale=rescale)
+    opt.step()
+    assert torch.equal(w[zero], before[zero])
+    assert (w[~zero] != before[~zero]).float().mean() > 0.3  # the kept entries moved
 
 
 def test_huge_shape_groups_are_split_and_give_the_same_result(monkeypatch) -> None:
