@@ -93,6 +93,9 @@ def test_wrong_types_are_errors(raw, key):
     ({"distributed": {"node_id": "../evil"}}, "distributed.node_id"),
     ({"checkpoint": {"directory": "/elsewhere/ckpt"}}, "checkpoint.directory"),
     ({"checkpoint": {"directory": "../shared"}}, "checkpoint.directory"),
+    ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last"),  # would prune every save
+    ({"checkpoint": {"every_seconds": 0}}, "checkpoint.every_seconds"),
+    ({"train": {"max_skipped_steps": 0}}, "train.max_skipped_steps"),
     ({"distributed": {"store": "file:///tmp/s", "endpoint_url": "http://minio:9000"}},
      "distributed.endpoint_url"),
     ({"distributed": {"store": "s3://b/p", "endpoint_url": "minio:9000"}},
