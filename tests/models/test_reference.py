@@ -128,6 +128,30 @@ def test_tied_and_untied_weights():
         assert m._speedtronic_optimizer_role == "adamw"
 
 
+def test_gradient_checkpointing_recomputes_each_block_only_when_training(monkeypatch):
+    """Identical gradients alone also hold with checkpointing switched off: count the blocks
+    that go through torch.utils.checkpoint (one per layer in training, none in eval)."""
+    import speedtronic.models.reference as reference
+
+    calls = []
+    real = reference.checkpoint
+    monkeypatch.setattr(reference, "checkpoint",
+                        lambda fn, *a, **kw: calls.append(fn) or real(fn, *a, **kw))
+    cfg = tiny()
+    model = build_model(cfg)
+    x, y = batch(cfg)
+    model(x, y).backward()
+    assert calls == []
+    model.set_gradient_checkpointing(True)
+    model(x, y).backward()
+    assert calls == list(model.blocks)
+    calls.clear()
+    model.eval()
+    with torch.no_grad():
+        model(x, y)
+    assert calls == []
+
+
 def test_gradient_checkpointing_gives_identical_grads():
     cfg = tiny()
     torch.manual_seed(0)

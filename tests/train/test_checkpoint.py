@@ -278,3 +278,21 @@ def test_a_failed_resave_of_a_saved_step_leaves_that_checkpoint_verifiable(tmp_p
     state = mgr.load(mgr.path_for(1))  # verifies the digest
     assert torch.equal(state["model"]["w"], torch.zeros(8))
     assert not [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_a_text_write_that_fails_midway_keeps_the_old_file_whole(tmp_path, monkeypatch):
+    """``latest`` and the ``.sha256`` digests go through atomic_write_text: a write that
+    fails (a full disk, a kill) must leave the previous content, and no temp file."""
+    from speedtronic.train.checkpoint import atomic_write_text
+
+    target = tmp_path / "latest"
+    atomic_write_text(target, "step_00000010.pt\n")
+
+    def failing_fsync(fd):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="No space left"):
+        atomic_write_text(target, "step_00000020.pt\n")
+    assert target.read_text() == "step_00000010.pt\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["latest"]

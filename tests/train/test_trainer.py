@@ -141,11 +141,18 @@ def test_precision_resolution_on_cpu(caplog):
     assert "fp16 requested but unsupported on cpu" in caplog.text
 
 
-def test_bf16_autocast_training_runs_on_cpu(tmp_path):
-    cfg = tiny_config(tmp_path, precision="bf16", run={"max_steps": 2},
+@pytest.mark.parametrize("precision, dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32)])
+def test_bf16_autocast_training_runs_on_cpu(tmp_path, precision, dtype):
+    """The forward's matmuls really run in bf16 under precision: bf16 (a run whose autocast
+    was a no-op passed when only the step count and a finite loss were checked)."""
+    cfg = tiny_config(tmp_path, precision=precision, run={"max_steps": 2},
                       checkpoint={"enabled": False})
-    result = train_from_config(cfg, model=TinyLM(), data=FixedData(), plot=False)
+    model, seen = TinyLM(), []
+    model.hidden.register_forward_hook(lambda m, args, out: seen.append(out.dtype))
+    result = train_from_config(cfg, model=model, data=FixedData(), plot=False)
     assert result.steps == 2 and math.isfinite(result.final_loss)
+    assert seen and set(seen) == {dtype}
+    assert model.hidden.weight.dtype == torch.float32  # master weights stay fp32
 
 
 class _CompileFailure(Exception):
