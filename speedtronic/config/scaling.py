@@ -28,8 +28,8 @@ def check_store_url(url: str, credentials: bool = False) -> None:
     if credentials and (parsed.username or parsed.password or url_has_credentials(url)):
         raise ConfigError("distributed.store: the URL must not carry credentials; set them in "
                           "the environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, HF_TOKEN)")
-    scheme = url.split("://", 1)[0]
-    if scheme not in ("file", "s3", "hf") or "://" not in url:
+    scheme = parsed.scheme or url.split("://", 1)[0]
+    if scheme not in ("file", "s3", "hf"):
         raise ConfigError(f"distributed.store: must be file:///path, s3://bucket/prefix or "
                           f"hf://user/repo, got scheme {brief(scheme)}")
     if scheme == "file":

@@ -279,6 +279,10 @@ class Pointer:
     fastest_step_s: float = 0.0
     """Seconds per inner step of the fastest recent worker, as the master measures it (0 =
     unknown); ``adaptive_inner_steps`` workers scale their H by it."""
+    model: dict = field(default_factory=dict)
+    """The run's ``model.*`` config as the master was started with (empty: not published, or a
+    master from before this field). Same-shaped tensors do not make the same model: a worker
+    with another ``n_head`` or ``rope_base`` once installed the global and trained on."""
 
     def to_bytes(self) -> bytes:
         return (json.dumps(asdict(self), sort_keys=True, indent=1) + "\n").encode()

@@ -86,8 +86,11 @@ class Master(MasterLease):
 
     def __init__(self, store: Store, cfg: DistributedConfig, node_id: str,
                  initial_weights: Callable[[], dict[str, torch.Tensor]] | None = None,
-                 log_metrics: Callable[[dict], None] | None = None) -> None:
+                 log_metrics: Callable[[dict], None] | None = None,
+                 model_config: dict[str, Any] | None = None) -> None:
         self.store, self.cfg = store, cfg
+        #: ``model.*`` of the run, published in every pointer (the store's wins on a restart)
+        self.model_config: dict[str, Any] = dict(model_config or {})
         self.node_id = codec.check_id(node_id)
         self.session = uuid.uuid4().hex[:10]
         self._initial = initial_weights
@@ -163,6 +166,7 @@ class Master(MasterLease):
                                   if s.split("/")[0] in self.node_last_version)
         self.totals.update(meta.get("totals", {}))
         self.pointer, self.pointer_etag = pointer, etag
+        self._adopt_model(pointer.model)
         logger.info("diloco master: resumed at v%d (epoch %d -> %d), %d sessions tracked",
                     pointer.version, pointer.master_epoch, self.epoch, len(self.hwm))
 
@@ -197,9 +201,24 @@ class Master(MasterLease):
                            master_epoch=max(epoch, self.epoch), state_path=skey,
                            state_sha256=codec.sha256(sbytes), master=self.node_id,
                            hwm={k: int(v) for k, v in state_meta.get("hwm", {}).items()},
-                           carry=self.carry_weight())
+                           carry=self.carry_weight(), model=self.model_config)
         raise FormatError(f"{damage}; and no complete global + master state pair is left in "
                           f"{self.store.url} to rebuild it from")
+
+    def _adopt_model(self, published: dict[str, Any]) -> None:
+        """A restarted master keeps the model the run was bootstrapped with (workers are held
+        to it); a different ``model.*`` in its own config is said once, not published."""
+        if not published:
+            return
+        from ..train.resume import architecture_changes
+
+        changes = architecture_changes(published, self.model_config) \
+            if self.model_config else ""
+        if changes:
+            logger.warning("diloco master: this store's run was started with another model "
+                           "(%s); keeping the store's, which every worker must build",
+                           changes.replace("in the checkpoint", "in the store"))
+        self.model_config = dict(published)
 
     def _state_bytes(self, version: int, applied: list[str], parent: str) -> bytes:
         meta = {"format": codec.STATE_FORMAT, "version": version, "epoch": self.epoch,
@@ -221,7 +240,8 @@ class Master(MasterLease):
                           master_epoch=self.epoch, state_path=skey,
                           state_sha256=codec.sha256(sbytes), master=self.node_id,
                           hwm=dict(self.hwm), carry=self.carry_weight(),
-                          workers=self._workers(set()), fastest_step_s=self.fastest_step_s())
+                          workers=self._workers(set()), fastest_step_s=self.fastest_step_s(),
+                          model=self.model_config)
         pbytes = pointer.to_bytes()
         if getattr(self.store, "single_commit", False):
             try:

@@ -202,6 +202,7 @@ class Worker(ConsistentBase):
                     raise StoreError(f"diloco: no usable global at {self.store.url} within "
                                      f"start_timeout={cfg.start_timeout}s ({why})")
                 self._stop.wait(min(cfg.poll_interval, 1.0))
+        self._check_model(trainer, self._candidate[0])
         self._install(trainer)
         self._threads = [threading.Thread(target=self._upload_loop, daemon=True,
                                           name=f"diloco-upload-{self.node_id}"),
@@ -210,6 +211,22 @@ class Worker(ConsistentBase):
         for t in self._threads:
             t.start()
         self._wall_start = time.perf_counter()
+
+    def _check_model(self, trainer: Any, pointer: Pointer) -> None:
+        """Refuse to join a run whose published ``model.*`` differs in architecture from this
+        node's: equal tensor shapes (checked when staging) do not make the same model."""
+        config = getattr(trainer, "config", None)
+        if not pointer.model or config is None:
+            return
+        from ..train.resume import architecture_changes
+
+        changes = architecture_changes(pointer.model, config.to_dict(redact=True)["model"])
+        if changes:
+            self.close()
+            raise ConfigError(f"diloco: this node's model differs from the run's "
+                              f"({changes.replace('in the checkpoint', 'in the store')}). "
+                              "Every node must build the master's model: use the same model.* "
+                              "settings on every node")
 
     def _warn_about_checkpoint_cadence(self, trainer: Any) -> None:
         """A worker killed between checkpoints resumes from the last one and trains the rounds

@@ -34,10 +34,11 @@ class MasterThread:
 
     def __init__(self, cfg: DistributedConfig, node_id: str,
                  initial: Callable[[], dict[str, torch.Tensor]],
-                 log_metrics: Callable[[dict], None] | None = None) -> None:
+                 log_metrics: Callable[[dict], None] | None = None,
+                 model_config: dict[str, Any] | None = None) -> None:
         self.stop = threading.Event()
         self.store = open_configured_store(cfg, stop=self.stop)
-        self.master = Master(self.store, cfg, node_id, initial, log_metrics)
+        self.master = Master(self.store, cfg, node_id, initial, log_metrics, model_config)
         self.until: Callable[[Master], bool] | None = None
         self.idle_timeout = 0.0
         self.ready = threading.Event()
@@ -91,8 +92,10 @@ class MasterNode:
     def on_train_start(self, trainer: Any) -> None:
         params = sync_parameters(trainer.model)
         initial = lambda: {k: p.detach().float().cpu().clone() for k, p in params.items()}
+        config = getattr(trainer, "config", None)
         self.thread = MasterThread(self.cfg, self.node_id, initial,
-                                   getattr(trainer, "log_metrics", None))
+                                   getattr(trainer, "log_metrics", None),
+                                   config.to_dict(redact=True)["model"] if config else None)
         self.thread.until = self._finished
         self.thread.start()
         self.worker.on_train_start(trainer)  # waits for v0, which the thread publishes
@@ -175,7 +178,7 @@ def run_master(cfg: SpeedtronicConfig, *, expect_nodes: set[str] | None = None,
         model = build_model(cfg.model)
         return {k: p.detach().float().clone() for k, p in sync_parameters(model).items()}
 
-    thread = MasterThread(d, node_id, initial)
+    thread = MasterThread(d, node_id, initial, model_config=cfg.to_dict(redact=True)["model"])
     idle = d.master_idle_timeout if idle_timeout is None else idle_timeout
     if not idle >= 0:
         raise ValueError(f"--idle-timeout: must be >= 0 seconds or inf (no limit), got {idle}")

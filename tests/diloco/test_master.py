@@ -547,3 +547,35 @@ def test_a_damaged_current_global_stops_the_master_with_one_line(tmp_path, caplo
     stopped = [r for r in caplog.records if "diloco master stopped" in r.getMessage()]
     assert len(stopped) == 1 and "sha256" in stopped[0].getMessage()
     assert not any(r.exc_info for r in caplog.records)
+
+
+def test_a_worker_building_another_architecture_is_refused_at_start(tmp_path):
+    """Tensor names and shapes were all a worker checked: one with another n_head (same
+    shapes) installed the global and trained another function on it."""
+    from speedtronic.config import ConfigError, load_config
+
+    run_model = load_config({"model": {"d_model": 32, "n_head": 2}}).to_dict()["model"]
+    store = open_store(f"file://{tmp_path}/store")
+    cfg = make_cfg(f"file://{tmp_path}/store")
+    m = Master(store, cfg, "m0", lambda: initial_weights(), model_config=run_model)
+    assert m.acquire_lease(threading.Event(), timeout=5)
+    m.load_or_bootstrap()
+    assert read_pointer(store).model == run_model
+
+    def joins(model_section: dict) -> None:
+        t = FakeTrainer(TinyModel(0))
+        t.config = load_config({"model": model_section})
+        w = Worker(cfg, store=store, node_id="w0")
+        try:
+            w.on_train_start(t)
+        finally:
+            w.close()
+
+    with pytest.raises(ConfigError, match=r"model\.n_head is 4 here but 2 in the store"):
+        joins({"d_model": 32, "n_head": 4})
+    joins({"d_model": 32, "n_head": 2, "dropout": 0.1})  # not architecture: joins
+    # a restarted master keeps the run's model even when its own config differs
+    m2 = Master(store, cfg, "m0", None, model_config={**run_model, "n_head": 4})
+    assert m2.acquire_lease(threading.Event(), timeout=5)
+    m2.load_or_bootstrap()
+    assert m2.model_config == run_model

@@ -117,7 +117,7 @@ def test_store_url_parsing(tmp_path):
     assert open_store(f"file://{tmp_path}").url == f"file://{tmp_path}"
     with pytest.raises(ValueError, match="credentials"):
         open_store("s3://AKIA:secret@bucket/x")
-    with pytest.raises(ValueError, match="unsupported"):
+    with pytest.raises(ValueError, match="must be file:///path, s3://bucket/prefix or hf://user/repo"):
         open_store("ftp://x/y")
 
 
