@@ -210,7 +210,7 @@ class Master(MasterLease):
         to it); a different ``model.*`` in its own config is said once, not published."""
         if not published:
             return
-        from ..train.resume import architecture_changes
+        from ..models.builtin import architecture_changes
 
         changes = architecture_changes(published, self.model_config) \
             if self.model_config else ""

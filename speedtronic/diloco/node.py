@@ -218,7 +218,7 @@ class Worker(ConsistentBase):
         config = getattr(trainer, "config", None)
         if not pointer.model or config is None:
             return
-        from ..train.resume import architecture_changes
+        from ..models.builtin import architecture_changes
 
         changes = architecture_changes(pointer.model, config.to_dict(redact=True)["model"])
         if changes:

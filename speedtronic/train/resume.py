@@ -15,20 +15,13 @@ from typing import Any
 
 import torch
 
-from ..models.builtin import REFERENCE_MODELS, swiglu_hidden
+from ..models.builtin import architecture_changes
 from .checkpoint import CheckpointError, CheckpointManager
 from .trainer import Trainer
 
 logger = logging.getLogger("speedtronic.runtime")
 
 __all__ = ["architecture_changes", "resume_trainer"]
-
-
-#: Model keys a resumed run may change: they change how the same weights are trained or run,
-#: not which function they compute. Any other model.* change is refused (a different n_head or
-#: rope_base over the same tensors would silently train another model).
-_RESUMABLE_MODEL_KEYS = frozenset({"dropout", "gradient_checkpointing", "max_seq_len",
-                                   "init_from"})
 
 
 def resume_trainer(trainer: Trainer, directory: Path) -> bool:
@@ -70,35 +63,6 @@ def resume_trainer(trainer: Trainer, directory: Path) -> bool:
                 "; nothing left to train (raise run.max_steps to continue)"
                 if step == target else "")
     return True
-
-
-def architecture_changes(saved: dict[str, Any], current: dict[str, Any]) -> str:
-    """``model.k is X here but Y in the checkpoint; ...`` for the first 4 architecture keys
-    that differ (every model.* key but dropout, gradient checkpointing, max_seq_len and
-    init_from, with computed defaults resolved); "" when none does or nothing was saved.
-    ``--resume`` and ``model.init_from`` both refuse such a change: the same tensors under
-    another n_head or rope_base compute another function."""
-    saved_model, current_model = _resolved_architecture(saved), _resolved_architecture(current)
-    changed = [k for k in sorted(set(saved_model) | set(current_model))
-               if saved_model and k not in _RESUMABLE_MODEL_KEYS
-               and saved_model.get(k) != current_model.get(k)]
-    return "; ".join(f"model.{k} is {current_model.get(k)!r} here but {saved_model.get(k)!r} "
-                     "in the checkpoint" for k in changed[:4])
-
-
-def _resolved_architecture(model: dict[str, Any]) -> dict[str, Any]:
-    """The reference model's keys whose null means a computed value, resolved: ``d_ff: 128``
-    and ``d_ff: null`` (which is 128 at d_model 48) build the same model, and a resume once
-    refused the explicit spelling of the value it had trained with."""
-    if model.get("name") not in REFERENCE_MODELS or "d_model" not in model:
-        return model
-    model = dict(model)
-    model["name"] = REFERENCE_MODELS[0]  # "gpt" is the same model under another name
-    if model.get("n_kv_head") is None:
-        model["n_kv_head"] = model.get("n_head")
-    if "d_ff" in model:
-        model["d_ff"] = swiglu_hidden(model["d_model"], model["d_ff"])
-    return model
 
 
 def _short(value: Any) -> str:
