@@ -31,7 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     except (SpeedtronicError, ValueError, OSError) as exc:  # OSError: what the CLI reports too
         print(f"speedtronic: error: {exc}", file=sys.stderr)
         return 2
-    print(f"master done at v{master.pointer.version if master.pointer else -1}")
+    pointer = master.pointer
+    if pointer is None:
+        print("master done at v-1 (nothing published)")
+        return 0
+    # where the run's model is: the store object, and the node checkpoints that hold it
+    print(f"master done at v{pointer.version}: the final global is {pointer.path} in "
+          f"{master.store.url} (a worker with distributed.final_sync_timeout > 0 ends holding it "
+          "in its final checkpoint, for speedtronic sample / export / model.init_from)")
     return 0
 
 

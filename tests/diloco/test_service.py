@@ -74,13 +74,18 @@ def test_speedtronic_train_master_and_worker(tmp_path):
     assert total_sent == len(applied)  # every delta either node sent was applied once
 
 
-def test_the_standalone_master_reads_the_idle_timeout_as_a_training_master_does(tmp_path):
+def test_the_standalone_master_reads_the_idle_timeout_as_a_training_master_does(tmp_path,
+                                                                               capsys):
     """0 stops as soon as no delta is new (it once meant "no limit" here, the opposite of a
-    training master's 0); a negative value is refused."""
+    training master's 0); a negative value is refused. At the end it names the final global
+    (it once said only its version)."""
     from speedtronic.diloco.__main__ import main
 
     cfg = str(_config(tmp_path, "m", "master", 0))
     assert main(["master", "--config", cfg, "--idle-timeout", "-5"]) == 2
     assert main(["master", "--config", cfg, "--idle-timeout", "0",
                  "--set", "distributed.expected_workers=null"]) == 0  # returns, no worker came
-    assert list((tmp_path / "store").glob("global/*"))  # it published v0, then stopped
+    published = list((tmp_path / "store").glob("global/v*"))
+    assert len(published) == 1  # it published v0, then stopped
+    said = capsys.readouterr().out
+    assert f"master done at v0: the final global is global/{published[0].name}" in said
