@@ -123,6 +123,13 @@ class Master(MasterLease):
         self._gap: dict[str, float] = {}  # per session: seconds between its last two new deltas
         self._step_s: dict[str, tuple[float, int]] = {}  # session: (seconds/step, round seen)
         self._tokens_per_step: dict[str, float] = {}  # session: its deltas' tokens / steps
+        # A master that finds the run finished before it did any work (a restart after the
+        # end, or a new run pointed at an old store: the bundled configs share one) ends at
+        # once, as a restart should; it says so, since a new run's workers would then
+        # continue the old model and have their deltas left unapplied.
+        self._applied_here = 0
+        self._done_at_first_listing: set[str] | None = None
+        self._warned_finished = False
         self._warned_poll = False
 
     # ------------------------------------------------------------------ state
@@ -385,6 +392,8 @@ class Master(MasterLease):
                             self._gap[session_key] = now - self._last_new_time[session_key]
                         self._last_new_time[session_key] = now
                     self._last_new[session_key] = self._round
+        if self._done_at_first_listing is None:
+            self._done_at_first_listing = set(self.done_sessions)
         self._check_poll_interval()
         listed = {item[0] for items in pending.values() for item in items}
         self._listed_at = {k: v for k, v in self._listed_at.items() if k in listed}
@@ -492,6 +501,7 @@ class Master(MasterLease):
         self.hwm = hwm
         self.node_last_version = {**self.node_last_version, **{n: version for n in batch_nodes}}
         self.totals["applied"] += accepted.count
+        self._applied_here += accepted.count
         self.totals["rejected"] += stats.rejected
         self.totals["versions"] += 1
         try:
@@ -622,7 +632,17 @@ class Master(MasterLease):
                    > 3 * max(self._gap.get(s, node_gap), self.cfg.poll_interval)
                    for s in node_sessions - done):
                 finished.add(node)
-        return bool(nodes) and nodes <= finished and len(finished) >= min_nodes
+        done = bool(nodes) and nodes <= finished and len(finished) >= min_nodes
+        if done and not self._applied_here and not self._warned_finished and \
+                self.done_sessions <= (self._done_at_first_listing or set()):
+            self._warned_finished = True
+            logger.warning("diloco master: the run in %s was finished before this master "
+                           "started (v%s, every node it tracks is done), so it ends now. For "
+                           "a new run use an empty distributed.store: workers started on this "
+                           "one continue v%s and nothing applies their deltas", self.store.url,
+                           getattr(self.pointer, "version", "?"),
+                           getattr(self.pointer, "version", "?"))
+        return done
 
     def run(self, stop: threading.Event, *, until: Callable[[Master], bool] | None = None,
             idle_timeout: float = 0.0) -> None:

@@ -414,6 +414,31 @@ def test_a_node_whose_only_delta_was_rejected_is_not_waited_for_after_a_restart(
     assert m2.all_done()  # "bad" never had a delta applied
 
 
+def test_a_master_on_a_finished_run_says_so_when_it_ends_at_once(tmp_path, caplog):
+    """A restarted master on a finished store ends at once (a restart after the end), and
+    says so: pointed at an old store for a new run, it once ended silently at v(last) and the
+    new workers' deltas were never applied."""
+    import logging
+
+    store, m = _master(tmp_path)
+    w = initial_weights()
+    _put_delta(store, {k: 0.01 * torch.ones_like(v) for k, v in w.items()}, 0)
+    m.run_once()
+    store.put("nodes/w1/s1/done.json", b'{"last_seq": 0}')
+    m.run_once()
+    with caplog.at_level(logging.WARNING, logger="speedtronic.diloco"):
+        assert m.all_done()  # it did the work itself: no warning
+        assert "finished before this master started" not in caplog.text
+        m.store.delete("master/lease.json")
+        m2 = Master(open_store(f"file://{tmp_path}/store"), m.cfg, "m1")
+        assert m2.acquire_lease(threading.Event(), timeout=5)
+        m2.load_or_bootstrap()
+        m2.run_once()
+        assert m2.all_done() and m2.all_done()
+    said = [r for r in caplog.records if "finished before this master started" in r.getMessage()]
+    assert len(said) == 1 and "use an empty distributed.store" in said[0].getMessage()
+
+
 @pytest.mark.parametrize("outer, rounds, warned", [
     ({"outer_momentum": 0.9}, 10, True),
     ({"outer_momentum": 0.5}, 10, False),
