@@ -99,6 +99,8 @@ def run_compare(config: str | Path | Mapping[str, Any], variants: Sequence[str] 
         raise ConfigError(f"--lr-factors: need finite positive numbers, got {list(lr_factors)}")
     if eval_every is not None and eval_every < 1:
         raise ConfigError(f"--eval-every: must be >= 1, got {eval_every}")
+    if not str(output_dir).strip():  # "" once wrote every run into the working directory
+        raise ConfigError("--output-dir: empty; give a folder path (default: compare-runs)")
     base = load_config(config, overrides)
     steps = steps or base.run.max_steps
     eval_every = eval_every or _default_eval_every(base, steps)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import re
 import types
 import typing
@@ -129,6 +130,10 @@ def _read_source(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(f"cannot read config file {str(path)!r}: {exc}") from None
     data = _parse_yaml(text, str(path))  # JSON is valid YAML 1.2 for our purposes
     if data is None:
+        # allowed (defaults plus --set is a valid way to run), but an empty file is more often
+        # a failed redirect or a wrong path than a choice: say so
+        logging.getLogger("speedtronic.config").warning(
+            "config file %s is empty: every key takes its default", str(path))
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections, "

@@ -253,6 +253,8 @@ class DistributedConfig:
                f"renews once per poll), got {self.lease_ttl}")
         require(self.keep_versions >= 2, f"{p}.keep_versions", "must be >= 2 (nodes may still "
                "be downloading the previous version)")
+        require(self.num_shards >= 1, f"{p}.num_shards",
+               f"must be >= 1 (the number of data shards), got {self.num_shards}")
         require(0 <= self.shard < self.num_shards, f"{p}.shard",
                f"must be in [0, num_shards={self.num_shards}), got {self.shard}")
         if self.store is not None:

@@ -32,6 +32,14 @@ def test_unknown_preset_exits_2_listing_presets(tiny_yaml, tmp_path, capsys):
            "cautious_muon" in err
 
 
+def test_an_empty_output_dir_is_refused(tiny_yaml, tmp_path, capsys, monkeypatch):
+    """--output-dir= once wrote every run into the working directory."""
+    monkeypatch.chdir(tmp_path)
+    rc = main(["compare", "--config", str(tiny_yaml), "--output-dir="])
+    assert rc == 2 and "--output-dir: empty" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base.yaml"]
+
+
 def test_lr_factors_must_be_finite_and_not_empty(tiny_yaml, tmp_path, capsys):
     """inf was blamed on optimizer.lr ("expected float, got str 'inf'"); an empty list ran
     the default factors without a word."""

@@ -94,6 +94,7 @@ def test_wrong_types_are_errors(raw, key):
     ({"checkpoint": {"directory": "/elsewhere/ckpt"}}, "checkpoint.directory"),
     ({"checkpoint": {"directory": "../shared"}}, "checkpoint.directory"),
     ({"checkpoint": {"keep_last": 0}}, "checkpoint.keep_last"),  # would prune every save
+    ({"distributed": {"num_shards": 0}}, "distributed.num_shards"),  # was named as .shard
     ({"checkpoint": {"every_seconds": 0}}, "checkpoint.every_seconds"),
     ({"train": {"max_skipped_steps": 0}}, "train.max_skipped_steps"),
     ({"distributed": {"store": "file:///tmp/s", "endpoint_url": "http://minio:9000"}},
@@ -142,10 +143,14 @@ def test_malformed_yaml_and_missing_file(tmp_path):
         load_config(top)
 
 
-def test_empty_file_gives_defaults(tmp_path):
+def test_empty_file_gives_defaults_and_says_so(tmp_path, caplog):
+    import logging
+
     empty = tmp_path / "empty.yaml"
-    empty.write_text("")
-    assert load_config(empty).to_dict() == SpeedtronicConfig().finalize().to_dict()
+    empty.write_text("# nothing set\n")
+    with caplog.at_level(logging.WARNING, logger="speedtronic.config"):
+        assert load_config(empty).to_dict() == SpeedtronicConfig().finalize().to_dict()
+    assert f"config file {empty} is empty: every key takes its default" in caplog.text
 
 
 def test_overrides_are_yaml_typed_and_checked():
