@@ -33,17 +33,19 @@ def generate(model: nn.Module, prompt: list[int], max_new_tokens: int, *,
     gen = torch.Generator(device=device).manual_seed(seed)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
     out: list[int] = []
+    # A temperature that is 0 in float32 (5e-324) is greedy: the logits are float32 (no float64
+    # on every device, MPS has none), and 0/0 at the best token was NaN.
+    greedy = temperature <= 0 or torch.tensor(temperature, dtype=torch.float32).item() == 0.0
     try:
         for _ in range(max_new_tokens):
             window = ids[:, -max_seq_len:]  # (1, <=max_seq_len)
             logits = model(window)[:, -1, :].float()  # (1, V)
-            if temperature <= 0:
+            if greedy:
                 nxt = logits.argmax(dim=-1, keepdim=True)  # (1, 1)
             else:
                 # max first: the best token scores 0, so a tiny temperature (1e-45) sends the
-                # rest to -inf instead of every logit to +-inf and softmax to NaN; float64,
-                # where 5e-324 is not 0 (in float32 it is, and 0/0 was NaN). (1, V): cheap.
-                logits = (logits - logits.amax(dim=-1, keepdim=True)).double() / temperature
+                # rest to -inf instead of every logit to +-inf and softmax to NaN
+                logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
                 if top_k is not None and top_k < logits.shape[-1]:
                     kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (1, 1)
                     logits = logits.masked_fill(logits < kth, float("-inf"))
