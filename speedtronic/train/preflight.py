@@ -215,5 +215,7 @@ def check_run_dir(run_dir: Path) -> None:
                           f"created: {blocked} is a file; choose another run.output_dir or "
                           "run.name")
     if blocked is not None and not os.access(blocked, os.W_OK):
-        raise ConfigError(f"run directory {run_dir} cannot be created: {blocked} is not "
-                          "writable; choose another run.output_dir")
+        what = ("is not writable" if blocked == run_dir else
+                f"cannot be created: {blocked} is not writable")
+        raise ConfigError(f"run directory {run_dir} {what}; fix its permissions or choose "
+                          "another run.output_dir / run.name")

@@ -121,3 +121,18 @@ def test_validate_refuses_training_files_that_are_all_eval_files(tmp_path, capsy
         assert main([command, "--config", str(cfg)]) == 2
         err = capsys.readouterr().err
         assert "every file it names is also in data.eval_tokens_path" in err, err
+
+
+def test_an_existing_run_directory_that_is_not_writable_is_named_as_such(tmp_path, monkeypatch):
+    """It was reported as one that "cannot be created". (Root writes anywhere, so the
+    permission answer is stubbed.)"""
+    import speedtronic.train.preflight as preflight
+    from speedtronic.config import ConfigError
+
+    run = tmp_path / "runs" / "v"
+    run.mkdir(parents=True)
+    monkeypatch.setattr(preflight.os, "access", lambda path, mode: Path(path) != run)
+    with pytest.raises(ConfigError, match=f"run directory {run} is not writable"):
+        preflight.check_run_dir(run)
+    with pytest.raises(ConfigError, match=f"cannot be created: {run} is not writable"):
+        preflight.check_run_dir(run / "sub")
