@@ -112,9 +112,9 @@ def _parse_yaml(text: str, origin: str) -> Any:
         raise ConfigError(f"{origin}: nested too deeply to read") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        where = f": line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{origin}:{where}: malformed YAML/JSON: {problem}") from None
+        raise ConfigError(f"{origin}{where}: malformed YAML/JSON: {problem}") from None
 
 
 def _read_source(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:

@@ -331,3 +331,12 @@ def test_unquoted_on_and_off_in_yaml_mean_the_choices_on_and_off(tmp_path):
     with pytest.raises(ConfigError, match=r"torchft\.mode: expected 'off' \| 'ddp' \| 'diloco', "
                                           r"got bool True"):
         load_config(path)
+
+
+def test_a_malformed_override_is_one_clean_line():
+    """A character YAML refuses outright (no position) read "--set run.output_dir:: ..."."""
+    with pytest.raises(ConfigError) as info:
+        load_config({}, ["run.output_dir=\udcff"])
+    assert str(info.value).startswith("--set run.output_dir: malformed YAML/JSON: ")
+    with pytest.raises(ConfigError, match=r"^--set run.output_dir: line 1, column 6: malformed"):
+        load_config({}, ["run.output_dir=[1, 2"])
