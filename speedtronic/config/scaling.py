@@ -22,7 +22,10 @@ def check_store_url(url: str, credentials: bool = False) -> None:
     that ``train`` then refused when it opened the store (which calls this too).
     ``credentials``: refuse a user or secret in the URL too (opening a store does; a config
     holding one still loads, so that it can be shown redacted and refused at the start)."""
-    parsed = urlparse(url)
+    try:
+        parsed = urlparse(url)
+    except ValueError as exc:  # "Invalid IPv6 URL" for s3://[bad/p: it once named no key
+        raise ConfigError(f"distributed.store: not a URL ({exc}): {brief(url)}") from None
     # urlparse ends the authority at the first '/', so "s3://KEY:SE/CRET@bucket" (AWS secrets
     # may hold '/') has no username for it: the regex looks before the path too
     if credentials and (parsed.username or parsed.password or url_has_credentials(url)):

@@ -117,6 +117,11 @@ class _Names:
     held_fix: str = "raise data.eval_fraction or use more data"
 
 
+#: Tokens of eval windows above which more windows than the eval split has distinct ones are
+#: refused (2^26: 512 MiB as int64, held at once by each eval).
+EVAL_TOKENS_CAP = 2**26
+
+
 def _windows_bundle(train: TokenStore, held: TokenStore, description: str, vocab: int,
                     cfg: SpeedtronicConfig, T: int, B: int, seed: int, rank: int, world: int,
                     pin: bool, names: _Names,
@@ -125,10 +130,13 @@ def _windows_bundle(train: TokenStore, held: TokenStore, description: str, vocab
                         shuffle=cfg.data.shuffle, pin_memory=pin, name=names.train)
     # Fail now, not at the first eval, if the split is too small.
     eval_windows(held, T, 1, name=names.held, fix=names.held_fix)
-    # More eval windows than the split has distinct ones only repeats them, and a huge
-    # run.eval_batches once ran the machine out of memory (killed, no message) at that eval.
+    # A huge run.eval_batches once ran the machine out of memory (killed, no message) at the
+    # first eval: its windows are held at once. Refused where they would also only repeat the
+    # split's distinct windows and hold over 2^26 tokens (512 MiB as int64); a small split
+    # read a few times over (a synthetic set's held-out part) is fine.
     distinct = held.n - T
-    if cfg.run.eval_batches * B > max(distinct, B):
+    wanted = cfg.run.eval_batches * B
+    if wanted > max(distinct, B) and wanted * (T + 1) > EVAL_TOKENS_CAP:
         raise ConfigError(
             f"run.eval_batches={cfg.run.eval_batches}: {cfg.run.eval_batches * B} eval "
             f"windows (x data.micro_batch_size={B}), but {names.held} has only {distinct} "

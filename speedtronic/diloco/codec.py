@@ -279,10 +279,6 @@ class Pointer:
     fastest_step_s: float = 0.0
     """Seconds per inner step of the fastest recent worker, as the master measures it (0 =
     unknown); ``adaptive_inner_steps`` workers scale their H by it."""
-    model: dict = field(default_factory=dict)
-    """The run's ``model.*`` config as the master was started with (empty: not published, or a
-    master from before this field). Same-shaped tensors do not make the same model: a worker
-    with another ``n_head`` or ``rope_base`` once installed the global and trained on."""
 
     def to_bytes(self) -> bytes:
         return (json.dumps(asdict(self), sort_keys=True, indent=1) + "\n").encode()
@@ -327,12 +323,22 @@ def state_key(version: int, epoch: int, nonce: str) -> str:
     return f"master/state-v{version:08d}-e{epoch:04d}-{nonce}.safetensors"
 
 
-def encode_global(weights: dict[str, torch.Tensor], version: int) -> bytes:
-    return encode(weights, {"format": GLOBAL_FORMAT, "version": version})
+def encode_global(weights: dict[str, torch.Tensor], version: int,
+                  model: dict[str, Any] | None = None) -> bytes:
+    """A global's bytes. ``model``: the run's ``model.*`` config, in the header (not in the
+    pointer, whose fields older readers check strictly: a global's extra header key they
+    ignore). Same-shaped tensors do not make the same model: a worker with another ``n_head``
+    or ``rope_base`` once installed the global and trained on."""
+    meta: dict[str, Any] = {"format": GLOBAL_FORMAT, "version": version}
+    if model:
+        meta["model"] = model
+    return encode(weights, meta)
 
 
-def decode_global(data: bytes, pointer: Pointer) -> dict[str, torch.Tensor]:
-    """Verify bytes against the pointer (sha256 of the file and of the tensors)."""
+def decode_global_with_model(data: bytes, pointer: Pointer
+                             ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """:func:`decode_global` plus the ``model.*`` config in its header ({} when it has none:
+    a global from before it was recorded)."""
     if sha256(data) != pointer.sha256:
         raise FormatError(f"global {pointer.path}: sha256 does not match the pointer")
     tensors, meta = decode(data)
@@ -340,4 +346,10 @@ def decode_global(data: bytes, pointer: Pointer) -> dict[str, torch.Tensor]:
         raise FormatError(f"global {pointer.path}: header {meta} does not match the pointer")
     if tensor_digest(tensors) != pointer.weights_digest:
         raise FormatError(f"global {pointer.path}: tensor digest does not match the pointer")
-    return tensors
+    model = meta.get("model")
+    return tensors, model if isinstance(model, dict) else {}
+
+
+def decode_global(data: bytes, pointer: Pointer) -> dict[str, torch.Tensor]:
+    """Verify bytes against the pointer (sha256 of the file and of the tensors)."""
+    return decode_global_with_model(data, pointer)[0]

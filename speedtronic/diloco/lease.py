@@ -52,12 +52,26 @@ def _read_lease(data: bytes) -> dict[str, Any]:
         return {"holder": "<unreadable lease>", "epoch": 0}
 
 
+def _process_identity() -> dict[str, Any]:
+    """Where this process's pid means something: host name, boot and pid namespace (two
+    containers can share a host name, and each may be pid 1, without sharing pids)."""
+    identity: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
+    try:
+        identity["boot"] = open("/proc/sys/kernel/random/boot_id").read().strip()
+        identity["pidns"] = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # not Linux: a pid cannot be placed, so no lease is taken over early
+        pass
+    return identity
+
+
 def _dead_predecessor(lease: dict[str, Any]) -> bool:
-    """True when ``lease`` was written on this host by a process that no longer runs (or by
-    this very process: a restarted container can reuse the dead one's pid). A lease from
-    another host, or without host and pid (older versions), cannot be checked: False."""
-    pid = lease.get("pid")
-    if lease.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+    """True when ``lease`` was written in this host's boot and pid namespace by a process that
+    no longer runs, or by this very process. Anything that cannot be placed there (another
+    host or container, a lease of an older version without these fields): False, and the
+    ``lease_ttl`` wait applies."""
+    pid, here = lease.get("pid"), _process_identity()
+    if "pidns" not in here or not isinstance(pid, int) or pid <= 0 or any(
+            lease.get(k) != here[k] for k in ("host", "boot", "pidns")):
         return False
     if pid == os.getpid():
         return True
@@ -76,8 +90,7 @@ class MasterLease:
     def _lease_bytes(self, epoch: int, renewals: int) -> bytes:
         return json.dumps({"holder": self.node_id, "session": self.session, "epoch": epoch,
                            "renewals": renewals, "ttl": self.cfg.lease_ttl,
-                           "host": socket.gethostname(), "pid": os.getpid(),
-                           "at": time.time()}).encode()
+                           **_process_identity(), "at": time.time()}).encode()
 
     def acquire_lease(self, stop: threading.Event, timeout: float | None = None) -> bool:
         """Block until this master holds the lease (or ``stop``/``timeout``). A lease held by

@@ -154,8 +154,9 @@ class Master(MasterLease):
         except FormatError as exc:
             pointer = self._rebuilt_pointer(exc)
             etag = self.store.swap(POINTER_KEY, pointer.to_bytes(), etag)
-        self.weights = {k: v.float() for k, v in
-                        codec.decode_global(self.store.get(pointer.path), pointer).items()}
+        tensors, published_model = codec.decode_global_with_model(self.store.get(pointer.path),
+                                                                  pointer)
+        self.weights = {k: v.float() for k, v in tensors.items()}
         state_bytes = self.store.get(pointer.state_path)
         if codec.sha256(state_bytes) != pointer.state_sha256:
             raise FormatError(f"master state {pointer.state_path}: sha256 mismatch")
@@ -173,7 +174,7 @@ class Master(MasterLease):
                                   if s.split("/")[0] in self.node_last_version)
         self.totals.update(meta.get("totals", {}))
         self.pointer, self.pointer_etag = pointer, etag
-        self._adopt_model(pointer.model)
+        self._adopt_model(published_model)
         logger.info("diloco master: resumed at v%d (epoch %d -> %d), %d sessions tracked",
                     pointer.version, pointer.master_epoch, self.epoch, len(self.hwm))
 
@@ -208,7 +209,7 @@ class Master(MasterLease):
                            master_epoch=max(epoch, self.epoch), state_path=skey,
                            state_sha256=codec.sha256(sbytes), master=self.node_id,
                            hwm={k: int(v) for k, v in state_meta.get("hwm", {}).items()},
-                           carry=self.carry_weight(), model=self.model_config)
+                           carry=self.carry_weight())
         raise FormatError(f"{damage}; and no complete global + master state pair is left in "
                           f"{self.store.url} to rebuild it from")
 
@@ -240,15 +241,14 @@ class Master(MasterLease):
         nonce = uuid.uuid4().hex[:8]
         gkey = codec.global_key(version, self.epoch, nonce)
         skey = codec.state_key(version, self.epoch, nonce)
-        wbytes = codec.encode_global(self.weights, version)
+        wbytes = codec.encode_global(self.weights, version, self.model_config)
         sbytes = self._state_bytes(version, applied, parent)
         pointer = Pointer(version=version, path=gkey, sha256=codec.sha256(wbytes),
                           weights_digest=codec.tensor_digest(self.weights), outer_step=version,
                           master_epoch=self.epoch, state_path=skey,
                           state_sha256=codec.sha256(sbytes), master=self.node_id,
                           hwm=dict(self.hwm), carry=self.carry_weight(),
-                          workers=self._workers(set()), fastest_step_s=self.fastest_step_s(),
-                          model=self.model_config)
+                          workers=self._workers(set()), fastest_step_s=self.fastest_step_s())
         pbytes = pointer.to_bytes()
         if getattr(self.store, "single_commit", False):
             try:

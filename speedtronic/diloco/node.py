@@ -138,6 +138,7 @@ class Worker(ConsistentBase):
         self._inflight: _Upload | None = None
         self._pool: list[dict[str, torch.Tensor]] = []
         self._candidate: tuple[Pointer, dict[str, torch.Tensor]] | None = None
+        self._run_model: dict[str, Any] = {}  # model.* in the newest global's header
         self._reset_due = False
         self._seq = 0
         self.last_seq = -1
@@ -202,7 +203,7 @@ class Worker(ConsistentBase):
                     raise StoreError(f"diloco: no usable global at {self.store.url} within "
                                      f"start_timeout={cfg.start_timeout}s ({why})")
                 self._stop.wait(min(cfg.poll_interval, 1.0))
-        self._check_model(trainer, self._candidate[0])
+        self._check_model(trainer)
         self._install(trainer)
         self._threads = [threading.Thread(target=self._upload_loop, daemon=True,
                                           name=f"diloco-upload-{self.node_id}"),
@@ -212,15 +213,21 @@ class Worker(ConsistentBase):
             t.start()
         self._wall_start = time.perf_counter()
 
-    def _check_model(self, trainer: Any, pointer: Pointer) -> None:
+    def _check_model(self, trainer: Any) -> None:
         """Refuse to join a run whose published ``model.*`` differs in architecture from this
-        node's: equal tensor shapes (checked when staging) do not make the same model."""
+        node's: equal tensor shapes (checked when staging) do not make the same model.
+        ``hf_config`` is left out when it is a path: the same folder sits at another path on
+        another machine (the tensors' names and shapes still have to match)."""
         config = getattr(trainer, "config", None)
-        if not pointer.model or config is None:
+        if not self._run_model or config is None:
             return
         from ..models.builtin import architecture_changes
 
-        changes = architecture_changes(pointer.model, config.to_dict(redact=True)["model"])
+        mine, run = config.to_dict(redact=True)["model"], dict(self._run_model)
+        if isinstance(mine.get("hf_config"), str) or isinstance(run.get("hf_config"), str):
+            mine.pop("hf_config", None)
+            run.pop("hf_config", None)
+        changes = architecture_changes(run, mine)
         if changes:
             self.close()
             raise ConfigError(f"diloco: this node's model differs from the run's "
@@ -288,7 +295,8 @@ class Worker(ConsistentBase):
         marked = self._write_done_marker(max(0.0, deadline - time.monotonic()))
         if flushed and marked and self.cfg.final_sync_timeout > 0:
             self.final_synced = self.final_sync(trainer, self.cfg.final_sync_timeout)
-        if self._carry_mode and not self.final_synced:
+        if self._carry_mode and not self.final_synced and flushed:
+            # (not flushed: the local weights hold work no global will, so they are kept)
             self._end_on_published_global(trainer)
         self.close()
         self._log(trainer)
@@ -563,7 +571,8 @@ class Worker(ConsistentBase):
                                   f"{limit}-byte limit (distributed.max_object_mb); not read")
         data = self.store.get(pointer.path)
         self.m["bytes_down"] += len(data)
-        tensors = codec.decode_global(data, pointer)  # verifies sha256 + digest
+        tensors, model = codec.decode_global_with_model(data, pointer)  # sha256 + digest
+        self._run_model = model or self._run_model
         missing = set(self._params) - set(tensors) if self._params else set()
         if missing:
             raise ModelMismatch(f"global v{pointer.version} lacks {sorted(missing)[:3]}")

@@ -87,7 +87,9 @@ def _check_model_name(cfg: SpeedtronicConfig) -> None:
     from ..models.builtin import BUILTIN_MODELS, unknown_model_error
 
     m = cfg.model
-    if m.init_from is not None and not Path(str(m.init_from)).expanduser().exists():
+    # (a resumed run loads its checkpoint instead, so init_from is not read then)
+    if m.init_from is not None and not cfg.checkpoint.resume and \
+            not Path(str(m.init_from)).expanduser().exists():
         raise ConfigError(f"model.init_from: {str(m.init_from)!r} does not exist (give a run "
                           "directory, a checkpoint .pt, or a Hugging Face folder)")
     if m.name == "hf" and isinstance(m.hf_config, str) and \

@@ -55,7 +55,8 @@ def _cfg(tmp_path: Path, **sections) -> Path:
     ({"data": {"dataset": "no_such_pkg_xyz:make"}},
      "data.dataset: cannot import "),
     *[({"distributed": {"enabled": True, "store": url}}, "distributed.store: ")
-      for url in ("s3://", "s3:///", "hf://", "hf://a/b/c/d", "file://", "file://relative/path")],
+      for url in ("s3://", "s3:///", "hf://", "hf://a/b/c/d", "file://", "file://relative/path",
+                  "s3://[bad/p")],
     ({"optimizer": {"name": "muon", "muon_ns_steps": 100}},
      "optimizer.muon_ns_steps: must be in [1, 100)"),
 ])
@@ -136,3 +137,9 @@ def test_an_existing_run_directory_that_is_not_writable_is_named_as_such(tmp_pat
         preflight.check_run_dir(run)
     with pytest.raises(ConfigError, match=f"cannot be created: {run} is not writable"):
         preflight.check_run_dir(run / "sub")
+
+
+def test_a_resumed_config_does_not_need_its_init_from_weights(tmp_path, capsys):
+    """init_from only starts a fresh run; a resume loads its checkpoint instead."""
+    cfg = _cfg(tmp_path, model={"init_from": "/no/such/run"}, checkpoint={"resume": True})
+    assert main(["validate", "--config", str(cfg)]) == 0

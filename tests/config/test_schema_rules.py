@@ -69,3 +69,9 @@ def test_more_eval_batches_than_the_eval_split_holds_is_refused_when_the_data_is
         build_data(cfg, rank=0, world=1)
     cfg.run.eval_batches = 2
     assert len(build_data(cfg, rank=0, world=1).eval_batches(2)) == 2
+    # a small held-out split read several times over (the synthetic set's) still builds
+    small = load_config({"model": {"max_seq_len": 512},
+                         "data": {"synthetic": True, "num_tokens": 10_000, "block_size": 512,
+                                  "micro_batch_size": 1}})
+    assert len(build_data(small, rank=0, world=1).eval_batches(small.run.eval_batches)) == \
+        small.run.eval_batches

@@ -524,10 +524,15 @@ def test_a_live_master_under_the_same_node_id_is_not_deposed(tmp_path):
     finally:
         holder.kill()
         holder.wait(timeout=10)
-    # a lease of this node id written on another host cannot be checked: the ttl applies
-    store.put("master/lease.json", json.dumps({**lease, "host": "elsewhere"}).encode())
-    third = Master(store, m.cfg, "m0", None)
-    assert not third.acquire_lease(threading.Event(), timeout=m.cfg.lease_ttl / 4)
+    # a lease of this node id that cannot be placed here (another host, or another pid
+    # namespace on this host: a container where the holder may be a live pid 1): the ttl
+    # applies, even when its pid is this process's own
+    for elsewhere in ({"host": "elsewhere"}, {"pidns": lease["pidns"] + 1},
+                      {"boot": "another-boot"}):
+        store.put("master/lease.json",
+                  json.dumps({**lease, **elsewhere, "pid": os.getpid()}).encode())
+        third = Master(store, m.cfg, "m0", None)
+        assert not third.acquire_lease(threading.Event(), timeout=m.cfg.lease_ttl / 4)
 
 
 def test_a_worker_without_a_final_sync_ends_on_the_newest_global(tmp_path):
@@ -585,7 +590,9 @@ def test_a_worker_building_another_architecture_is_refused_at_start(tmp_path):
     m = Master(store, cfg, "m0", lambda: initial_weights(), model_config=run_model)
     assert m.acquire_lease(threading.Event(), timeout=5)
     m.load_or_bootstrap()
-    assert read_pointer(store).model == run_model
+    pointer = read_pointer(store)
+    assert codec.decode_global_with_model(store.get(pointer.path), pointer)[1] == run_model
+    assert '"model"' not in pointer.to_bytes().decode()  # older readers refuse unknown fields
 
     def joins(model_section: dict) -> None:
         t = FakeTrainer(TinyModel(0))
@@ -599,6 +606,16 @@ def test_a_worker_building_another_architecture_is_refused_at_start(tmp_path):
     with pytest.raises(ConfigError, match=r"model\.n_head is 4 here but 2 in the store"):
         joins({"d_model": 32, "n_head": 4})
     joins({"d_model": 32, "n_head": 2, "dropout": 0.1})  # not architecture: joins
+    # an HF config folder is named by a path, which differs between machines
+    w = Worker(cfg, store=store, node_id="w1")
+    t = FakeTrainer(TinyModel(0))
+    t.config = load_config({"model": {"name": "hf", "hf_config": "/mnt/shared/tiny"}})
+    w._run_model = {**t.config.to_dict()["model"], "hf_config": "/home/alice/tiny"}
+    w._check_model(t)
+    w._run_model["rope_base"] = 500000.0
+    with pytest.raises(ConfigError, match="model.rope_base"):
+        w._check_model(t)
+    w.close()
     # a restarted master keeps the run's model even when its own config differs
     m2 = Master(store, cfg, "m0", None, model_config={**run_model, "n_head": 4})
     assert m2.acquire_lease(threading.Event(), timeout=5)
