@@ -42,6 +42,9 @@ def check_store_url(url: str, credentials: bool = False) -> None:
                 or parsed.query or parsed.fragment:
             raise ConfigError(f"distributed.store: file URLs need an absolute path and nothing "
                               f"after it (file:///path), got {url!r}")
+    elif parsed.query or parsed.fragment:  # "?revision=x" was dropped without a word
+        raise ConfigError(f"distributed.store: {scheme} URLs take nothing after the path "
+                          f"(no ?... or #...), got {url!r}")
     elif scheme == "s3" and not parsed.netloc:
         raise ConfigError(f"distributed.store: s3 URL needs a bucket: s3://bucket/prefix, "
                           f"got {url!r}")

@@ -37,8 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # where the run's model is: the store object, and the node checkpoints that hold it
     print(f"master done at v{pointer.version}: the final global is {pointer.path} in "
-          f"{master.store.url} (a worker with distributed.final_sync_timeout > 0 ends holding it "
-          "in its final checkpoint, for speedtronic sample / export / model.init_from)")
+          f"{master.store.url} (the last worker to finish, with distributed.final_sync_timeout > "
+          "0, ends holding it in its final checkpoint, for speedtronic sample / export / "
+          "model.init_from)")
     return 0
 
 

@@ -249,13 +249,17 @@ def _head_dim_extra(module: nn.Module, head_dim: int) -> int | None:
 
 
 def _vocab_heads(model: nn.Module, vocab: int) -> set[int]:
-    """ids of the Linear layers that are the output head: tied to a vocab-sized embedding, or
-    the last Linear with ``vocab`` outputs (heads are registered after the blocks). An MLP whose
-    hidden width happens to equal the vocab size is a model dim, not the vocab: it was once
-    reported under ``vocab`` (or dropped with ``check_vocab: false``)."""
+    """ids of the Linear layers that are output heads. Every Linear with ``vocab`` outputs is
+    one (several heads: multi-token prediction) unless some Linear also takes ``vocab`` inputs:
+    then that width is also an MLP's hidden width, and only the heads tied to a vocab-sized
+    embedding and the last such Linear (heads are registered after the blocks) count. Such an
+    MLP was once reported under ``vocab`` (or dropped with ``check_vocab: false``)."""
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    outputs = [m for m in linears if m.out_features == vocab]
+    if not any(m.in_features == vocab for m in linears):
+        return {id(m) for m in outputs}
     embeddings = {id(m.weight) for m in model.modules()
                   if isinstance(m, nn.Embedding) and m.num_embeddings == vocab}
-    outputs = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == vocab]
     heads = {id(m) for m in outputs if id(m.weight) in embeddings}
     if outputs:
         heads.add(id(outputs[-1]))

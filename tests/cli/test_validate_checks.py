@@ -56,7 +56,7 @@ def _cfg(tmp_path: Path, **sections) -> Path:
      "data.dataset: cannot import "),
     *[({"distributed": {"enabled": True, "store": url}}, "distributed.store: ")
       for url in ("s3://", "s3:///", "hf://", "hf://a/b/c/d", "file://", "file://relative/path",
-                  "s3://[bad/p")],
+                  "s3://[bad/p", "hf://user/repo?revision=x")],
     ({"optimizer": {"name": "muon", "muon_ns_steps": 100}},
      "optimizer.muon_ns_steps: must be in [1, 100)"),
 ])

@@ -220,3 +220,12 @@ def test_an_mlp_as_wide_as_the_vocab_is_a_model_dim_not_the_vocab() -> None:
     no_vocab = check_shapes(WideMlp(), _cfg(alignment=128, check_vocab=False), "cuda", "bf16",
                             capability=H100)
     assert set(_rows(no_vocab)[("linear", 200)].where) == {"up.out_features", "down.in_features"}
+
+
+def test_every_head_of_a_multi_token_model_is_vocab() -> None:
+    model = WideMlp()
+    model.up, model.down = nn.Linear(64, 96, bias=False), nn.Linear(96, 64, bias=False)
+    model.head2 = nn.Linear(64, 200, bias=False)  # a second (multi-token prediction) head
+    rows = _rows(check_shapes(model, _cfg(alignment=128), "cuda", "bf16", capability=H100))
+    assert set(rows[("vocab", 200)].where) == {"embed.num_embeddings", "head.out_features",
+                                              "head2.out_features"}
