@@ -15,6 +15,8 @@ from ..errors import ConfigError, brief
 from .redaction import url_has_credentials
 from .rules import INF_IS_NO_LIMIT, require
 
+__all__ = ["DataParallelConfig", "DistributedConfig", "TorchftConfig", "check_store_url"]
+
 
 def check_store_url(url: str, credentials: bool = False) -> None:
     """Raise :class:`ConfigError` unless ``url`` is a well-formed ``distributed.store`` URL.
@@ -50,9 +52,6 @@ def check_store_url(url: str, credentials: bool = False) -> None:
                           f"got {url!r}")
     elif scheme == "hf" and f"{parsed.netloc}{parsed.path}".strip("/").count("/") != 1:
         raise ConfigError(f"distributed.store: hf URL must be hf://user/repo, got {url!r}")
-
-__all__ = ["DataParallelConfig", "DistributedConfig", "TorchftConfig"]
-
 
 @dataclass
 class DistributedConfig:

@@ -23,6 +23,7 @@ import socket
 import threading
 import time
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from .codec import LEASE_KEY, POINTER_KEY, FormatError, Pointer
@@ -57,7 +58,7 @@ def _process_identity() -> dict[str, Any]:
     containers can share a host name, and each may be pid 1, without sharing pids)."""
     identity: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid()}
     try:
-        identity["boot"] = open("/proc/sys/kernel/random/boot_id").read().strip()
+        identity["boot"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         identity["pidns"] = os.stat("/proc/self/ns/pid").st_ino
     except OSError:  # not Linux: a pid cannot be placed, so no lease is taken over early
         pass
