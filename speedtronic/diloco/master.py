@@ -89,7 +89,7 @@ class Master(MasterLease):
                  log_metrics: Callable[[dict], None] | None = None,
                  model_config: dict[str, Any] | None = None) -> None:
         self.store, self.cfg = store, cfg
-        #: ``model.*`` of the run, published in every pointer (the store's wins on a restart)
+        #: ``model.*`` of the run, in every global's header (the store's wins on a restart)
         self.model_config: dict[str, Any] = dict(model_config or {})
         self.node_id = codec.check_id(node_id)
         self.session = uuid.uuid4().hex[:10]
