@@ -306,7 +306,7 @@ def _markdown(meta: dict[str, Any], table: str, sweep: dict[str, Any],
         "Columns: losses in nats/token (mean ± sample std over seeds); *final train loss* = "
         "mean of the logged train losses over the last 10% of steps; *steps/time to "
         f"{meta['baseline']}* = first eval at or below the baseline's final eval loss (same "
-        "seed), at eval-interval resolution; time = training wall time without eval and "
+        "seed), at eval-interval resolution; time = training wall time without eval, compile and "
         "checkpoint writes; *opt step* = median time of `optimizer.step()`; *peak mem* = CUDA "
         "allocator peak, or the process's peak RSS on CPU; *stable rank* = mean over hidden "
         "matrices of ||W||_F² / ||W||_2² after training.", ""]

@@ -264,6 +264,7 @@ def _record(cfg: SpeedtronicConfig, spec: RunSpec, rec: CompareRecorder, result:
         "final_eval_loss": evals[-1][1] if evals else None,
         "best_eval_loss": min(eval_losses) if eval_losses else None,
         "train_time_s": s["train_time_s"],
+        "compile_time_s": s.get("compile_time_s", 0.0),
         "tokens_per_s": result.tokens / s["train_time_s"] if s["train_time_s"] > 0 else None,
         "optimizer_step_ms": rec.optimizer_step_ms(),
         "optimizer_steps_timed": len(s["optimizer_step_s"]),

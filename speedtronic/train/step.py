@@ -78,6 +78,7 @@ class OptimizerStep:
             # kept out of the log interval's timing, as evals and saves are: a 17 s compile
             # once read as 17353 ms/step and a wrong eta on the first line
             self._compile_seconds = time.perf_counter() - t0
+            self.compile_seconds += self._compile_seconds
 
     def _compile_failed(self, exc: BaseException, rng: torch.Tensor, x: torch.Tensor,
                         y: torch.Tensor, rel: float,

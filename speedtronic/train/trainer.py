@@ -173,6 +173,9 @@ class Trainer(OptimizerStep, StepLog, TrainerState):
         self._forward = self._ddp if self._ddp is not None else model
         self._compile_pending = False
         self._compile_seconds = 0.0  # the first compiled micro-step's time (see fit)
+        self.compile_seconds = 0.0
+        """Seconds this process spent in torch.compile's first compiled micro-step(s), in total
+        (kept out of the log interval's timing; ``speedtronic compare`` reads it too)."""
         self._ooo = None
         self._ooo_trial: OOOTrial | None = None
         self._shape_report = None

@@ -48,3 +48,31 @@ def test_aggregate_targets_are_per_seed_and_table_shows_spread():
     table = markdown_table(summary, {"base": "base", "fast": "fast"}, "base")
     assert "| fast | 0.02 (muon_lr) |" in table and "2.8000 ± 0.4243" in table
     assert len(table.strip().splitlines()) == 4
+
+
+def test_compile_time_is_recorded_apart_from_training_time(monkeypatch):
+    """A torch.compile variant's compile was charged as training time (24 s "to adamw" on
+    CPU against 0.0 s); the trainer's own ms/step leaves it out, and so does compare now."""
+    from types import SimpleNamespace
+
+    import torch
+
+    import speedtronic.compare.recorder as recorder
+
+    clock = [100.0]
+    monkeypatch.setattr(recorder, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    model = torch.nn.Linear(4, 4)
+    trainer = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), 0.1),
+                              device="cpu", step=0, compile_seconds=0.0,
+                              config=SimpleNamespace(run=SimpleNamespace(max_steps=10,
+                                                                         eval_every=0),
+                                                     checkpoint=SimpleNamespace(every_steps=100)))
+    rec = recorder.CompareRecorder(spectra=False)
+    rec.on_train_start(trainer)
+    clock[0] += 25.0                 # step 1: 24 s of it compiling
+    trainer.compile_seconds += 24.0
+    rec.after_optimizer_step(trainer, 1)
+    clock[0] += 2.0                  # step 2: plain training
+    rec.after_optimizer_step(trainer, 2)
+    assert rec.state["train_time_s"] == pytest.approx(3.0)
+    assert rec.state["compile_time_s"] == pytest.approx(24.0)

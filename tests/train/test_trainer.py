@@ -734,3 +734,16 @@ def test_the_first_compiled_step_is_kept_out_of_step_timing(tmp_path, monkeypatc
     recs = [r for r in read_metrics(trainer.metrics.path) if r["event"] == "train_step"]
     assert [r["step"] for r in recs] == [2, 4]
     assert all(r["step_ms"] < 1000.0 for r in recs), [r["step_ms"] for r in recs]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_the_compile_step_time_is_totalled_for_readers(tmp_path, monkeypatch, compiled):
+    """trainer.compile_seconds: the first compiled micro-step's time (compare keeps it out of
+    its training time), 0 for an eager run."""
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: model)
+    cfg = tiny_config(tmp_path, compile=compiled, run={"max_steps": 3, "eval_every": 0},
+                      checkpoint={"enabled": False})
+    trainer = build_trainer(cfg, model=TinyLM(), data=FixedData())
+    trainer.fit()
+    trainer.metrics.close()
+    assert (trainer.compile_seconds > 0) == compiled
