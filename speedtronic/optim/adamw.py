@@ -83,6 +83,32 @@ def _use_fused(group: dict[str, Any], params: list[Tensor]) -> bool:
     return bool(fused)
 
 
+def _fusable(p: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> bool:
+    """Whether torch's fused kernel updates ``p`` right: one dtype, and parameter and moments
+    in one dense layout. Three C calls for the common all-contiguous case: 24 us more host
+    time per 100 parameters than the dtype test alone (2-vCPU Xeon, torch 2.13, one thread)."""
+    if exp_avg.dtype != p.dtype:
+        return False
+    if p.is_contiguous() and exp_avg.is_contiguous() and exp_avg_sq.is_contiguous():
+        return True
+    return _dense(p) and _same_layout(exp_avg, p) and _same_layout(exp_avg_sq, p)
+
+
+def _dense(t: Tensor) -> bool:
+    """Its elements fill one block of memory without gaps or overlaps, in some dim order
+    (contiguous, channels_last, a transpose); ``big[::2]`` is not."""
+    if t.is_contiguous():
+        return True
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _same_layout(a: Tensor, b: Tensor) -> bool:
     """Same memory layout (strides of size-1 dims do not matter); two contiguous tensors are
     the common case and cost two C calls."""
@@ -153,12 +179,14 @@ def adamw_step(state: dict, group: dict[str, Any]) -> None:
     if not _use_fused(group, params):
         _adamw_step_parts(*lists, list(every), fused=False)
         return
-    # float16 weights with float32 moments: torch's fused kernel wants one dtype per tensor,
-    # so those take the op and the rest stays fused
-    same = [i for i in every if exp_avgs[i].dtype == params[i].dtype]
-    mixed = [i for i in every if exp_avgs[i].dtype != params[i].dtype]
-    _adamw_step_parts(*lists, same, fused=True)
-    _adamw_step_parts(*lists, mixed, fused=False)
+    # torch's fused kernel wants one dtype per tensor (float16 weights keep float32 moments)
+    # and walks parameter and moments as one flat, dense layout: a parameter with gaps
+    # (big[::2]) or moments laid out unlike it (a model moved to channels_last after its
+    # first steps, a checkpoint's contiguous moments) were updated up to 2.6 lr off. Those
+    # take the op; the rest stays fused.
+    fusable = [i for i in every if _fusable(params[i], exp_avgs[i], exp_avg_sqs[i])]
+    _adamw_step_parts(*lists, fusable, fused=True)
+    _adamw_step_parts(*lists, sorted(set(every) - set(fusable)), fused=False)
 
 
 def _adamw_step_parts(state: dict, group: dict[str, Any], owners: list[Tensor],

@@ -269,6 +269,36 @@ def test_adamw_update_does_not_depend_on_the_gradient_layout(kwargs) -> None:
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("fused", [None, True, False])
+def test_adamw_matches_torch_for_a_strided_parameter_and_moments_of_another_layout(fused):
+    """torch's fused kernel walks parameter and moments as one flat layout: a parameter with
+    gaps (big[::2]), and a model moved to channels_last after its first steps (contiguous
+    moments, channels_last weights), were updated up to 2.6 lr off on the default path.
+    torch.optim.AdamW's own default (foreach) is the reference."""
+    torch.manual_seed(0)
+    big, grads = torch.randn(16, 5), [torch.randn(8, 5) for _ in range(3)]
+    p_ref, p = (nn.Parameter(big.clone()[::2]) for _ in range(2))
+    ref, ours = torch.optim.AdamW([p_ref], lr=1e-2), AdamW([p], lr=1e-2, fused=fused)
+    assert not p.is_contiguous()
+    for g in grads:
+        p_ref.grad, p.grad = g.clone(), g.clone()
+        ref.step()
+        ours.step()
+    torch.testing.assert_close(p.detach(), p_ref.detach(), rtol=1e-6, atol=1e-6)
+
+    w, grads = torch.randn(3, 4, 5, 6), [torch.randn(3, 4, 5, 6) for _ in range(4)]
+    p_ref, p = nn.Parameter(w.clone()), nn.Parameter(w.clone())
+    ref, ours = torch.optim.AdamW([p_ref], lr=1e-2), AdamW([p], lr=1e-2, fused=fused)
+    for k, g in enumerate(grads):
+        if k == 2:  # model.to(memory_format=torch.channels_last) between steps
+            for q in (p_ref, p):
+                q.data = q.data.to(memory_format=torch.channels_last)
+        p_ref.grad, p.grad = g.clone(), g.clone().to(memory_format=torch.channels_last)
+        ref.step()
+        ours.step()
+    torch.testing.assert_close(p.detach(), p_ref.detach(), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("kwargs", [{}, {"fused": False}])
 def test_adamw_updates_complex_parameters_like_torch(kwargs) -> None:
     torch.manual_seed(0)
