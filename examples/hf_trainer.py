@@ -17,7 +17,12 @@ import math
 from pathlib import Path
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+try:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+except ImportError:  # one line, not a traceback: the dev extra installs it
+    raise SystemExit("examples/hf_trainer.py needs transformers: pip install -e \".[dev]\"") \
+        from None
 
 from speedtronic.config import OptimizerConfig
 from speedtronic.optim import build_optimizer, describe_routing

@@ -15,8 +15,13 @@ import argparse
 import inspect
 from pathlib import Path
 
-import lightning as L
 import torch
+
+try:
+    import lightning as L
+except ImportError:  # one line, not a traceback: the dev extra installs it
+    raise SystemExit("examples/lightning_module.py needs lightning: pip install -e \".[dev]\"") \
+        from None
 from torch import nn
 
 from speedtronic.config import OptimizerConfig
