@@ -21,18 +21,24 @@ from speedtronic.diloco.outer import OuterOptimizer, carry_weight  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- outer step
-def test_nesterov_matches_torch_sgd():
-    torch.manual_seed(0)
+def _matches_torch_nesterov(seed: int, steps: int, weights: list[float]) -> None:
+    """Outer Nesterov on ``len(weights)`` weighted deltas per step equals torch's Nesterov SGD
+    on their weighted mean sum(w_i d_i) / sum(w_i)."""
+    torch.manual_seed(seed)
     theta = {"w": torch.randn(4, 3)}
     ref = torch.nn.Parameter(theta["w"].clone())
     sgd = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
     opt = OuterOptimizer("nesterov", 0.7, 0.9)
-    for i in range(5):
-        d = {"w": torch.randn(4, 3)}
-        opt.step(theta, [(d, 1.0)])
-        ref.grad = d["w"].clone()
+    for i in range(steps):
+        ds = [torch.randn(4, 3) for _ in weights]
+        opt.step(theta, [({"w": d}, w) for d, w in zip(ds, weights, strict=True)])
+        ref.grad = sum(w * d for d, w in zip(ds, weights, strict=True)) / sum(weights)
         sgd.step()
         torch.testing.assert_close(theta["w"], ref.detach(), rtol=0, atol=1e-6, msg=f"step {i}")
+
+
+def test_nesterov_matches_torch_sgd():
+    _matches_torch_nesterov(seed=0, steps=5, weights=[1.0])
 
 
 @pytest.mark.parametrize("method", ["delayed_nesterov", "eager_nesterov"])
@@ -221,17 +227,7 @@ def test_staleness_weights_are_the_documented_curves():
 def test_nesterov_takes_the_weighted_mean_of_the_deltas():
     """Token- or staleness-weighted deltas: the step is torch's Nesterov SGD on
     sum(w_i d_i) / sum(w_i), not on the sum divided by the count."""
-    torch.manual_seed(3)
-    theta = {"w": torch.randn(4, 3)}
-    ref = torch.nn.Parameter(theta["w"].clone())
-    sgd = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
-    opt = OuterOptimizer("nesterov", 0.7, 0.9)
-    for _ in range(3):
-        d1, d2 = torch.randn(4, 3), torch.randn(4, 3)
-        opt.step(theta, [({"w": d1}, 1.0), ({"w": d2}, 0.5)])
-        ref.grad = (1.0 * d1 + 0.5 * d2) / 1.5
-        sgd.step()
-        torch.testing.assert_close(theta["w"], ref.detach(), rtol=0, atol=1e-6)
+    _matches_torch_nesterov(seed=3, steps=3, weights=[1.0, 0.5])
 
 
 @pytest.mark.parametrize("method", ["delayed_nesterov", "eager_nesterov"])
