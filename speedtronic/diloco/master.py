@@ -220,12 +220,11 @@ class Master(MasterLease):
             return
         from ..models.builtin import architecture_changes
 
-        changes = architecture_changes(published, self.model_config) \
+        changes = architecture_changes(published, self.model_config, "the store") \
             if self.model_config else ""
         if changes:
             logger.warning("diloco master: this store's run was started with another model "
-                           "(%s); keeping the store's, which every worker must build",
-                           changes.replace("in the checkpoint", "in the store"))
+                           "(%s); keeping the store's, which every worker must build", changes)
         self.model_config = dict(published)
 
     def _state_bytes(self, version: int, applied: list[str], parent: str) -> bytes:

@@ -227,11 +227,11 @@ class Worker(ConsistentBase):
         if isinstance(mine.get("hf_config"), str) or isinstance(run.get("hf_config"), str):
             mine.pop("hf_config", None)
             run.pop("hf_config", None)
-        changes = architecture_changes(run, mine)
+        changes = architecture_changes(run, mine, "the store")
         if changes:
             self.close()
             raise ConfigError(f"diloco: this node's model differs from the run's "
-                              f"({changes.replace('in the checkpoint', 'in the store')}). "
+                              f"({changes}). "
                               "Every node must build the master's model: use the same model.* "
                               "settings on every node")
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from ..config.scaling import check_store_url
 from .store_contract import (
     AccessDenied,
     ObjectExists,
@@ -102,10 +103,8 @@ class S3Store(Store):
     """``s3://bucket/prefix``; keys live under ``prefix/``. Credentials: the AWS environment."""
 
     def __init__(self, url: str, endpoint_url: str | None = None, fs: Any = None) -> None:
+        check_store_url(url)  # a bucket, nothing after the path
         parsed = urlparse(url)
-        if not parsed.netloc:
-            raise ValueError(f"distributed.store: s3 URL needs a bucket: s3://bucket/prefix, "
-                             f"got {url!r}")
         self.root = f"{parsed.netloc}/{parsed.path.strip('/')}".rstrip("/")
         self.url = url
         if fs is None:
@@ -198,10 +197,9 @@ class HfStore(Store):
     single_commit = True
 
     def __init__(self, url: str, api: Any = None, repo_type: str = "model") -> None:
+        check_store_url(url)  # user/repo, nothing after it
         parsed = urlparse(url)
         repo_id = f"{parsed.netloc}{parsed.path}".strip("/")
-        if repo_id.count("/") != 1:
-            raise ValueError(f"distributed.store: hf URL must be hf://user/repo, got {url!r}")
         self.repo_id, self.repo_type, self.url = repo_id, repo_type, url
         if api is None:
             try:

@@ -63,7 +63,8 @@ _RESUMABLE_MODEL_KEYS = frozenset({"dropout", "gradient_checkpointing", "max_seq
                                    "init_from"})
 
 
-def architecture_changes(saved: dict[str, Any], current: dict[str, Any]) -> str:
+def architecture_changes(saved: dict[str, Any], current: dict[str, Any],
+                         where: str = "the checkpoint") -> str:
     """``model.k is X here but Y in the checkpoint; ...`` for the first 4 architecture keys
     that differ (every model.* key but dropout, gradient checkpointing, max_seq_len and
     init_from, with computed defaults resolved); "" when none does or nothing was saved.
@@ -74,7 +75,7 @@ def architecture_changes(saved: dict[str, Any], current: dict[str, Any]) -> str:
                if saved_model and k not in _RESUMABLE_MODEL_KEYS
                and saved_model.get(k) != current_model.get(k)]
     return "; ".join(f"model.{k} is {current_model.get(k)!r} here but {saved_model.get(k)!r} "
-                     "in the checkpoint" for k in changed[:4])
+                     f"in {where}" for k in changed[:4])
 
 
 def _resolved_architecture(model: dict[str, Any]) -> dict[str, Any]:
