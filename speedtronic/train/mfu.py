@@ -24,6 +24,7 @@ overrides them, e.g. for other GPUs or for a CPU.
 from __future__ import annotations
 
 import logging
+import re
 import statistics
 from collections.abc import Sequence
 from typing import Any
@@ -36,13 +37,19 @@ __all__ = ["PEAK_TFLOPS", "MfuMeter", "device_peak_tflops", "median", "model_flo
 
 logger = logging.getLogger("speedtronic.mfu")
 
-#: Dense peak TFLOP/s per GPU: (16-bit, TF32). Matched by substring of the device name, first hit.
+#: Dense peak TFLOP/s per GPU: (16-bit, TF32). A key matches whole words of the device name
+#: (words split at spaces and dashes), first hit: "L4" is not "NVIDIA L40", nor "A10" an "A10G".
+#: The NVL rows are the datasheets' sparse figures (1,671 / 835) halved.
 PEAK_TFLOPS: tuple[tuple[str, float, float], ...] = (
+    ("GH200", 989.0, 494.0),
+    ("H200 NVL", 835.5, 417.5),
     ("H200", 989.0, 494.0),
+    ("H100 NVL", 835.5, 417.5),
     ("H100 PCIe", 756.0, 378.0),
     ("H100", 989.0, 494.0),       # SXM
     ("A100", 312.0, 156.0),
     ("L40S", 362.0, 183.0),
+    ("L40", 181.0, 90.5),
     ("L4", 121.0, 60.0),
     ("A10", 125.0, 62.5),
     ("RTX 4090", 165.2, 82.6),    # fp16/bf16 with fp32 accumulation
@@ -75,8 +82,9 @@ def device_peak_tflops(device: torch.device, precision_mode: str,
     if device.type != "cuda" or not torch.cuda.is_available():
         return None, f"no peak for {device.type} (set run.peak_tflops)"
     name = torch.cuda.get_device_name(device)
+    words = " " + " ".join(re.split(r"[\s-]+", name)) + " "
     for key, half, tf32 in PEAK_TFLOPS:
-        if key in name:
+        if f" {key} " in words:
             sixteen = precision_mode in ("bf16", "fp16")
             return (half if sixteen else tf32), f"{name}, {'16-bit' if sixteen else 'TF32'} dense"
     return None, f"{name} is not in the peak table (set run.peak_tflops)"
@@ -90,12 +98,19 @@ def median(values: Sequence[float]) -> float | None:
 class MfuMeter:
     """Adds model TFLOP/s and MFU to a run's log rows and keeps them for the summary.
 
-    Decided once per run: the model's FLOPs per token at the run's sequence length and the
-    device's peak. One log line states the decision (or why MFU is off)."""
+    The device's peak is decided once per run; the model FLOPs are counted per micro-batch at
+    the sequence length it has (:meth:`count`), so a dataset of items shorter than
+    ``model.max_seq_len`` is not credited with attention over positions it never had (a
+    2048-token model trained on 128-token items read 4.2x too high when the length was fixed at
+    the start). One log line states the decision (or why MFU is off)."""
 
     def __init__(self, model: nn.Module, seq_len: int, device: torch.device,
                  precision_mode: str, peak_override: float | None = None) -> None:
+        self._model = model
+        #: FLOPs per token at the configured sequence length (the start-of-run log line)
         self.flops_per_token = model_flops_per_token(model, seq_len)
+        self._per_token: dict[int, float] = {seq_len: self.flops_per_token or 0.0}
+        self._flops = 0.0  # model FLOPs of the micro-batches counted since the last add
         self.peak_tflops, source = device_peak_tflops(device, precision_mode, peak_override)
         self.tflops_history: list[float] = []
         self.mfu_history: list[float] = []
@@ -109,14 +124,26 @@ class MfuMeter:
             logger.info("mfu: %.3g GFLOP per token against a peak of %.0f TFLOP/s (%s)",
                         self.flops_per_token / 1e9, self.peak_tflops, source)
 
-    def add(self, record: dict[str, Any]) -> None:
-        """Set ``record["model_tflops"]`` (and ``["mfu"]`` with a known peak) from its
-        ``tokens_per_sec``."""
+    def count(self, batch: torch.Tensor) -> None:
+        """Add the model FLOPs of one micro-batch the model ran, ``batch`` its ``(B, T)``
+        input: ``B * T`` tokens at ``flops_per_token(T)``."""
         if self.flops_per_token is None:
             return
-        # per device: under torchrun tokens_per_sec is the job's, the peak is one GPU's
-        per_device = record.get("tokens_per_sec_per_rank", record["tokens_per_sec"])
-        tflops = per_device * self.flops_per_token / 1e12
+        seq_len = int(batch.shape[-1])
+        per_token = self._per_token.get(seq_len)
+        if per_token is None:
+            per_token = self._per_token[seq_len] = (
+                model_flops_per_token(self._model, seq_len) or 0.0)
+        self._flops += batch.numel() * per_token
+
+    def add(self, record: dict[str, Any], seconds: float) -> None:
+        """Set ``record["model_tflops"]`` (and ``["mfu"]`` with a known peak): this device's
+        FLOPs counted since the last row over the interval's ``seconds`` (under torchrun the
+        peak is one GPU's, and so is the count)."""
+        if self.flops_per_token is None:
+            return
+        tflops = self._flops / max(seconds, 1e-9) / 1e12
+        self._flops = 0.0
         record["model_tflops"] = tflops
         self.tflops_history.append(tflops)
         if self.peak_tflops is not None:

@@ -173,10 +173,13 @@ class OptimizerStep:
             # stopped the run (or counted as a skipped non-finite step) instead of being skipped
             n = counted_tokens(y)
             self._micro_since_log += 1
-            self.tokens += x.numel()
-            self.samples += x.shape[0]
             if n == 0:
                 continue  # all padding: nothing to learn, and its mean loss is NaN
+            # counted once run: a skipped batch in tokens/s and MFU inflated both
+            self.tokens += x.numel()
+            self.samples += x.shape[0]
+            if self._mfu is not None:
+                self._mfu.count(x)
             rel = weights.weight(n)
             ran += 1
             x, y = self._to_device(x, y)
@@ -213,6 +216,8 @@ class OptimizerStep:
             self._micro_since_log += 1
             self.tokens += x.numel()
             self.samples += x.shape[0]
+            if self._mfu is not None:
+                self._mfu.count(x)  # every micro-batch runs here, padding included
             if n == 0:
                 y = dp_step.one_token_labels(y)  # scale 0: runs only to keep DDP in step
             x, y = self._to_device(x, y)

@@ -113,7 +113,7 @@ class StepLog:
             record["ranks"] = world
             record["tokens_per_sec_per_rank"] = record["tokens_per_sec"] / world
         if self._mfu is not None:
-            self._mfu.add(record)
+            self._mfu.add(record, dt)
         return record
 
     def _report_skipped_updates(self, counts: list[tuple[tuple[int, int], int]]) -> None:

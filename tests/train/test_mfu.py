@@ -32,12 +32,57 @@ def test_peak_table_override_and_unknown_devices(monkeypatch):
     for name, mode, peak in (("NVIDIA H100 80GB HBM3", "bf16", 989.0),
                              ("NVIDIA H100 PCIe", "bf16", 756.0),
                              ("NVIDIA A100-SXM4-80GB", "fp32", 156.0),
-                             ("NVIDIA A10", "fp16", 125.0), ("NVIDIA L40S", "bf16", 362.0)):
+                             ("NVIDIA A10", "fp16", 125.0), ("NVIDIA L40S", "bf16", 362.0),
+                             # whole words: an L40 is not an L4, an H100 NVL not an SXM
+                             ("NVIDIA L40", "bf16", 181.0), ("NVIDIA L4", "bf16", 121.0),
+                             ("NVIDIA H100 NVL", "bf16", 835.5),
+                             ("NVIDIA GH200 480GB", "bf16", 989.0)):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_, n=name: n)
         assert mfu.device_peak_tflops(torch.device("cuda"), mode)[0] == peak, name
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "Mystery GPU")
-    peak, why = mfu.device_peak_tflops(torch.device("cuda"), "bf16")
-    assert peak is None and "run.peak_tflops" in why
+    for unknown in ("Mystery GPU", "NVIDIA A10G"):  # an A10G is not an A10 (125 TFLOP/s)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_, n=unknown: n)
+        peak, why = mfu.device_peak_tflops(torch.device("cuda"), "bf16")
+        assert peak is None and "run.peak_tflops" in why, unknown
+
+
+def test_model_flops_follow_the_length_of_each_micro_batch():
+    cfg = load_config({"model": {"n_layer": 2, "d_model": 64, "n_head": 4, "max_seq_len": 64}})
+    model = build_model(cfg.model)
+    meter = mfu.MfuMeter(model, 64, torch.device("cpu"), "fp32", peak_override=1.0)
+    meter.count(torch.zeros(2, 8, dtype=torch.long))
+    meter.count(torch.zeros(3, 64, dtype=torch.long))
+    record: dict = {}
+    meter.add(record, seconds=2.0)
+    flops = 16 * model.flops_per_token(8) + 192 * model.flops_per_token(64)
+    assert record["model_tflops"] == pytest.approx(flops / 2.0 / 1e12)
+    assert record["mfu"] == pytest.approx(record["model_tflops"] / 1.0)
+    meter.add(record, seconds=1.0)  # nothing counted since the last row
+    assert record["model_tflops"] == 0.0
+
+
+def test_mfu_of_a_dataset_shorter_than_the_context_uses_the_length_it_trains(tmp_path):
+    """A user dataset of 17-token items under a 256-token model: attention is counted at 16."""
+
+    class Items(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.randint(0, 256, (17,), generator=torch.Generator().manual_seed(i))
+
+    cfg = load_config({
+        "run": {"name": "short", "output_dir": str(tmp_path), "max_steps": 2, "eval_every": 0,
+                "device": "cpu", "peak_tflops": 1.0},
+        "model": {"n_layer": 2, "d_model": 32, "n_head": 2, "max_seq_len": 256},
+        "data": {"micro_batch_size": 2}, "logging": {"every_steps": 1, "progress_bar": False},
+        "checkpoint": {"enabled": False}, "shape_validation": {"enabled": False}})
+    train_from_config(cfg, data=Items(), plot=False)
+    rows = [json.loads(ln) for ln in (tmp_path / "short" / "metrics.jsonl").read_text()
+            .splitlines()]
+    model = build_model(cfg.model)
+    for r in (r for r in rows if r["event"] == "train_step"):
+        per_token = r["model_tflops"] * 1e12 / r["tokens_per_sec"]
+        assert per_token == pytest.approx(model.flops_per_token(16), rel=1e-6)
 
 
 def test_every_log_row_carries_tflops_and_mfu_and_the_end_gives_the_median(tmp_path, caplog):

@@ -540,6 +540,8 @@ def test_an_all_padding_batch_without_accumulation_is_skipped_not_a_nan(tmp_path
     result = trainer.fit()
     trainer.metrics.close()
     assert result.steps == 3 and updates == [0, 2] and trainer.skipped_steps == 0
+    # tokens (and tokens/s, MFU) count the batches that ran: the skipped one is not trained
+    assert result.tokens == 2 * 4 * 8 and trainer.samples == 2 * 4
 
 
 def test_a_failed_build_leaves_no_log_handler(tmp_path):
