@@ -449,6 +449,10 @@ def _write_plot(run_dir: Path) -> None:
         logger.info("loss plot: skipped (matplotlib not installed; pip install "
                     "'speedtronic[plot]')")
         return
-    out = plot.plot_runs([run_dir], run_dir / "loss.png")
+    try:
+        out = plot.plot_runs([run_dir], run_dir / "loss.png")
+    except SpeedtronicError as exc:  # e.g. every loss was non-finite: the run itself is done
+        logger.warning("loss plot: not written (%s)", exc)
+        return
     logger.info("loss plot: %s", out)
 

@@ -109,10 +109,7 @@ class OptimizerStep:
             if need_norm:
                 self._lr_used = self.optimizer.param_groups[0]["lr"]
             self.optimizer.zero_grad(set_to_none=True)
-            if self.scheduler is not None:
-                with warnings.catch_warnings():  # no optimizer.step() on purpose: say nothing
-                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
-                    self.scheduler.step()
+            self._advance_schedule(stepped=False)
             return None
         if self._ooo is not None:
             self._ooo.flush()  # deferred weight gradients must land before they are read
@@ -141,7 +138,9 @@ class OptimizerStep:
         if need_norm:  # the lr this step uses, for its log row (the schedule moves it below)
             lr = self.optimizer.param_groups[0]["lr"]
             self._lr_used = lr.clone() if isinstance(lr, torch.Tensor) else lr
+        stepped = True
         if self._skip_nonfinite and self._skip_if_nonfinite(norm):
+            stepped = False
             if self.scaler is not None:
                 self.scaler.update()  # unscale_ ran: the scaler needs its update to go on
             self._loss_sum.copy_(self._loss_before_step)  # the dropped step is not logged
@@ -152,9 +151,20 @@ class OptimizerStep:
         else:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scheduler is not None:
-            self.scheduler.step()
+        self._advance_schedule(stepped)
         return norm
+
+    def _advance_schedule(self, stepped: bool) -> None:
+        """One schedule step. A step without ``optimizer.step()`` (all padding, or skipped as
+        non-finite) is on purpose: torch's warning about the call order would mislead."""
+        if self.scheduler is None:
+            return
+        if stepped:
+            self.scheduler.step()
+            return
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler")
+            self.scheduler.step()
 
     def _accumulate_step(self, it: Iterator[Any]) -> bool:
         """Forward + backward of one optimizer step's micro-batches, token-weighted (see

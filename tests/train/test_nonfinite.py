@@ -3,6 +3,9 @@ its update is skipped; nothing non-finite is ever saved, and finite checkpoints 
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import warnings
 from pathlib import Path
 
 import pytest
@@ -121,6 +124,32 @@ def test_a_skipped_last_step_keeps_the_last_real_loss(tmp_path):
     assert end["loss"] == losses[2]
     ckpt = CheckpointManager(tmp_path / "t" / "checkpoints")
     assert ckpt.load(ckpt.list()[0][1])["last_loss"] == losses[2]
+
+
+class AlwaysNan(TinyLM):
+    """TinyLM whose every loss, training and eval, is NaN."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return super().forward(x, y) * float("nan")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
+def test_a_run_whose_every_step_was_skipped_ends_without_an_error_or_warnings(tmp_path, caplog):
+    """Every loss non-finite, fewer steps than max_skipped_steps: the run reaches its end and
+    saves; the loss plot (nothing finite to draw) is skipped with a warning instead of failing
+    the finished run, and the schedule's call-order warning (no optimizer.step() yet, on
+    purpose) is not shown."""
+    cfg = tiny_config(tmp_path, run={"max_steps": 3, "eval_every": 0},
+                      train={"on_nonfinite": "skip"}, logging={"every_steps": 1},
+                      checkpoint={"every_steps": 3})
+    with warnings.catch_warnings(record=True) as caught, \
+            caplog.at_level(logging.WARNING, logger="speedtronic"):
+        warnings.simplefilter("always")
+        result = train_from_config(cfg, model=AlwaysNan(), data=FixedData(), plot=True)
+    assert result.steps == 3
+    assert [s for s, _ in CheckpointManager(tmp_path / "t" / "checkpoints").list()] == [3]
+    assert "loss plot: not written" in caplog.text and "no loss values" in caplog.text
+    assert not [w for w in caught if "lr_scheduler" in str(w.message)]
 
 
 def test_skip_gives_up_after_max_skipped_steps_in_a_row(tmp_path):
