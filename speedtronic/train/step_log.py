@@ -2,7 +2,8 @@
 
 At a log step :meth:`StepLog._log_record` reads, in one ``tolist()``, the open interval's summed
 loss, the gradient norm, the lr, the lean Muon step's fp16 guard counters and the count of
-finite steps, so a CUDA run never waits on the device between log steps. A non-finite loss or
+finite steps, so a bf16 or fp32 CUDA run never waits on the device between log steps (fp16:
+GradScaler reads one flag per step, see :mod:`.step`). A non-finite loss or
 gradient norm in the interval raises there (``train.on_nonfinite: raise``).
 
 :class:`StepLog` is mixed into :class:`~speedtronic.train.trainer.Trainer`, whose attributes
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,10 +60,9 @@ def restart_nonfinite_momentum(optimizer: Any) -> None:
 class StepLog:
     """The trainer's ``train_step`` row of each log interval."""
 
-    def _log_record(self, interval: LogInterval, now: float,
+    def _log_record(self, interval: LogInterval, clock: Callable[[], float],
                     grad_norm: torch.Tensor | None) -> dict[str, Any]:
         """The ``train_step`` row of the interval ending at this step."""
-        dt = max(now - interval.start, 1e-9)
         world = self.world_size
         # The loop's only host sync: one read of (loss, grad norm, lr, the Muon step's fp16
         # guard counters) per log step.
@@ -78,6 +79,8 @@ class StepLog:
         reads.extend(t.float().reshape(()).to(reads[0].device) for _, t in guards)
         reads.append(self._finite_steps.float().reshape(()).to(reads[0].device))
         values = torch.stack(reads).tolist()
+        # read after the sync: it waited for the interval's queued device work
+        dt = max(clock() - interval.start, 1e-9)
         finite_steps = int(values.pop())
         loss_value = values.pop(0)
         norm_value = values.pop(0) if grad_norm is not None else None

@@ -411,7 +411,7 @@ class Trainer(OptimizerStep, StepLog, TrainerState):
                 self.step += 1
                 self._call("after_optimizer_step", self.step)
                 if log_now:
-                    record = self._log_record(interval, time.perf_counter(), grad_norm)
+                    record = self._log_record(interval, time.perf_counter, grad_norm)
                     self.metrics.emit("train_step", record)
                     self.metrics.line(format_step_line(record, target))
                     self.metrics.advance(self.step - interval.steps,

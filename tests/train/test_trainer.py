@@ -345,6 +345,65 @@ def test_evaluation_and_checkpoint_time_is_not_charged_to_step_timing(tmp_path, 
     assert all(r["step_ms"] < 1000.0 for r in recs), [r["step_ms"] for r in recs]
 
 
+def test_the_log_reads_wait_for_queued_device_work_is_charged_to_its_interval(tmp_path,
+                                                                              monkeypatch):
+    """On CUDA the host runs ahead of the GPU until the log step's one read: the time that read
+    waits is the interval's queued work and belongs in its ms/step and tokens/s (it fell
+    between two intervals: rows read several times faster than the steps ran). A fake clock:
+    the read stands in for 100 s of queued GPU work."""
+    import sys
+    from types import SimpleNamespace
+
+    import speedtronic.train.trainer as trainer_module
+    from speedtronic.train.metrics import read_metrics
+
+    clock = [0.0]
+
+    def fake_perf_counter() -> float:
+        clock[0] += 1e-3
+        return clock[0]
+
+    real_tolist = torch.Tensor.tolist
+
+    def waiting_tolist(self):
+        if sys._getframe(1).f_code.co_name == "_log_record":
+            clock[0] += 100.0
+        return real_tolist(self)
+
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(perf_counter=fake_perf_counter))
+    monkeypatch.setattr(torch.Tensor, "tolist", waiting_tolist)
+    cfg = tiny_config(tmp_path, run={"max_steps": 4, "eval_every": 0},
+                      logging={"every_steps": 2}, checkpoint={"enabled": False})
+    trainer = build_trainer(cfg, model=TinyLM(), data=FixedData())
+    trainer.fit()
+    trainer.metrics.close()
+    recs = [r for r in read_metrics(trainer.metrics.path) if r["event"] == "train_step"]
+    assert [r["step"] for r in recs] == [2, 4]
+    assert all(r["step_ms"] > 100_000.0 / 2 for r in recs), [r["step_ms"] for r in recs]
+
+
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_a_step_dispatches_no_per_parameter_norm_and_no_division_by_one(tmp_path, clip):
+    """The log step's gradient norm without clipping was one norm op per parameter (110 on
+    GPT-2 small: ~110 CUDA launches), and at one micro-batch per step the loss was divided by
+    1 (a div forward and one backward per step)."""
+    from speedtronic.kernels.counting import DispatchCounter
+
+    cfg = tiny_config(tmp_path, run={"max_steps": 3, "eval_every": 0},
+                      logging={"every_steps": 1}, checkpoint={"enabled": False},
+                      optimizer={"grad_clip": clip})
+    model = TinyLM()
+    assert len(list(model.parameters())) > 3
+    trainer = build_trainer(cfg, model=model, data=FixedData())
+    try:
+        with DispatchCounter() as counter:
+            trainer.fit()
+    finally:
+        trainer.release_run_lock()
+    assert counter.by_name["linalg_vector_norm"] == 3  # one total norm per (log) step
+    assert counter.by_name["div"] == 0
+
+
 class _Batches:
     """Fixed (x, y) micro-batches, in order (resumable like the real data)."""
 
