@@ -92,25 +92,45 @@ class Fp32StateMixin:
     """Mixin for ``torch.optim.Optimizer`` subclasses; see the module docstring."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
-        saved_groups = state_dict.get("param_groups", [])
-        saved_ids = list(chain.from_iterable(g["params"] for g in saved_groups))
+        """torch's load, with the fp32 state put back in fp32 (torch casts it to the parameter
+        dtype). Read and restored by hooks around the user's own: their edits are what loads
+        (as in torch.optim), not the dict as it was passed."""
         keep: dict[int, dict[str, torch.Tensor]] = {}
-        for pid, st in state_dict.get("state", {}).items():
-            if isinstance(st, dict):
-                found = {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and (
-                    k in FP32_STATE_KEYS or (k in SAVED_FP32_KEYS and v.dtype == torch.float32))}
-                if found:
-                    keep[pid] = found
-        super().load_state_dict(state_dict)  # type: ignore[misc]
-        groups = self.param_groups  # type: ignore[attr-defined]
-        params = list(chain.from_iterable(g["params"] for g in groups))
-        id_map = dict(zip(saved_ids, params, strict=False))
-        for pid, found in keep.items():
-            p = id_map.get(pid)
-            if p is None:
-                continue
-            for key, value in found.items():
-                if key in SAVED_FP32_KEYS and p.dtype not in (torch.float16, torch.complex32):
-                    continue  # other dtypes keep torch's rule: moments in the parameter's dtype
-                self.state[p][key] = value.to(device=p.device, dtype=torch.float32,  # type: ignore[attr-defined]
-                                              copy=True)
+        saved_ids: list[int] = []
+
+        def capture(_opt: Any, sd: dict[str, Any]) -> None:  # after the user's pre-hooks
+            saved_ids.extend(chain.from_iterable(g["params"] for g in sd.get("param_groups", [])))
+            for pid, st in sd.get("state", {}).items():
+                if isinstance(st, dict):
+                    found = {k: v for k, v in st.items() if isinstance(v, torch.Tensor) and (
+                        k in FP32_STATE_KEYS
+                        or (k in SAVED_FP32_KEYS and v.dtype == torch.float32))}
+                    if found:
+                        keep[pid] = found
+
+        def restore(_opt: Any) -> None:  # before the user's post-hooks
+            groups = self.param_groups  # type: ignore[attr-defined]
+            params = list(chain.from_iterable(g["params"] for g in groups))
+            id_map = dict(zip(saved_ids, params, strict=False))
+            for pid, found in keep.items():
+                p = id_map.get(pid)
+                if p is None:
+                    continue
+                for key, value in found.items():
+                    if key in SAVED_FP32_KEYS and p.dtype not in (torch.float16, torch.complex32):
+                        continue  # other dtypes keep torch's rule: moments in the param's dtype
+                    # a copy even where it is fp32 on the device already: a state dict of a
+                    # live optimizer aliases its banks, and that optimizer's next step would
+                    # move this one's momentum (the engine loads to the CPU first: on a GPU
+                    # the move is the only copy)
+                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32,  # type: ignore[attr-defined]
+                                                  copy=True)
+
+        before = self.register_load_state_dict_pre_hook(capture)  # type: ignore[attr-defined]
+        after = self.register_load_state_dict_post_hook(  # type: ignore[attr-defined]
+            restore, prepend=True)
+        try:
+            super().load_state_dict(state_dict)  # type: ignore[misc]
+        finally:
+            before.remove()
+            after.remove()

@@ -83,6 +83,13 @@ def lean_muon_step(cache: StepCache, groups: list[dict[str, Any]],
             state = {e.param: e.st for e in entries}
         fresh = cache.signature != _signature(entries, groups) or not planted(cache, state)
     if fresh:
+        # Matrices that leave the plan (grad None: frozen, or an MoE expert with no tokens) keep
+        # a momentum view into the old bank; give them their own copy so the bank can be freed.
+        present = {id(e.param) for e in entries}
+        for p, view in cache.views:
+            st = state.get(p) if state is not None and id(p) not in present else None
+            if st is not None and st.get("momentum_buffer") is view:
+                st["momentum_buffer"] = view.clone()
         _build(cache, entries, groups)
     for g in cache.groups:  # this step's gradients (and work copies, for written-back layouts)
         for part in g.parts:
