@@ -116,7 +116,6 @@ class ConsistentBase:
     _global: tuple[Pointer, dict[str, torch.Tensor]] | None
     _candidate: tuple[Pointer, dict[str, torch.Tensor]] | None
     _refs: dict[int, dict[str, torch.Tensor]]
-    _gen_version: dict[int, int]
     _pending: dict[int, Any]
     _pool: list[dict[str, torch.Tensor]]
     _params: dict[str, torch.nn.Parameter]
@@ -254,7 +253,6 @@ class ConsistentBase:
                 shift = old[k].sub_(base[k])                       # old base - new base
                 p.sub_(shift.to(device=p.device, dtype=p.dtype))   # w <- w + new - old
             self._refs[self.gen] = base
-            self._gen_version[self.gen] = pointer.version
             self.version, self.digest = pointer.version, pointer.weights_digest
             if len(self._pool) < 2:
                 self._pool.append(old)  # the old base's buffer holds the shift: free now
@@ -278,7 +276,6 @@ class ConsistentBase:
             new_version = pointer.version != self.version
             self.gen += 1
             self._refs[self.gen] = base
-            self._gen_version[self.gen] = pointer.version
             self.version, self.digest = pointer.version, pointer.weights_digest
             self._drop_unused_refs()
         self.m["installs"] += int(new_version)  # globals installed; every boundary re-bases

@@ -69,7 +69,8 @@ def tensor_digest(tensors: dict[str, torch.Tensor]) -> str:
     for key in sorted(tensors):
         t = tensors[key].detach().to("cpu").contiguous()
         h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():  # hashed in place: tobytes() copied every delta whole (256 MiB: +256 MiB)
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
 
 

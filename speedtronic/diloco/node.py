@@ -129,7 +129,6 @@ class Worker(ConsistentBase):
         self._lock = threading.Condition()
         self._params: dict[str, torch.nn.Parameter] = {}
         self._refs: dict[int, dict[str, torch.Tensor]] = {}  # generation -> reference weights
-        self._gen_version: dict[int, int] = {}
         self.gen = -1
         self.final_synced = False  # on_train_end installed a global holding the last delta
         self.version = -1  # installed global version
@@ -424,7 +423,6 @@ class Worker(ConsistentBase):
                 p.copy_(tensors[k])
             self.gen += 1
             self._refs[self.gen] = tensors  # the global becomes this generation's reference
-            self._gen_version[self.gen] = pointer.version
             self.version, self.digest = pointer.version, pointer.weights_digest
             self._drop_unused_refs()
             # The lag this mode leaves: own deltas made (numbered or still queued) that the
