@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,7 +20,7 @@ from ..config import SpeedtronicConfig
 
 logger = logging.getLogger("speedtronic.schedule")
 
-__all__ = ["build_scheduler", "lr_factor", "seed_everything"]
+__all__ = ["FloatBaseLambdaLR", "build_scheduler", "lr_factor", "seed_everything"]
 
 
 def seed_everything(seed: int) -> None:
@@ -43,6 +44,47 @@ def lr_factor(step: int, warmup: int, horizon: int, name: str, min_ratio: float)
     return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+class FloatBaseLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """``LambdaLR`` whose step computes each group's lr in Python floats and writes it once.
+
+    Muon's lr is a 0-d device tensor (so a compiled step never recompiles); torch's step then
+    costs 3 device ops per such group (``base_lr * factor``, ``fill_``, a ``clone`` for
+    ``_last_lr``), 1 here (``fill_(float)``). The base lrs are read once, at construction and at
+    ``load_state_dict``, never per step (a read would be a host sync). The state dict is
+    LambdaLR's, so checkpoints of either load into either."""
+
+    _base_floats: list[float] | None = None
+
+    def _float_base_lrs(self) -> None:
+        self._base_floats = [float(b) for b in self.base_lrs]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._float_base_lrs()
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state.pop("_base_floats", None)  # derived from base_lrs; LambdaLR's keys only
+        return state
+
+    def step(self, epoch: int | None = None) -> None:
+        if epoch is not None:  # torch's deprecated form: its own path
+            super().step(epoch)
+            return
+        if self._base_floats is None:  # the first step, from LambdaLR's __init__
+            self._float_base_lrs()
+        self._step_count += 1
+        self.last_epoch += 1
+        values = [base * lmbda(self.last_epoch)
+                  for base, lmbda in zip(self._base_floats, self.lr_lambdas, strict=True)]
+        for group, lr in zip(self.optimizer.param_groups, values, strict=True):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)
+            else:
+                group["lr"] = lr
+        self._last_lr = values
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer,
                     cfg: SpeedtronicConfig) -> torch.optim.lr_scheduler.LambdaLR:
     """One LambdaLR over every param group, so per-group lrs (Muon vs AdamW) keep their ratio.
@@ -57,7 +99,7 @@ def build_scheduler(optimizer: torch.optim.Optimizer,
     def factor(step: int) -> float:
         return lr_factor(step, s.warmup_steps, horizon, s.name, s.min_lr_ratio)
 
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return FloatBaseLambdaLR(optimizer, factor)
 
 
 def _warn_about_schedule(cfg: SpeedtronicConfig, horizon: int) -> None:
