@@ -30,7 +30,10 @@ DRIVER = textwrap.dedent("""
                 sys.stdin.readline()
             else:
                 sent.append(sig)
-                os.kill(os.getpid(), sig)
+                if os.environ.get("PGROUP"):  # a terminal's Ctrl-C, SLURM's scancel
+                    os.killpg(os.getpgid(0), sig)
+                else:
+                    os.kill(os.getpid(), sig)
     trainer.Trainer._call = _call
     if os.environ.get("TWICE"):
         write = checkpoint._HashingWriter.write
@@ -45,13 +48,14 @@ DRIVER = textwrap.dedent("""
 
 def launch_cli(tmp_path: Path, cfg: Path, at: int, *extra: str, stdin=None,
                **env: str) -> subprocess.Popen:
-    """``speedtronic train --config cfg *extra`` under the driver (text pipes)."""
+    """``speedtronic train --config cfg *extra`` under the driver (text pipes), in a session
+    of its own (with ``PGROUP`` it signals its whole process group)."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     return subprocess.Popen([sys.executable, str(driver), "train", "--config", str(cfg), *extra],
                             env={**os.environ, "AT": str(at), "OMP_NUM_THREADS": "1", **env},
                             stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, start_new_session=True)
 
 
 def wait_for_pause(proc: subprocess.Popen) -> None:

@@ -64,6 +64,14 @@ def collate_tokens(items: Sequence[Any]) -> Batch:
     return x.to(torch.int64).contiguous(), y.to(torch.int64).contiguous()
 
 
+def _shield_worker(worker_id: int) -> None:
+    """DataLoader ``worker_init_fn``: the trainer's preemption signals do not kill a worker
+    while the trainer saves (see :mod:`speedtronic.train.preemption`)."""
+    from ..train.preemption import shield_dataloader_worker
+
+    shield_dataloader_worker()
+
+
 def _is_dataset(obj: Any) -> bool:
     return isinstance(obj, (Dataset, IterableDataset)) or (
         hasattr(obj, "__getitem__") and hasattr(obj, "__len__"))
@@ -148,9 +156,15 @@ class UserIterator:
             logger.info("data: IterableDataset with %d workers: each worker runs the dataset's "
                         "__iter__; shard inside it with torch.utils.data.get_worker_info()",
                         num_workers)
+        # The loader's own generator: each iter() draws its workers' base seed from it, and
+        # from torch's global RNG without one. A resume calls iter() where the uninterrupted
+        # run did not, so the global RNG (dropout masks) moved: not bitwise with dropout 0.1.
+        self._generator = torch.Generator()
         self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self._sampler,
                                  drop_last=True, num_workers=num_workers, pin_memory=pin_memory,
-                                 collate_fn=collate_tokens, persistent_workers=num_workers > 0)
+                                 collate_fn=collate_tokens, persistent_workers=num_workers > 0,
+                                 generator=self._generator,
+                                 worker_init_fn=_shield_worker if num_workers > 0 else None)
 
     def _epoch_indices(self) -> np.ndarray:
         idx = self.indices
@@ -160,6 +174,8 @@ class UserIterator:
         return idx[self.rank::self.world][:per_rank]
 
     def _start(self) -> None:
+        self._generator.manual_seed(int(np.random.default_rng([self.seed, self.epoch])
+                                        .integers(2**63)))
         if self.iterable:
             self._it = iter(self.loader)
             skip = -(-self.items // self.B)  # whole batches covering the consumed items
@@ -181,6 +197,17 @@ class UserIterator:
 
     def __iter__(self) -> UserIterator:
         return self
+
+    def close(self) -> None:
+        """Stop the DataLoader's worker processes now (the next batch starts new ones at the
+        same position). Left to interpreter exit, multiprocessing kills them and torch reports
+        the kill as an error: a traceback after a preempted run's checkpoint."""
+        self._it = None
+        it = getattr(self.loader, "_iterator", None)  # the persistent workers' iterator
+        self.loader._iterator = None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
 
     def __next__(self) -> Batch:
         empty_epochs = 0

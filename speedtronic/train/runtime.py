@@ -412,6 +412,9 @@ def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: 
             # rank preloaded and the non-plotting ones exited first). Wait for it instead.
             preload.join(timeout=60)
         try:
+            close_data = getattr(getattr(trainer.data, "train", None), "close", None)
+            if close_data is not None:  # DataLoader workers, before interpreter exit
+                close_data()
             trainer.metrics.close()
             remove_log_handlers(trainer.log_handlers)
         finally:  # whatever failed above, the run directory is free again

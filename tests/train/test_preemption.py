@@ -71,6 +71,57 @@ def test_a_signal_saves_at_the_step_boundary_and_resume_is_bitwise(tmp_path, ref
         assert torch.equal(reference[k], final[k]), k
 
 
+_DATASET = """
+import torch
+from torch.utils.data import Dataset
+
+class Items(Dataset):
+    def __init__(self):
+        self.t = torch.randint(0, 256, (40, 17), generator=torch.Generator().manual_seed(5))
+    def __len__(self):
+        return len(self.t)
+    def __getitem__(self, i):
+        return self.t[i]
+
+def make(cfg):
+    return Items()
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_process_group_with_dataloader_workers_saves_and_resumes_bitwise(
+        tmp_path, sig, monkeypatch):
+    """Ctrl-C in a terminal and SLURM's SIGTERM reach the DataLoader workers too: a worker
+    died of it and torch raised inside the preemption save (no checkpoint, exit 2). Dropout
+    makes the resume strict: each iter() of the loader drew its workers' seed from the global
+    RNG, so a resumed run's dropout masks differed."""
+    (tmp_path / "pg_items.py").write_text(_DATASET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
+
+    def raw(name: str) -> dict:
+        cfg = _raw(tmp_path, name)
+        cfg["data"] = {"dataset": "pg_items:make", "num_workers": 2, "micro_batch_size": 2,
+                       "target_batch_size": 4}
+        cfg["model"].update(max_seq_len=16)
+        return cfg
+
+    train_from_config(load_config(raw("full")), plot=False)
+    reference = _final(tmp_path / "full")
+    cfg = tmp_path / "pg.yaml"
+    cfg.write_text(yaml.safe_dump(raw("pg")))
+    proc = launch_cli(tmp_path, cfg, 5, SIG=sig, PGROUP="1")
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + getattr(signal, sig), err[-2000:]
+    assert "Traceback" not in err and f"stopped by {sig} at step 5" in err
+    assert [s for s, _ in CheckpointManager(tmp_path / "pg" / "checkpoints").list()] == [5, 4]
+    train_from_config(load_config(cfg), resume=True, plot=False)
+    final = _final(tmp_path / "pg")
+    for k in reference:
+        assert torch.equal(reference[k], final[k]), k
+
+
 def test_a_second_signal_exits_at_once_and_committed_checkpoints_survive(tmp_path, reference):
     proc = _launch(tmp_path, "twice", 5, TWICE="1")
     _, err = proc.communicate(timeout=300)
