@@ -3,6 +3,8 @@ resume mid-shard, and every bad-input case as a ConfigError before the model is 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -212,6 +214,34 @@ def llmc_file(path, magic: int, version: int, tokens: np.ndarray) -> None:
     header = np.zeros(256, np.int32)
     header[:3] = (magic, version, tokens.size)
     path.write_bytes(header.tobytes() + tokens.tobytes())
+
+
+def test_a_file_truncated_before_the_largest_id_pass_is_an_error_not_a_sigbus(tmp_path):
+    """The start-up pass read the memory map: a file cut short under it (another job writing
+    it in place) killed the process with SIGBUS, no message. In a child process: a SIGBUS
+    would take pytest down with it."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "train.bin"
+    ids(100_000).tofile(path)
+    script = f"""
+import os
+from speedtronic.data.token_files import max_token_id, open_token_file
+from speedtronic.errors import SpeedtronicError
+from pathlib import Path
+f = open_token_file(Path({str(path)!r}), "uint16", "data.tokens_path")
+os.truncate({str(path)!r}, 4096)
+try:
+    max_token_id(f)
+except SpeedtronicError as exc:
+    print("error:", exc)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env={**os.environ,
+                                            "SPEEDTRONIC_CACHE_DIR": str(tmp_path / "cache")})
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert done.stdout.startswith("error: token file") and "train.bin" in done.stdout
 
 
 def test_largest_id_cache_tells_apart_reads_of_one_file_as_uint16_and_uint32(tmp_path,
