@@ -7,6 +7,7 @@ callables ``hook(event, payload)``; a failing hook is reported once and never st
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
@@ -165,10 +166,17 @@ class MetricsLogger:
     def emit(self, event: str, payload: dict[str, Any]) -> None:
         """Record ``event`` in metrics.jsonl and pass it to every hook."""
         record = {"event": event, "time": round(time.time() - self._t0, 3), **payload}
-        if self._file is None:
-            self._file = self._open()
-        self._file.write(json.dumps(_jsonable(record)) + "\n")
-        self._file.flush()
+        try:
+            if self._file is None:
+                self._file = self._open()
+            self._file.write(json.dumps(_jsonable(record)) + "\n")
+            self._file.flush()
+        except OSError as exc:  # a full disk said "[Errno 28] No space left on device", no file
+            name = errno.errorcode.get(exc.errno or 0, "")
+            raise SpeedtronicError(
+                f"writing {str(self.path)!r} failed: {exc.strerror or exc}"
+                f"{f' ({name})' if name else ''}; committed checkpoints are untouched: free "
+                "space (or fix the folder) and train again with --resume") from None
         for hook in self.hooks:
             try:
                 hook(event, payload)
@@ -205,7 +213,10 @@ class MetricsLogger:
                 logger.warning("metrics hook %r failed to close: %s: %s (the run's own "
                                "metrics.jsonl is complete)", hook, type(exc).__name__, exc)
         if self._file is not None and not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError:  # the write that failed was reported; its buffer is lost
+                pass
 
 
 class PeerMetrics(MetricsLogger):

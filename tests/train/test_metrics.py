@@ -55,7 +55,9 @@ def test_failing_hook_is_reported_once_and_training_goes_on(tmp_path, caplog):
     assert len(read_metrics(tmp_path / "m.jsonl")) == 3
 
 
-def test_progress_bar_only_when_asked(tmp_path, capsys):
+def test_progress_bar_only_when_asked(tmp_path, capsys, caplog):
+    # lines follow logging's level with a bar too: INFO here, not whatever a test before left
+    caplog.set_level(logging.INFO, logger="speedtronic.metrics")
     m = MetricsLogger(tmp_path / "m.jsonl", max_steps=4, progress_bar=True)
     m.line("hello")
     m.advance(2, {"loss": "1.0"})
@@ -166,3 +168,37 @@ def test_heartbeat_prints_when_nothing_was_printed_for_a_while():
     assert said and said[0].startswith("... step 1/300: still running")
     with Heartbeat(fake, every=0) as off:  # logging.heartbeat_seconds: 0
         assert off._thread is None
+
+
+def test_a_full_disk_under_metrics_jsonl_is_one_line_naming_the_file(tmp_path, monkeypatch,
+                                                                      capsys):
+    """The CLI said only "[Errno 28] No space left on device": not which file or folder."""
+    import errno
+
+    import yaml
+    from _engine_fixtures import tiny_raw
+
+    from speedtronic.cli import main
+
+    class Full:
+        """A file on a disk that fills after its first line."""
+
+        def __init__(self, f):
+            self.f, self.lines = f, 0
+
+        def write(self, text: str) -> int:
+            self.lines += 1
+            if self.lines > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.f.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+    original = MetricsLogger._open
+    monkeypatch.setattr(MetricsLogger, "_open", lambda self: Full(original(self)))
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_raw(tmp_path, "full", run={"max_steps": 4})))
+    assert main(["train", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl" in err and "ENOSPC" in err and "Traceback" not in err
