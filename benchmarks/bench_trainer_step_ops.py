@@ -6,6 +6,8 @@ the trainer's own per-step work (the non-finite guard's count). Run it with PYTH
 at another checkout to compare side by side.
 
     python benchmarks/bench_trainer_step_ops.py
+    python benchmarks/bench_trainer_step_ops.py --muon          # optimizer.name: muon
+    python benchmarks/bench_trainer_step_ops.py --muon --reference   # the bundled model
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ from speedtronic.kernels.counting import DispatchCounter  # noqa: E402
 from speedtronic.train.runtime import build_trainer  # noqa: E402
 
 
-def fit_counts(steps: int) -> tuple[int, int]:
+def fit_counts(steps: int, muon: bool, reference: bool) -> tuple[int, int]:
+    extra = {"optimizer": {"name": "muon"}} if muon else {}  # Muon's lr is a device tensor
     cfg = tiny_config(Path(tempfile.mkdtemp()), run={"max_steps": steps, "eval_every": 0},
-                      logging={"every_steps": 100}, checkpoint={"enabled": False})
-    trainer = build_trainer(cfg, model=TinyLM(), data=FixedData())
+                      logging={"every_steps": 100}, checkpoint={"enabled": False}, **extra)
+    trainer = build_trainer(cfg, model=None if reference else TinyLM(), data=FixedData())
     with DispatchCounter() as counter:
         trainer.fit()
     getattr(trainer, "release_run_lock", lambda: None)()
@@ -37,12 +40,15 @@ def fit_counts(steps: int) -> tuple[int, int]:
 
 def main() -> None:
     torch.set_num_threads(1)
-    (ops3, syncs3), (ops7, syncs7) = fit_counts(3), fit_counts(7)
+    muon, reference = "--muon" in sys.argv[1:], "--reference" in sys.argv[1:]
+    (ops3, syncs3), (ops7, syncs7) = (fit_counts(n, muon, reference) for n in (3, 7))
+    package = Path(sys.modules["speedtronic"].__file__).parent
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=Path(__file__).parent).stdout.strip()
-    print(f"speedtronic {commit} (from {Path(sys.modules['speedtronic'].__file__).parent}), "
-          f"torch {torch.__version__}: per trainer step {(ops7 - ops3) / 4:.1f} ops, "
-          f"{(syncs7 - syncs3) / 4:.1f} host syncs")
+                            text=True, cwd=package).stdout.strip()
+    print(f"speedtronic {commit} (from {package}), torch {torch.__version__}, "
+          f"{'reference model' if reference else 'TinyLM'}, "
+          f"optimizer {'muon' if muon else 'default'}: per trainer step "
+          f"{(ops7 - ops3) / 4:.1f} ops, {(syncs7 - syncs3) / 4:.1f} host syncs")
 
 
 if __name__ == "__main__":
