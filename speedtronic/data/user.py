@@ -17,6 +17,7 @@ import importlib
 import itertools
 import logging
 import math
+import multiprocessing.util
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from ..config import ConfigError, SpeedtronicConfig
 from ..errors import SpeedtronicError, check_factory_call
 from .sources import _u64
+from .worker_signals import WorkerShield
 
 __all__ = ["collate_tokens", "resolve_user_dataset", "UserIterator", "user_eval_batches"]
 
@@ -64,12 +66,13 @@ def collate_tokens(items: Sequence[Any]) -> Batch:
     return x.to(torch.int64).contiguous(), y.to(torch.int64).contiguous()
 
 
-def _shield_worker(worker_id: int) -> None:
-    """DataLoader ``worker_init_fn``: the trainer's preemption signals do not kill a worker
-    while the trainer saves (see :mod:`speedtronic.train.preemption`)."""
-    from ..train.preemption import shield_dataloader_worker
-
-    shield_dataloader_worker()
+def _stop_workers(loader: DataLoader) -> None:
+    """Shut the persistent workers of ``loader`` down through its queue (they exit 0)."""
+    it = getattr(loader, "_iterator", None)
+    loader._iterator = None
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
 
 
 def _is_dataset(obj: Any) -> bool:
@@ -164,7 +167,14 @@ class UserIterator:
                                  drop_last=True, num_workers=num_workers, pin_memory=pin_memory,
                                  collate_fn=collate_tokens, persistent_workers=num_workers > 0,
                                  generator=self._generator,
-                                 worker_init_fn=_shield_worker if num_workers > 0 else None)
+                                 worker_init_fn=WorkerShield() if num_workers > 0 else None)
+        if num_workers > 0:
+            # Workers stopped at interpreter exit before multiprocessing's own terminate-and-join
+            # of daemon processes (finalizers of priority >= 0 run first, highest first; the
+            # loader's queues close at 10): a worker ignores the first signal while its trainer
+            # lives (worker_signals), so that join would wait for it.
+            multiprocessing.util.Finalize(self, _stop_workers, args=(self.loader,),
+                                          exitpriority=100)
 
     def _epoch_indices(self) -> np.ndarray:
         idx = self.indices
@@ -200,14 +210,9 @@ class UserIterator:
 
     def close(self) -> None:
         """Stop the DataLoader's worker processes now (the next batch starts new ones at the
-        same position). Left to interpreter exit, multiprocessing kills them and torch reports
-        the kill as an error: a traceback after a preempted run's checkpoint."""
+        same position)."""
         self._it = None
-        it = getattr(self.loader, "_iterator", None)  # the persistent workers' iterator
-        self.loader._iterator = None
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
+        _stop_workers(self.loader)
 
     def __next__(self) -> Batch:
         empty_epochs = 0

@@ -1,7 +1,8 @@
 """Model FLOPs utilization: how close a run is to the hardware.
 
 ``MFU = achieved model FLOP/s / peak dense FLOP/s of the device``, where the achieved rate is
-``tokens/s x model FLOPs per token``. Model FLOPs count the work the model needs, not what the
+the model FLOPs of the micro-batches run in a log interval (tokens x FLOPs per token at each
+one's own length) over the interval's time. Model FLOPs count the work the model needs, not what the
 run does: a training token costs 3x its forward FLOPs (forward, and backward for activations
 and for weights), so recomputation under gradient checkpointing is not counted (that would be
 hardware FLOPs utilization), and neither is the optimizer step. For a decoder-only transformer
@@ -136,13 +137,18 @@ class MfuMeter:
                 model_flops_per_token(self._model, seq_len) or 0.0)
         self._flops += batch.numel() * per_token
 
-    def add(self, record: dict[str, Any], seconds: float) -> None:
+    def add(self, record: dict[str, Any], seconds: float | None = None) -> None:
         """Set ``record["model_tflops"]`` (and ``["mfu"]`` with a known peak): this device's
         FLOPs counted since the last row over the interval's ``seconds`` (under torchrun the
-        peak is one GPU's, and so is the count)."""
+        peak is one GPU's, and so is the count). Without ``seconds``: the row's tokens/s at the
+        configured sequence length."""
         if self.flops_per_token is None:
             return
-        tflops = self._flops / max(seconds, 1e-9) / 1e12
+        if seconds is None:
+            per_device = record.get("tokens_per_sec_per_rank", record["tokens_per_sec"])
+            tflops = per_device * self.flops_per_token / 1e12
+        else:
+            tflops = self._flops / max(seconds, 1e-9) / 1e12
         self._flops = 0.0
         record["model_tflops"] = tflops
         self.tflops_history.append(tflops)

@@ -12,14 +12,9 @@ with the same code: the checkpoint protocol renames a finished file into place, 
 the middle of a save leaves every committed checkpoint intact.
 
 Handlers are only installed from the main thread (Python's rule), and act only in the process
-that installed them. A forked DataLoader worker inherits them: a Ctrl-C in a terminal or SLURM's
-SIGTERM reaches the whole process group, and a worker that died of it made torch raise "worker
-killed by signal" inside the preemption save (no checkpoint, exit 2). A worker whose trainer is
-alive therefore ignores the first signal (the trainer saves, then stops its workers through the
-DataLoader's shutdown queue) and dies of the second: ``DataLoader``'s own ``terminate()`` of a
-stuck worker, and multiprocessing's at exit, still end it. torch sets its own SIGTERM handler in
-each worker (it dies of a SIGTERM not sent by its parent), so the data loader puts this one back
-(:func:`shield_dataloader_worker`, its ``worker_init_fn``).
+that installed them: a DataLoader worker gets the handling of
+:mod:`speedtronic.data.worker_signals` (it ignores the first signal while the trainer lives, so
+a signal to the whole process group does not kill it in the middle of the save).
 """
 
 from __future__ import annotations
@@ -34,11 +29,11 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from ..data import worker_signals
+
 logger = logging.getLogger("speedtronic.trainer")
 
-__all__ = ["PreemptionGuard", "requeue_slurm_job", "shield_dataloader_worker"]
-
-_active: PreemptionGuard | None = None  # the guard entered on the main thread, if any
+__all__ = ["PreemptionGuard", "requeue_slurm_job"]
 
 
 class PreemptionGuard:
@@ -65,14 +60,12 @@ class PreemptionGuard:
                 self._previous[signum] = signal.signal(signum, self._handle)
             except (OSError, ValueError):  # e.g. a signal this OS refuses to let us catch
                 continue
-        global _active
-        _active = self
+        worker_signals.guarded(self._owner, tuple(self._previous))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        global _active
-        if _active is self:
-            _active = None
+        if self._previous:
+            worker_signals.guarded(None)
         for signum, previous in self._previous.items():
             try:
                 signal.signal(signum, previous)
@@ -81,11 +74,8 @@ class PreemptionGuard:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if os.getpid() != self._owner:  # a forked child (DataLoader worker)
-            signal.signal(signum, signal.SIG_DFL)  # the next one ends it
-            if os.getppid() == self._owner:
-                return  # the trainer saves first, then shuts its workers down
-            os.kill(os.getpid(), signum)  # orphaned: the default action now
+        if os.getpid() != self._owner:  # a forked child that inherited this handler
+            worker_signals.worker_signal(signum, frame)
             return
         if self.requested is not None:
             # Second signal: leave now. os.write, not logging: a handler may interrupt a
@@ -123,17 +113,3 @@ def requeue_slurm_job() -> bool:
         return False
     logger.info("preemption: SLURM job %s requeued", job)
     return True
-
-
-def shield_dataloader_worker() -> None:
-    """In a forked DataLoader worker: handle the trainer's preemption signals as the trainer's
-    guard does in a child (ignore the first while the trainer lives). A no-op outside a guarded
-    run, and in a spawned worker (it has no guard)."""
-    guard = _active
-    if guard is None or os.getpid() == guard._owner:
-        return
-    for signum in guard._previous:
-        try:
-            signal.signal(signum, guard._handle)
-        except (OSError, ValueError):
-            continue

@@ -414,7 +414,10 @@ def train_from_config(config: SpeedtronicConfig | dict | str | Path, *, resume: 
         try:
             close_data = getattr(getattr(trainer.data, "train", None), "close", None)
             if close_data is not None:  # DataLoader workers, before interpreter exit
-                close_data()
+                try:
+                    close_data()
+                except Exception as exc:  # noqa: BLE001 - never in the way of the run's end
+                    logger.warning("data: stopping the DataLoader workers failed: %s", exc)
             trainer.metrics.close()
             remove_log_handlers(trainer.log_handlers)
         finally:  # whatever failed above, the run directory is free again

@@ -54,9 +54,11 @@ class FloatBaseLambdaLR(torch.optim.lr_scheduler.LambdaLR):
     LambdaLR's, so checkpoints of either load into either."""
 
     _base_floats: list[float] | None = None
+    _base_source: list[Any] | None = None  # the base_lrs list the floats were read from
 
     def _float_base_lrs(self) -> None:
         self._base_floats = [float(b) for b in self.base_lrs]
+        self._base_source = self.base_lrs
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -65,13 +67,17 @@ class FloatBaseLambdaLR(torch.optim.lr_scheduler.LambdaLR):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         state.pop("_base_floats", None)  # derived from base_lrs; LambdaLR's keys only
+        state.pop("_base_source", None)
         return state
 
     def step(self, epoch: int | None = None) -> None:
         if epoch is not None:  # torch's deprecated form: its own path
             super().step(epoch)
             return
-        if self._base_floats is None:  # the first step, from LambdaLR's __init__
+        if self._base_floats is None or self._base_source is not self.base_lrs:
+            # the first step (from LambdaLR's __init__), or base_lrs replaced: a resume with a
+            # changed lr sets the config's (train/resume.py); reading the old floats put the
+            # checkpoint's lr back after one step
             self._float_base_lrs()
         self._step_count += 1
         self.last_epoch += 1

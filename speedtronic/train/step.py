@@ -54,9 +54,12 @@ class OptimizerStep:
         k = self.accumulation_steps
         if scale is not None:
             scaled = loss * scale
-        else:
-            # k == 1: loss / 1 is exact, but it dispatched a div forward and one backward
-            scaled = (loss if k == 1 else loss / k) if rel == 1.0 else loss * (rel / k)
+        elif rel != 1.0:
+            scaled = loss * (rel / k)
+        elif k > 1:
+            scaled = loss / k
+        else:  # loss / 1 is exact, but it dispatched a div forward and one backward
+            scaled = loss
         (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         return loss.detach().float()
 

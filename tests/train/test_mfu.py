@@ -58,6 +58,9 @@ def test_model_flops_follow_the_length_of_each_micro_batch():
     assert record["mfu"] == pytest.approx(record["model_tflops"] / 1.0)
     meter.add(record, seconds=1.0)  # nothing counted since the last row
     assert record["model_tflops"] == 0.0
+    row = {"tokens_per_sec": 1e6}  # the older call: tokens/s at the configured length
+    meter.add(row)
+    assert row["model_tflops"] == pytest.approx(1e6 * model.flops_per_token(64) / 1e12)
 
 
 def test_mfu_of_a_dataset_shorter_than_the_context_uses_the_length_it_trains(tmp_path):

@@ -134,21 +134,36 @@ class AlwaysNan(TinyLM):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs matplotlib")
-def test_a_run_whose_every_step_was_skipped_ends_without_an_error_or_warnings(tmp_path, caplog):
+def test_a_run_whose_every_step_was_skipped_ends_without_an_error(tmp_path, caplog):
     """Every loss non-finite, fewer steps than max_skipped_steps: the run reaches its end and
     saves; the loss plot (nothing finite to draw) is skipped with a warning instead of failing
-    the finished run, and the schedule's call-order warning (no optimizer.step() yet, on
-    purpose) is not shown."""
+    the finished run."""
     cfg = tiny_config(tmp_path, run={"max_steps": 3, "eval_every": 0},
                       train={"on_nonfinite": "skip"}, logging={"every_steps": 1},
                       checkpoint={"every_steps": 3})
-    with warnings.catch_warnings(record=True) as caught, \
-            caplog.at_level(logging.WARNING, logger="speedtronic"):
-        warnings.simplefilter("always")
+    with caplog.at_level(logging.WARNING, logger="speedtronic"):
         result = train_from_config(cfg, model=AlwaysNan(), data=FixedData(), plot=True)
     assert result.steps == 3
     assert [s for s, _ in CheckpointManager(tmp_path / "t" / "checkpoints").list()] == [3]
     assert "loss plot: not written" in caplog.text and "no loss values" in caplog.text
+
+
+def test_a_skipped_first_step_does_not_trip_a_torch_schedulers_order_warning(tmp_path):
+    """A torch scheduler given to the trainer warns when it steps before the optimizer ever
+    did; a step skipped as non-finite does that on purpose (the engine's own schedule never
+    checks the order)."""
+    cfg = tiny_config(tmp_path, run={"max_steps": 2, "eval_every": 0},
+                      train={"on_nonfinite": "skip"}, checkpoint={"enabled": False})
+    trainer = build_trainer(cfg, model=NanAtCall({1}), data=FixedData())
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda s: 1.0)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit()
+    finally:
+        trainer.metrics.close()
+        trainer.release_run_lock()
+    assert trainer.skipped_steps == 1
     assert not [w for w in caught if "lr_scheduler" in str(w.message)]
 
 

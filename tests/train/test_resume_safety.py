@@ -234,6 +234,12 @@ def test_a_resume_runs_the_configs_hyper_parameters_and_says_so(tmp_path, caplog
         assert "optimizer.lr: 0.001 -> 0.0005" in caplog.text
         assert "optimizer.muon_momentum: 0.95 -> 0.9" in caplog.text
         trainer.fit()
+        # every step after the resume ran the config's lr (the schedule once read the
+        # checkpoint's base lrs again from the second step on)
+        factor = lr_factor(8, 2, 8, "cosine", cfg.scheduler.min_lr_ratio)  # the next step's
+        by_kind = {g["kind"]: g for g in trainer.optimizer.param_groups}
+        assert math.isclose(float(by_kind["adamw"]["lr"]), 5e-4 * factor, rel_tol=1e-6)
+        assert math.isclose(float(by_kind["muon"]["lr"]), 0.01 * factor, rel_tol=1e-6)
     finally:
         trainer.metrics.close()
         trainer.release_run_lock()

@@ -67,6 +67,13 @@ def test_its_state_dict_is_lambdalrs_both_ways():
         resumed.step()
     assert [float(g["lr"]) for g in second.param_groups] == pytest.approx(
         [float(g["lr"]) for g in first.param_groups], rel=2.5e-7)
-    back = torch.optim.lr_scheduler.LambdaLR(_hybrid(), _factor)
+    third = _hybrid()
+    back = torch.optim.lr_scheduler.LambdaLR(third, _factor)
     back.load_state_dict(resumed.state_dict())
     assert back.last_epoch == resumed.last_epoch == 10
+    third.step()
+    second.step()
+    back.step()
+    resumed.step()
+    assert [float(g["lr"]) for g in third.param_groups] == pytest.approx(
+        [float(g["lr"]) for g in second.param_groups], rel=2.5e-7)
