@@ -48,6 +48,7 @@ class PreemptionGuard:
         self.requested: int | None = None
         self._previous: dict[int, Any] = {}
         self._owner = os.getpid()
+        self._registered = False
 
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is not threading.main_thread():
@@ -61,11 +62,13 @@ class PreemptionGuard:
             except (OSError, ValueError):  # e.g. a signal this OS refuses to let us catch
                 continue
         worker_signals.guarded(self._owner, tuple(self._previous))
+        self._registered = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous:
+        if self._registered:  # entered on the main thread (a thread's guard registers nothing)
             worker_signals.guarded(None)
+            self._registered = False
         for signum, previous in self._previous.items():
             try:
                 signal.signal(signum, previous)
