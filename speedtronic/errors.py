@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import reprlib
+import signal
 
 
 class SpeedtronicError(Exception):
@@ -50,6 +51,22 @@ class RunPreempted(Exception):  # noqa: N818 - a stop that was asked for, not a 
     @property
     def exit_code(self) -> int:
         return 0 if self.requeued else 128 + self.signum
+
+
+class Terminated(BaseException):  # noqa: N818 - a stop that was asked for, not a failure
+    """A signal whose default action ends the process (SIGTERM) arrived while a command had
+    cleanup to do (``prepare``'s temporary shard folder). Raised on the main thread, as Ctrl-C
+    raises KeyboardInterrupt, so ``except BaseException`` / ``finally`` clean up; not an
+    ``Exception``, so no handler on the way turns it into an error message. The CLI prints one
+    line and exits :attr:`exit_code` (128 + the signal number: 143 for SIGTERM)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"terminated ({signal.Signals(signum).name})")
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
 
 
 # ----------------------------------------------------------------------------- messages

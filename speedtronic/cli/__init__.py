@@ -8,6 +8,8 @@ functions. Heavy imports (torch) happen inside the ``_cmd_*`` functions, so ``--
 Any error a user can cause prints one line ``speedtronic: error: ...`` on stderr and exits 2;
 ``--debug`` shows the traceback instead. A run stopped by a preemption signal (after saving)
 exits 128 + the signal number (143 SIGTERM, 130 SIGINT), or 0 once its SLURM job is requeued.
+A SIGTERM while ``prepare`` writes (alone or on ``train``'s first use) removes its temporary
+folder and exits 143 with one line.
 
 The top layer: it may import every package (heavy ones lazily, inside ``_cmd_*``); nothing in
 the package imports it. :mod:`.env` is the ``speedtronic env`` report.
@@ -24,7 +26,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..errors import RunPreempted, SpeedtronicError, mask_secrets
+from ..errors import RunPreempted, SpeedtronicError, Terminated, mask_secrets
 from .console import console_for_output, setup_logging, stdout_to_devnull
 
 EXIT_USER_ERROR = 2
@@ -303,6 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("speedtronic: interrupted", file=sys.stderr)
         return 130
+    except Terminated as exc:  # SIGTERM while a command cleaned up after itself (prepare)
+        print(f"speedtronic: {exc}", file=sys.stderr)
+        return exc.exit_code
 
 
 def console_main() -> None:

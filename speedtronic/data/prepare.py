@@ -9,8 +9,11 @@ fingerprints and the largest id of every shard, in
 serialized form and the source (paths, sizes and modification times; or the dataset's name,
 config, split and field, plus its files' paths, sizes and modification times when it is a local
 folder), so a second run, or a training run, finds the shards instead of tokenizing again.
-``speedtronic train`` prepares automatically on first use. A failed prepare removes its
-temporary folder.
+``speedtronic train`` prepares automatically on first use. A failed or interrupted prepare
+(Ctrl-C, or SIGTERM: it raises :class:`~speedtronic.errors.Terminated` on the main thread while
+a prepare runs, unless someone else handles SIGTERM) removes its temporary folder
+``<key>.tmp-<host>-<pid>``; one left by a prepare killed outright (SIGKILL, a second SIGTERM) is
+removed by the next prepare under the same folder, once its process is gone.
 
 Documents are separated by the tokenizer's end-of-text token when it has one (``<|endoftext|>``,
 ``</s>``, ``<eos>``, ``[SEP]``); a text file is one document, a dataset row is one document.
@@ -19,13 +22,17 @@ Documents are separated by the tokenizer's end-of-text token when it has one (``
 from __future__ import annotations
 
 import codecs
+import contextlib
 import hashlib
 import json
 import logging
-import multiprocessing
+import multiprocessing.context
 import os
 import re
 import shutil
+import signal
+import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,8 +40,9 @@ from typing import Any
 
 import numpy as np
 
+from .._process import temp_owner_alive
 from ..config import ConfigError, SpeedtronicConfig
-from ..errors import brief
+from ..errors import Terminated, brief
 from .token_files import expand_paths, write_shard
 
 __all__ = ["PreparedTokens", "load_tokenizer", "prepare", "prepared_dir", "text_files"]
@@ -337,6 +345,32 @@ def _init_worker(serialized: str, eos: int | None, spec: str) -> None:
     _worker_spec = spec
 
 
+def _init_pool_worker(serialized: str, eos: int | None, spec: str) -> None:
+    """:func:`_init_worker` in a pool process, which leaves Ctrl-C to the parent: it reaches
+    the whole process group, and each worker printed a KeyboardInterrupt traceback while the
+    parent stopped the pool anyway."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _init_worker(serialized, eos, spec)
+
+
+class _QuietWorker(multiprocessing.context.SpawnProcess):
+    """A pool process that ends quietly once its parent is gone. A prepare killed outright
+    (SIGKILL, or SIGTERM before it was handled) left each worker writing its next result into
+    a pipe nobody reads: a BrokenPipeError traceback per worker. (SIGPIPE's default action
+    instead would kill a worker inside the result queue's lock, and the next one waits on that
+    lock forever.)"""
+
+    def run(self) -> None:
+        try:
+            super().run()
+        except BrokenPipeError:  # only the parent reads the results: nobody left to tell
+            pass
+
+
+class _QuietSpawn(multiprocessing.context.SpawnContext):
+    Process = _QuietWorker
+
+
 def _encode(task: tuple[str, str]) -> np.ndarray:
     where, text = task
     end = text.endswith("\x00EOD")
@@ -359,26 +393,24 @@ def _encode(task: tuple[str, str]) -> np.ndarray:
 def _write_shards(tmp: Path, texts: Iterator[tuple[str, str]], tokenizer: Any, eos: int | None,
                   spec: str, dtype: type[np.unsignedinteger], workers: int,
                   show: bool) -> tuple[dict[str, dict[str, int]], int]:
-    """Tokenize ``texts`` in ``workers`` processes into shards in ``tmp``; (shards, tokens)."""
-    shards: dict[str, dict[str, int]] = {}
-    buf: list[np.ndarray] = []
-    buffered = total = 0
+    """Tokenize ``texts`` in ``workers`` processes into shards in ``tmp``; (shards, tokens).
 
-    def flush(final: bool) -> None:
-        nonlocal buf, buffered
-        if not buf:
-            return
-        stream = np.concatenate(buf)
-        while stream.size >= SHARD_TOKENS or (final and stream.size):
-            part, stream = stream[:SHARD_TOKENS], stream[SHARD_TOKENS:]
-            name = f"shard_{len(shards):06d}.bin"
-            write_shard(tmp / name, part.astype(dtype))
-            shards[name] = {"tokens": int(part.size), "max_id": int(part.max())}
-        buf, buffered = ([stream], int(stream.size)) if stream.size else ([], 0)
+    Ids arrive as uint32 arrays, a block of text each, and are copied (cast) into one shard
+    buffer of the shard's dtype; a full buffer is written and refilled. Peak memory is one
+    shard plus one block: buffering a shard's blocks as uint32, then concatenating, then
+    casting held ~6 shards' bytes (760 MiB growth for a 128 MiB uint16 shard)."""
+    shards: dict[str, dict[str, int]] = {}
+    shard = np.empty(SHARD_TOKENS, dtype)  # pages are touched as it fills: a tiny corpus pays
+    filled = total = 0                     # for what it holds
+
+    def write(n: int) -> None:
+        part = shard[:n]
+        name = f"shard_{len(shards):06d}.bin"
+        write_shard(tmp / name, part)
+        shards[name] = {"tokens": n, "max_id": int(part.max())}
 
     init = (tokenizer.to_str(), eos, spec)
-    ctx = multiprocessing.get_context("spawn" if workers > 1 else None)
-    pool = ctx.Pool(workers, _init_worker, init) if workers > 1 else None
+    pool = _QuietSpawn().Pool(workers, _init_pool_worker, init) if workers > 1 else None
     if pool is None:
         _init_worker(*init)
     results = pool.imap(_encode, texts, chunksize=4) if pool else map(_encode, texts)
@@ -390,15 +422,20 @@ def _write_shards(tmp: Path, texts: Iterator[tuple[str, str]], tokenizer: Any, e
     ok = False
     try:
         for ids in results:
-            if ids.size:
-                buf.append(ids)
-                buffered += int(ids.size)
-                total += int(ids.size)
-                if bar is not None:
-                    bar.update(int(ids.size))
-            if buffered >= SHARD_TOKENS:
-                flush(False)
-        flush(True)
+            start, size = 0, int(ids.size)
+            while start < size:  # a document may straddle shards: its rest starts the next
+                take = min(SHARD_TOKENS - filled, size - start)
+                shard[filled:filled + take] = ids[start:start + take]  # cast to dtype, as astype
+                filled += take
+                start += take
+                if filled == SHARD_TOKENS:
+                    write(filled)
+                    filled = 0
+            total += size
+            if bar is not None and size:
+                bar.update(size)
+        if filled:
+            write(filled)
         ok = True
     finally:
         if pool is not None:
@@ -410,6 +447,64 @@ def _write_shards(tmp: Path, texts: Iterator[tuple[str, str]], tokenizer: Any, e
         if bar is not None:
             bar.close()
     return shards, total
+
+
+def _host() -> str:
+    """This host's name as it may stand in a folder name (a shared cache sees several)."""
+    return re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "host"
+
+
+_TEMP_RE = re.compile(r"[0-9a-f]{16}\.tmp-(?:(?P<host>.*)-)?\d+")
+"""``<key>.tmp-<host>-<pid>``: a prepare's folder while it writes (``<key>.tmp-<pid>`` before
+the host was part of the name)."""
+
+
+def _remove_stale_temps(root: Path) -> None:
+    """Remove the temporary folders under ``root`` whose prepare is gone (killed outright:
+    SIGKILL, the OOM killer, a second signal). Only this host's: a cache shared with other
+    hosts holds their live ones, whose pids mean nothing here."""
+    try:
+        entries = list(root.iterdir())
+    except OSError:  # no cache folder yet, or none we may read
+        return
+    host = _host()
+    for path in entries:
+        match = _TEMP_RE.fullmatch(path.name)
+        if match is None or match["host"] not in (None, host) or not path.is_dir():
+            continue
+        if temp_owner_alive(path):  # a prepare running now, in another process
+            continue
+        logger.info("prepare: removing %s (left by an interrupted prepare, pid %s)", path,
+                    path.name.rsplit("-", 1)[-1])
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """While active, SIGTERM raises :class:`Terminated` on the main thread, as Ctrl-C raises
+    KeyboardInterrupt, so the cleanup that removes the temporary folder runs (SIGTERM's default
+    action ended the process at once and left the folder, and the pool's workers printed
+    BrokenPipeError tracebacks). Only where SIGTERM has its default action: a handler someone
+    else installed (a training run's PreemptionGuard, a program that calls prepare) is left
+    alone, and so is a thread other than the main one, where Python runs no handler. A second
+    SIGTERM, during the cleanup, ends the process at once (the next prepare removes the
+    folder); the previous handler is back when the block ends."""
+    term = getattr(signal, "SIGTERM", None)
+    if (term is None or threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(term) is not signal.SIG_DFL):
+        yield
+        return
+    previous = signal.getsignal(term)
+
+    def handle(signum: int, frame: Any) -> None:
+        signal.signal(signum, signal.SIG_DFL)
+        raise Terminated(signum)
+
+    signal.signal(term, handle)
+    try:
+        yield
+    finally:
+        signal.signal(term, previous)
 
 
 def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
@@ -427,6 +522,7 @@ def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
         raise ConfigError("data: prepare needs data.text_path or data.hf_dataset to tokenize")
     tokenizer = load_tokenizer(d.tokenizer)
     out, key = prepared_dir(cfg, tokenizer)
+    _remove_stale_temps(out.parent)
     meta_path = out / "meta.json"
     if meta_path.is_file():
         meta = PreparedTokens(json.loads(meta_path.read_text()))
@@ -455,7 +551,19 @@ def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
     workers = workers or d.prepare_workers or max(1, (os.cpu_count() or 1))
     show = progress if progress is not None else (cfg.logging.progress_bar and
                                                   os.isatty(2))
-    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    tmp = out.with_name(f"{out.name}.tmp-{_host()}-{os.getpid()}")
+    with _sigterm_raises():
+        return _prepare_into(tmp, out, key, cfg, texts, tokenizer, eos, vocab, dtype, what,
+                             workers, show)
+
+
+def _prepare_into(tmp: Path, out: Path, key: str, cfg: SpeedtronicConfig,
+                  texts: Iterator[tuple[str, str]], tokenizer: Any, eos: int | None, vocab: int,
+                  dtype: type[np.unsignedinteger], what: str, workers: int,
+                  show: bool) -> PreparedTokens:
+    """:func:`prepare`'s writing half: shards into ``tmp``, renamed to ``out`` when whole."""
+    d = cfg.data
+    meta_path = out / "meta.json"
     try:
         tmp.mkdir(parents=True, exist_ok=True)
     except OSError as exc:  # a file in the way, a read-only cache: name the key
@@ -476,14 +584,14 @@ def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
             tokens=total, shards=shards, seconds=round(seconds, 2), workers=workers,
             tokens_per_second=round(total / max(seconds, 1e-9)))
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    except BaseException:  # any failure, Ctrl-C included: leave no half-written folder behind
-        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            os.replace(tmp, out)  # the directory appears whole or not at all
+        except OSError:  # another process finished first: keep theirs
+            shutil.rmtree(tmp, ignore_errors=True)
+            return PreparedTokens(json.loads(meta_path.read_text()))
+    except BaseException:  # any failure, Ctrl-C and SIGTERM included: leave no half-written
+        shutil.rmtree(tmp, ignore_errors=True)  # folder behind
         raise
-    try:
-        os.replace(tmp, out)  # the directory appears whole or not at all
-    except OSError:  # another process finished first: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-        return PreparedTokens(json.loads(meta_path.read_text()))
     logger.info("prepare: %s -> %s tokens in %d shard(s) at %s (%.1f s, %s tok/s, %d worker(s))",
                 what, f"{total:,}", len(shards), out, seconds,
                 f"{meta['tokens_per_second']:,}", workers)

@@ -363,5 +363,5 @@ def write_shard(path: Path, tokens: np.ndarray) -> None:
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as fh:
         fh.write(header.tobytes())
-        fh.write(np.ascontiguousarray(tokens).tobytes())
+        fh.write(memoryview(np.ascontiguousarray(tokens)).cast("B"))  # no copy (tobytes: one)
     os.replace(tmp, path)

@@ -36,6 +36,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
+from .._process import temp_owner_alive
 from ..errors import SpeedtronicError
 
 logger = logging.getLogger("speedtronic.checkpoint")
@@ -81,17 +82,6 @@ def make_dirs_durable(directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for new in reversed(missing):
         _fsync_dir(new.parent)
-
-
-def _writer_alive(tmp: Path) -> bool:
-    """Whether the process that owns temp file ``.<name>.tmp-<pid>`` still runs on this host
-    (our own pid counts as dead: a temp file of ours is from an earlier, failed save)."""
-    pid = tmp.name.rsplit("-", 1)[-1]
-    if not pid.isdigit() or int(pid) == os.getpid():
-        return False
-    from .run_lock import pid_alive
-
-    return pid_alive(int(pid))
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -176,7 +166,7 @@ class CheckpointManager:
                 logger.info("checkpoint: removing %s (its checkpoint is gone)", digest.name)
                 digest.unlink(missing_ok=True)
         for tmp in self.directory.glob(".*.tmp-*"):
-            if _writer_alive(tmp):  # another live process is writing it: not ours to delete
+            if temp_owner_alive(tmp):  # another live process is writing it: not ours to delete
                 logger.info("checkpoint: leaving %s alone (its writer, pid %s, is alive)", tmp,
                             tmp.name.rsplit("-", 1)[-1])
                 continue

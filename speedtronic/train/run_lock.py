@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .._process import pid_alive
 from ..errors import RunLockedError
 
 try:
@@ -40,19 +41,6 @@ __all__ = ["RunLock", "RunLockedError", "held_by", "lock_path_for", "pid_alive"]
 def lock_path_for(run_dir: Path) -> Path:
     """``<output_dir>/.<name>.lock`` for the run directory ``<output_dir>/<name>``."""
     return run_dir.with_name(f".{run_dir.name}.lock")
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host (signal 0 probes without sending)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
 
 
 def held_by(run_dir: Path) -> str | None:
