@@ -189,13 +189,14 @@ class OptimizerStep:
             # stopped the run (or counted as a skipped non-finite step) instead of being skipped
             n = counted_tokens(y)
             self._micro_since_log += 1
-            if n == 0:
-                continue  # all padding: nothing to learn, and its mean loss is NaN
-            # counted once run: a skipped batch in tokens/s and MFU inflated both
+            # tokens read, the same at every world size (under torchrun every rank runs every
+            # micro-batch, and the job's count is world x a rank's)
             self.tokens += x.numel()
             self.samples += x.shape[0]
+            if n == 0:
+                continue  # all padding: nothing to learn, and its mean loss is NaN
             if self._mfu is not None:
-                self._mfu.count(x)
+                self._mfu.count(x)  # model FLOPs of what ran: a skipped batch inflated MFU
             rel = weights.weight(n)
             ran += 1
             x, y = self._to_device(x, y)

@@ -594,13 +594,22 @@ def test_an_all_padding_batch_without_accumulation_is_skipped_not_a_nan(tmp_path
                       data={"micro_batch_size": 4, "target_batch_size": 4},
                       train={"on_nonfinite": "stop"})
     trainer = build_trainer(cfg, model=TinyLM(), data=_Batches(batches))
-    updates = []
+    updates, counted = [], []
     trainer.optimizer.register_step_post_hook(lambda opt, a, kw: updates.append(trainer.step))
-    result = trainer.fit()
+    from speedtronic.train.mfu import MfuMeter
+
+    original = MfuMeter.count
+    MfuMeter.count = lambda self, batch: (counted.append(batch), original(self, batch))[1]
+    try:
+        result = trainer.fit()
+    finally:
+        MfuMeter.count = original
     trainer.metrics.close()
     assert result.steps == 3 and updates == [0, 2] and trainer.skipped_steps == 0
-    # tokens (and tokens/s, MFU) count the batches that ran: the skipped one is not trained
-    assert result.tokens == 2 * 4 * 8 and trainer.samples == 2 * 4
+    assert [b.data_ptr() for b in counted] == [x[0].data_ptr(), x[2].data_ptr()]
+    # tokens count every batch read (as under torchrun, where every rank runs them all); the
+    # model FLOPs only the ones that ran (tests/train/test_mfu.py)
+    assert result.tokens == 3 * 4 * 8 and trainer.samples == 3 * 4
 
 
 def test_a_failed_build_leaves_no_log_handler(tmp_path):
