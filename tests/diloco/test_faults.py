@@ -8,6 +8,7 @@ rejected) and that every node at version v holds the weights the pointer named f
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -288,14 +289,25 @@ def test_bad_and_stale_deltas_are_quarantined(cluster):
     # A short unapplied_wait: with max_staleness=1 some of w0's deltas are rejected as stale,
     # and each boundary that waits the default 30 s for them to apply once used up the 90 s
     # budget on a loaded CI machine (the test passes alone in ~20 s).
-    w0 = cluster.start("worker", "w0", *WORKER, "--unapplied-wait", "2")
-    assert wait_for(lambda: _pointer_version(cluster.url) >= 2, TIMEOUT)
+    # w0 frozen while the bad deltas go up: a master that published two more versions of its
+    # work before listing them rejected them as stale (max_staleness=1), not for their defect
+    # (seen under load on 2 cores).
+    w0 = cluster.start("worker", "w0", *WORKER, "--unapplied-wait", "2", "--stop-at", "25")
+    assert wait_for(lambda: cluster.frozen(w0), TIMEOUT)
     store = open_store(cluster.url)
+
+    def settled() -> bool:  # each w0 delta in the store applied or rejected: no new version
+        rejected = {json.loads(store.get(k))["key"] for k in store.list("rejected/")}
+        return _delta_keys(store) <= set(applied_keys(store)) | rejected
+
+    assert wait_for(settled, TIMEOUT)
+    assert _pointer_version(cluster.url) >= 2  # the "stale" delta's base 0 must be stale
     bad = _bad_deltas(store, _pointer_version(cluster.url))
     # Objects nobody should have written, under the master's own prefixes: ignored, not fatal.
     store.put("global/vjunk.safetensors", b"junk")
     store.put("master/state-v99999999-junk", b"junk")
     store.put("nodes/bad/s0/done.json", b"{}")
+    w0.send_signal(signal.SIGCONT)
     cluster.wait(w0)
     cluster.wait(m)
     reasons = dict(cluster.report("master")["quarantined"])
