@@ -12,7 +12,8 @@ from pathlib import Path
 # At the end of optimizer step AT: send SIG to itself (twice with TWICE, the second inside the
 # checkpoint write the first asked for), or with PAUSE print "paused" and wait for a line on
 # stdin. TOKEN_CHUNK shrinks the data loader's chunk, so token files are read during the run.
-# START_METHOD sets multiprocessing's (DataLoader workers: fork, forkserver, spawn).
+# START_METHOD sets multiprocessing's (DataLoader workers: fork, forkserver, spawn). With
+# PGROUP the signal goes to the whole process group (REPEAT: twice, as under torchrun).
 DRIVER = textwrap.dedent("""
     import os, signal, sys
     if __name__ == "__main__":  # spawned DataLoader workers import this file as __mp_main__
@@ -37,6 +38,8 @@ DRIVER = textwrap.dedent("""
                     sent.append(sig)
                     if os.environ.get("PGROUP"):  # a terminal's Ctrl-C, SLURM's scancel
                         os.killpg(os.getpgid(0), sig)
+                        if os.environ.get("REPEAT"):  # and torchrun's forwarded copy of it
+                            os.killpg(os.getpgid(0), sig)
                     else:
                         os.kill(os.getpid(), sig)
         trainer.Trainer._call = _call

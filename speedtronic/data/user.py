@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from ..config import ConfigError, SpeedtronicConfig
 from ..errors import SpeedtronicError, check_factory_call
 from .sources import _u64
-from .worker_signals import WorkerShield
+from .worker_signals import WorkerShield, start_forkserver_shielded
 
 __all__ = ["collate_tokens", "resolve_user_dataset", "UserIterator", "user_eval_batches"]
 
@@ -184,6 +184,8 @@ class UserIterator:
         return idx[self.rank::self.world][:per_rank]
 
     def _start(self) -> None:
+        if self.loader.num_workers > 0:
+            start_forkserver_shielded()
         self._generator.manual_seed(int(np.random.default_rng([self.seed, self.epoch])
                                         .integers(2**63)))
         if self.iterable:

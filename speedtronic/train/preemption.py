@@ -25,6 +25,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from collections.abc import Sequence
 from types import FrameType
 from typing import Any
@@ -46,6 +47,7 @@ class PreemptionGuard:
     def __init__(self, signals: Sequence[str]) -> None:
         self.signals = [getattr(signal, name) for name in signals if hasattr(signal, name)]
         self.requested: int | None = None
+        self._first_at = 0.0  # when the first signal came
         self._previous: dict[int, Any] = {}
         self._owner = os.getpid()
         self._registered = False
@@ -80,6 +82,9 @@ class PreemptionGuard:
         if os.getpid() != self._owner:  # a forked child that inherited this handler
             worker_signals.worker_signal(signum, frame)
             return
+        if (self.requested is not None and "TORCHELASTIC_RUN_ID" in os.environ
+                and time.monotonic() - self._first_at < worker_signals.REPEAT_WINDOW_S):
+            return  # torchrun's forwarded copy of the signal the scheduler sent every process
         if self.requested is not None:
             # Second signal: leave now. os.write, not logging: a handler may interrupt a
             # logging call that holds the handler's lock.
@@ -87,6 +92,7 @@ class PreemptionGuard:
                         "(committed checkpoints are intact)\n".encode())
             os._exit(128 + signum)
         self.requested = signum
+        self._first_at = time.monotonic()
         os.write(2, f"speedtronic: {signal.Signals(signum).name} received: saving a checkpoint "
                     "at the end of this step, then exiting (send it again to exit at once)\n"
                     .encode())

@@ -89,15 +89,19 @@ def make(cfg):
 """
 
 
-@pytest.mark.parametrize(("sig", "start"), [("SIGTERM", "fork"), ("SIGINT", "fork"),
-                                           ("SIGTERM", "forkserver"), ("SIGTERM", "spawn")])
+@pytest.mark.parametrize(("sig", "start", "torchrun"),
+                         [("SIGTERM", "fork", False), ("SIGINT", "fork", False),
+                          ("SIGTERM", "forkserver", False), ("SIGTERM", "spawn", False),
+                          ("SIGTERM", "fork", True)])
 def test_a_signal_to_the_process_group_with_dataloader_workers_saves_and_resumes_bitwise(
-        tmp_path, sig, start, monkeypatch):
+        tmp_path, sig, start, torchrun, monkeypatch):
     """Ctrl-C in a terminal and SLURM's SIGTERM reach the DataLoader workers too: a worker
     died of it and torch raised inside the preemption save (no checkpoint, exit 2), under every
     start method (forkserver is Linux's default from Python 3.14, spawn macOS's). Dropout makes
     the resume strict: each iter() of the loader drew its workers' seed from the global RNG, so
-    a resumed run's dropout masks differed."""
+    a resumed run's dropout masks differed. Under torchrun the signal comes twice (SLURM sends
+    it to every process, torchrun forwards its copy): the copy was taken for a second signal,
+    and the rank exited at once without its checkpoint, its workers killed by the copy."""
     (tmp_path / "pg_items.py").write_text(_DATASET)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
@@ -114,7 +118,8 @@ def test_a_signal_to_the_process_group_with_dataloader_workers_saves_and_resumes
     reference = _final(tmp_path / "full")
     cfg = tmp_path / "pg.yaml"
     cfg.write_text(yaml.safe_dump(raw("pg")))
-    proc = launch_cli(tmp_path, cfg, 5, SIG=sig, PGROUP="1", START_METHOD=start)
+    extra = {"REPEAT": "1", "TORCHELASTIC_RUN_ID": "test"} if torchrun else {}
+    proc = launch_cli(tmp_path, cfg, 5, SIG=sig, PGROUP="1", START_METHOD=start, **extra)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 128 + getattr(signal, sig), err[-2000:]
     # sent at the end of step 5; a group signal may reach this thread a step later
@@ -126,6 +131,27 @@ def test_a_signal_to_the_process_group_with_dataloader_workers_saves_and_resumes
     final = _final(tmp_path / "pg")
     for k in reference:
         assert torch.equal(reference[k], final[k]), k
+
+
+def test_a_forkserver_started_in_a_guarded_run_ignores_the_preemption_signals():
+    """Its workers' parent is the forkserver, in the trainer's process group: it died of a
+    group signal and torch's watchdog then ended every worker in the middle of the step."""
+    script = """
+import multiprocessing, signal
+multiprocessing.set_start_method("forkserver")
+from multiprocessing import forkserver
+from speedtronic.data.worker_signals import start_forkserver_shielded
+from speedtronic.train.preemption import PreemptionGuard
+with PreemptionGuard(["SIGTERM", "SIGINT"]):
+    start_forkserver_shielded()
+    pid = forkserver._forkserver._forkserver_pid
+    ignored = int(next(l for l in open(f"/proc/{pid}/status") if l.startswith("SigIgn"))
+                  .split()[1], 16)
+    print(bool(ignored >> (signal.SIGTERM - 1) & 1), bool(ignored >> (signal.SIGINT - 1) & 1))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.stdout.split() == ["True", "True"], done.stderr[-2000:]
 
 
 def test_a_python_api_run_with_dataloader_workers_exits(tmp_path):
