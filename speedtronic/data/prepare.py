@@ -151,7 +151,8 @@ def _source_fingerprint(cfg: SpeedtronicConfig) -> dict[str, Any]:
     d = cfg.data
     if d.hf_dataset is not None:
         fp: dict[str, Any] = {"hf_dataset": d.hf_dataset, "config": d.hf_config,
-                              "split": d.hf_split, "text_field": d.text_field}
+                              "split": d.hf_split, "text_field": d.text_field,
+                              "empty_rows": "skipped"}  # were one end-of-text token each
         local = Path(str(d.hf_dataset)).expanduser()
         if local.exists():  # a local folder/file: edited files must make new shards
             fp["files"] = _file_stamps(expand_paths(str(local), "data.hf_dataset",
@@ -166,6 +167,23 @@ def prepared_dir(cfg: SpeedtronicConfig, tokenizer: Any) -> tuple[Path, str]:
                        "source": _source_fingerprint(cfg), "format": 1}, sort_keys=True)
     key = hashlib.sha256(blob.encode()).hexdigest()[:16]
     return prepared_root(cfg) / key, key
+
+
+def _check_saved_split(ds: Any, name: Any, split: str, config: str | None) -> None:
+    """A ``save_to_disk`` copy of one Dataset has no splits to choose from: ``hf_split`` must be
+    the split it was saved from (``train`` when it records none), and ``hf_config`` unset. Both
+    were ignored: ``hf_split: validation`` tokenized the train rows, and the log said
+    ``[validation]``."""
+    saved = getattr(ds, "split", None)
+    saved = None if saved is None else str(saved)
+    if config is not None:
+        raise ConfigError(f"data.hf_config: {name!r} is one saved Dataset, which has no "
+                          f"configurations; leave hf_config unset (got {config!r})")
+    if (saved or "train") != split:
+        what = f"the {saved!r} split" if saved else "no split (read as 'train')"
+        raise ConfigError(f"data.hf_split: {name!r} is one saved Dataset, of {what}, not "
+                          f"{split!r}; point data.hf_dataset at the DatasetDict folder to choose "
+                          f"a split, or set hf_split: {saved or 'train'}")
 
 
 def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[tuple[str, str]]:
@@ -187,9 +205,11 @@ def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[tuple[str, str]]:
                     raise ConfigError(f"data.hf_split: {d.hf_split!r} is not a split of "
                                       f"{d.hf_dataset!r}; it has {sorted(ds)}")
                 ds = ds[d.hf_split]
-        else:
-            ds = datasets.load_dataset(str(d.hf_dataset), d.hf_config, split=d.hf_split,
-                                       streaming=d.hf_streaming)
+            else:
+                _check_saved_split(ds, d.hf_dataset, d.hf_split, d.hf_config)
+        else:  # a Hub name, or a local folder of json/csv/parquet files ("~" expanded)
+            ds = datasets.load_dataset(str(path) if path.exists() else str(d.hf_dataset),
+                                       d.hf_config, split=d.hf_split, streaming=d.hf_streaming)
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - report what the library said, in one line
@@ -207,7 +227,9 @@ def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[tuple[str, str]]:
                               f"{d.hf_dataset!r}; fields: {sorted(row)}")
         where = f"data.hf_dataset {str(d.hf_dataset)!r} [{d.hf_split}] row {i}"
         value = row[d.text_field]
-        if value is None:  # str(None) once trained on the word "None", once per null row
+        # str(None) once trained on the word "None", once per null row; an empty row was a
+        # lone end-of-text token (a third of WikiText's rows: runs of them)
+        if value is None or value == "":
             empty += 1
             continue
         if not isinstance(value, str):
@@ -222,7 +244,7 @@ def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[tuple[str, str]]:
             text = text[cut:]
         yield where, text + "\x00EOD"
     if empty:
-        logger.warning("data: %d row(s) of %r with a null %s were skipped", empty,
+        logger.warning("data: %d row(s) of %r with a null or empty %s were skipped", empty,
                        str(d.hf_dataset), d.text_field)
 
 

@@ -158,14 +158,15 @@ def test_local_hf_dataset_offline_from_disk_and_from_data_files(tmp_path, tokeni
     assert counts[0] == counts[1]  # the same rows, whichever way they are stored
 
 
-def test_null_rows_are_skipped_and_a_non_text_column_is_refused(tmp_path, tokenizer_json,
+def test_null_and_empty_rows_are_skipped_and_a_non_text_column_is_refused(tmp_path, tokenizer_json,
                                                                  corpus_text, monkeypatch, caplog):
     """A null row was tokenized as the word "None"; a list as its repr."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     rows = [{"text": corpus_text[i:i + 3000]} for i in range(0, 30_000, 3000)]
     plain, nulls = tmp_path / "plain", tmp_path / "nulls"
     datasets.Dataset.from_list(rows).save_to_disk(str(plain))
-    datasets.Dataset.from_list(rows + [{"text": None}] * 5).save_to_disk(str(nulls))
+    datasets.Dataset.from_list(rows + [{"text": None}] * 3 + [{"text": ""}] * 2).save_to_disk(
+        str(nulls))  # an empty row was a lone end-of-text token
     tokens = []
     for source in (plain, nulls):
         with caplog.at_level(logging.WARNING, logger="speedtronic.data"):
@@ -177,6 +178,42 @@ def test_null_rows_are_skipped_and_a_non_text_column_is_refused(tmp_path, tokeni
     with pytest.raises(ConfigError, match=r"data.text_field: .* row 0 holds a list, not text"):
         prepare(cfg(tmp_path / "l", {"tokenizer": str(tokenizer_json),
                                      "hf_dataset": str(lists)}))
+
+
+def test_a_saved_dataset_refuses_a_split_or_config_it_does_not_have(tmp_path, tokenizer_json,
+                                                                    monkeypatch):
+    """hf_split and hf_config were ignored for a save_to_disk copy of one Dataset: asking for
+    'validation' tokenized the saved train rows (and the log said [validation])."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rows = [{"text": f"row {i} of the set"} for i in range(20)]
+    split = datasets.DatasetDict({
+        "train": datasets.Dataset.from_list(rows, split="train"),
+        "validation": datasets.Dataset.from_list(rows[:5], split="validation")})
+    split.save_to_disk(str(tmp_path / "dict"))
+    one = tmp_path / "dict" / "validation"  # one saved Dataset of the validation split
+
+    def run(**data):
+        return prepare(cfg(tmp_path / str(len(data)), {"tokenizer": str(tokenizer_json),
+                                                       "hf_dataset": str(one), **data}))
+
+    with pytest.raises(ConfigError, match=r"data.hf_split: .* of the 'validation' split, not "
+                                          r"'test'"):
+        run(hf_split="test")
+    with pytest.raises(ConfigError, match="data.hf_config: .* no configurations"):
+        run(hf_split="validation", hf_config="other")
+    assert run(hf_split="validation")["tokens"] > 0
+
+
+def test_a_local_folder_of_files_may_be_named_from_home(tmp_path, tokenizer_json, monkeypatch):
+    """``~/corpus`` worked for a save_to_disk copy, not for a folder of jsonl files (the Hub
+    was asked for it)."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "train.jsonl").write_text(
+        "\n".join(json.dumps({"text": f"line {i} of text"}) for i in range(30)) + "\n")
+    c = cfg(tmp_path / "run", {"tokenizer": str(tokenizer_json), "hf_dataset": "~/corpus"})
+    assert prepare(c)["tokens"] > 0
 
 
 def test_resume_is_exact_on_prepared_shards(tmp_path, tokenizer_json, text_dir):
@@ -317,10 +354,11 @@ def test_a_local_hf_dataset_folder_is_keyed_by_its_files(tmp_path, tokenizer_jso
     (files / "train.jsonl").write_text("\n".join(json.dumps(r) for r in rows[:4]) + "\n")
     second = prepare(c)
     assert second["key"] != first["key"] and second["tokens"] < first["tokens"]
-    # A Hub name is keyed by name, config, split and field only, as before.
+    # A Hub name is keyed by name, config, split and field only (and how empty rows are read).
     hub = cfg(tmp_path, {"tokenizer": str(tokenizer_json), "hf_dataset": "someone/corpus"})
     assert _source_fingerprint(hub) == {"hf_dataset": "someone/corpus", "config": None,
-                                        "split": "train", "text_field": "text"}
+                                        "split": "train", "text_field": "text",
+                                        "empty_rows": "skipped"}
 
 
 def test_non_utf8_bytes_are_counted_and_warned_about(tmp_path, tokenizer_json, caplog):
