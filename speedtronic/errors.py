@@ -53,16 +53,21 @@ class RunPreempted(Exception):  # noqa: N818 - a stop that was asked for, not a 
         return 0 if self.requeued else 128 + self.signum
 
 
-class Terminated(BaseException):  # noqa: N818 - a stop that was asked for, not a failure
+class Terminated(SystemExit):  # noqa: N818 - a stop that was asked for, not a failure
     """A signal whose default action ends the process (SIGTERM) arrived while a command had
     cleanup to do (``prepare``'s temporary shard folder). Raised on the main thread, as Ctrl-C
     raises KeyboardInterrupt, so ``except BaseException`` / ``finally`` clean up; not an
     ``Exception``, so no handler on the way turns it into an error message. The CLI prints one
-    line and exits :attr:`exit_code` (128 + the signal number: 143 for SIGTERM)."""
+    line and exits :attr:`exit_code` (128 + the signal number: 143 for SIGTERM); uncaught in a
+    script it exits with that status too, quietly, as the signal itself would have (a
+    ``BaseException`` there was a traceback and exit 1: a failure to a scheduler)."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(f"terminated ({signal.Signals(signum).name})")
+        super().__init__(128 + signum)
         self.signum = signum
+
+    def __str__(self) -> str:
+        return f"terminated ({signal.Signals(self.signum).name})"
 
     @property
     def exit_code(self) -> int:

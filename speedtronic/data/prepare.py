@@ -496,6 +496,8 @@ def _remove_stale_temps(root: Path) -> None:
             continue
         if temp_owner_alive(path):  # a prepare running now, in another process
             continue
+        if path.name.endswith(f"-{os.getpid()}"):  # this process's: another thread's, live
+            continue
         logger.info("prepare: removing %s (left by an interrupted prepare, pid %s)", path,
                     path.name.rsplit("-", 1)[-1])
         shutil.rmtree(path, ignore_errors=True)

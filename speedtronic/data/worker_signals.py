@@ -32,8 +32,8 @@ import time
 from types import FrameType
 from typing import Any
 
-__all__ = ["REPEAT_WINDOW_S", "WorkerShield", "guarded", "start_forkserver_shielded",
-           "worker_signal"]
+__all__ = ["FORKSERVER_IGNORES_ENV", "REPEAT_WINDOW_S", "WorkerShield", "guarded",
+           "start_forkserver_shielded", "worker_signal"]
 
 #: A signal within this many seconds of the first is its copy (torchrun forwards what a
 #: scheduler sent every process of the job, milliseconds later), not a second request.
@@ -66,32 +66,48 @@ def worker_signal(signum: int, frame: FrameType | None) -> None:
     :data:`REPEAT_WINDOW_S`) while the trainer lives; a later one takes the default action."""
     global _first_signal_at
     now = time.monotonic()
-    if _first_signal_at is None:
+    first = _first_signal_at is None
+    if first:
         _first_signal_at = now
-    if (_trainer is not None and _alive(_trainer[0])
-            and now - _first_signal_at < REPEAT_WINDOW_S):
+    # a copy of the first (within the window) only under torchrun, as for the ranks: a real
+    # double Ctrl-C in one process ends the trainer at once, and its workers with it
+    copy = ("TORCHELASTIC_RUN_ID" in os.environ
+            and now - (_first_signal_at or now) < REPEAT_WINDOW_S)
+    if _trainer is not None and _alive(_trainer[0]) and (first or copy):
         return
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)  # the default action now
 
 
+#: How the trainer tells the forkserver which signals to ignore (read by forkserver_preload).
+FORKSERVER_IGNORES_ENV = "SPEEDTRONIC_FORKSERVER_IGNORES"
+
+
 def start_forkserver_shielded() -> None:
-    """Under the ``forkserver`` start method, inside a guarded run: start the server with the
-    guard's signals ignored (an ignored disposition survives its exec; it still ends when the
-    trainer does, through its alive pipe). A no-op for fork and spawn, outside a guard, or
-    when the server runs already."""
+    """Under the ``forkserver`` start method, inside a guarded run: start the server so that
+    it ignores the guard's signals while every process it forks gets them back at their
+    default (:mod:`.forkserver_preload`, its preload module; the server still ends with the
+    trainer, through its alive pipe). Ignoring them in the trainer around the start instead
+    dropped a signal that came then, and every later child of the server inherited the
+    ignoring (``Pool.__exit__`` hung). A no-op for fork and spawn, outside a guard, or when
+    the server runs already."""
     # the method the DataLoader will use: the default context's (forkserver on Linux from
     # Python 3.14 without anyone setting it)
     if _trainer is None or multiprocessing.get_start_method() != "forkserver":
         return
     from multiprocessing import forkserver  # POSIX only, and only needed here
 
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in _trainer[1]}
+    preload = list(getattr(forkserver._forkserver, "_preload_modules", None) or ["__main__"])
+    if "speedtronic.data.forkserver_preload" not in preload:  # first: before __main__'s
+        # imports (torch: seconds), the server is not shielded yet
+        forkserver.set_forkserver_preload(["speedtronic.data.forkserver_preload", *preload])
+    # SIGINT: the server ignores it already, and restores it in its children itself
+    os.environ[FORKSERVER_IGNORES_ENV] = ",".join(
+        str(s) for s in _trainer[1] if s != signal.SIGINT)
     try:
         forkserver.ensure_running()
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        os.environ.pop(FORKSERVER_IGNORES_ENV, None)
 
 
 class WorkerShield:

@@ -140,6 +140,8 @@ def test_only_temporary_folders_of_dead_local_prepares_are_removed(tmp_path, cor
         "dead_here": f"0123456789abcdef.tmp-{host}-{dead.pid}",
         "dead_old_style": f"0123456789abcdef.tmp-{dead.pid}",  # before the host was in it
         "live_here": f"0123456789abcdef.tmp-{host}-{os.getppid()}",
+        # this process's own: another thread's prepare, writing now (pid checks call it dead)
+        "this_process": f"fedcba9876543210.tmp-{host}-{os.getpid()}",
         "other_host": f"0123456789abcdef.tmp-{host}x-{dead.pid}",  # its pids mean nothing here
         "not_ours": f"notakey.tmp-{dead.pid}",
     }
@@ -148,7 +150,15 @@ def test_only_temporary_folders_of_dead_local_prepares_are_removed(tmp_path, cor
         (root / name / "shard_000000.bin").write_bytes(b"x")
     prepare(load_config(str(_config(tmp_path, corpus))), workers=1)
     left = {k for k, name in names.items() if (root / name).exists()}
-    assert left == {"live_here", "other_host", "not_ours"}
+    assert left == {"live_here", "this_process", "other_host", "not_ours"}
+
+
+def test_terminated_uncaught_in_a_script_exits_143_quietly():
+    """A Python-API prepare stopped by SIGTERM: a BaseException there was a traceback and exit
+    1, a failure to a scheduler; the signal itself would have been 143."""
+    done = subprocess.run([sys.executable, "-c", "from speedtronic.errors import Terminated; "
+                           "raise Terminated(15)"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 143 and "Traceback" not in done.stderr, done.stderr
 
 
 @posix_only

@@ -133,25 +133,41 @@ def test_a_signal_to_the_process_group_with_dataloader_workers_saves_and_resumes
         assert torch.equal(reference[k], final[k]), k
 
 
-def test_a_forkserver_started_in_a_guarded_run_ignores_the_preemption_signals():
-    """Its workers' parent is the forkserver, in the trainer's process group: it died of a
-    group signal and torch's watchdog then ended every worker in the middle of the step."""
+def test_a_forkserver_started_in_a_guarded_run_ignores_the_signals_its_children_do_not():
+    """The workers' parent is the forkserver, in the trainer's process group: it died of a
+    group signal and torch's watchdog then ended every worker in the middle of the step. Its
+    children must not inherit the ignoring: a Pool after the run hung in terminate()."""
     script = """
-import multiprocessing, signal
+import multiprocessing, os, signal, time
 multiprocessing.set_start_method("forkserver")
 from multiprocessing import forkserver
 from speedtronic.data.worker_signals import start_forkserver_shielded
 from speedtronic.train.preemption import PreemptionGuard
-with PreemptionGuard(["SIGTERM", "SIGINT"]):
+
+def ignored(pid):
+    mask = int(next(l for l in open(f"/proc/{pid}/status") if l.startswith("SigIgn"))
+               .split()[1], 16)
+    return [bool(mask >> (s - 1) & 1) for s in (signal.SIGTERM, signal.SIGUSR1)]
+
+with PreemptionGuard(["SIGTERM", "SIGINT", "SIGUSR1"]) as guard:
     start_forkserver_shielded()
-    pid = forkserver._forkserver._forkserver_pid
-    ignored = int(next(l for l in open(f"/proc/{pid}/status") if l.startswith("SigIgn"))
-                  .split()[1], 16)
-    print(bool(ignored >> (signal.SIGTERM - 1) & 1), bool(ignored >> (signal.SIGINT - 1) & 1))
+    server, deadline = forkserver._forkserver._forkserver_pid, time.monotonic() + 60
+    while not all(ignored(server)) and time.monotonic() < deadline:
+        time.sleep(0.01)  # its preload runs after ensure_running returns: poll for it
+    print("server", *ignored(server))
+    assert guard.requested is None
+child = multiprocessing.Process(target=time.sleep, args=(60,))
+child.start()
+time.sleep(0.5)
+print("child", *ignored(child.pid))
+child.terminate()
+child.join(10)
+print("exit", child.exitcode)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
-    assert done.stdout.split() == ["True", "True"], done.stderr[-2000:]
+    assert done.stdout.split() == ["server", "True", "True", "child", "False", "False",
+                                   "exit", str(-signal.SIGTERM)], done.stderr[-2000:]
 
 
 def test_a_python_api_run_with_dataloader_workers_exits(tmp_path):
