@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -31,3 +33,18 @@ def assert_same(batches_a, batches_b):
 def arange_iter(n=1000, T=8, B=5, **kw):
     """Windows over the ids 0..n-1, so every token's value is its position."""
     return WindowIterator(ArrayStore(np.arange(n, dtype=np.int32)), T, B, seed=7, **kw)
+
+
+def byte_level_bpe(texts: list[str], vocab_size: int, path: Path) -> Path:
+    """Train a byte-level BPE with an ``<|endoftext|>`` token on ``texts`` (offline) and save it
+    as ``path``; returns ``path``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    tok.save(str(path))
+    return path

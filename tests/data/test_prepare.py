@@ -13,6 +13,8 @@ import pytest
 pytest.importorskip("tokenizers")
 datasets = pytest.importorskip("datasets")
 
+from _data_fixtures import byte_level_bpe  # noqa: E402
+
 from speedtronic.cli import main  # noqa: E402
 from speedtronic.config import ConfigError, load_config  # noqa: E402
 from speedtronic.data import build_data, check_data  # noqa: E402
@@ -31,17 +33,8 @@ def corpus_text() -> str:
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory, corpus_text) -> Path:
     """A byte-level BPE with 400 ids and an end-of-text token, trained offline right here."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([corpus_text[i:i + 2000] for i in range(0, 200_000, 2000)], trainer)
-    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    tok.save(str(path))
-    return path
+    return byte_level_bpe([corpus_text[i:i + 2000] for i in range(0, 200_000, 2000)], 400,
+                          tmp_path_factory.mktemp("tok") / "tokenizer.json")
 
 
 @pytest.fixture

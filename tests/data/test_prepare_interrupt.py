@@ -22,6 +22,8 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
+from _data_fixtures import byte_level_bpe  # noqa: E402
+
 import speedtronic.data.prepare as prepare_module  # noqa: E402
 from speedtronic.config import load_config  # noqa: E402
 from speedtronic.data.prepare import prepare  # noqa: E402
@@ -55,17 +57,10 @@ ENDLESS = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> tuple[Path, Path]:
     """(tokenizer.json, a folder of text): a 300-id byte-level BPE trained right here."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     text = bytes(stdlib_corpus(120_000, 0.1).train).decode("utf-8", errors="replace")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([text[i:i + 2000] for i in range(0, 60_000, 2000)], trainer)
     root = tmp_path_factory.mktemp("corpus")
-    tok.save(str(root / "tokenizer.json"))
+    byte_level_bpe([text[i:i + 2000] for i in range(0, 60_000, 2000)], 300,
+                   root / "tokenizer.json")
     (root / "text").mkdir()
     (root / "text" / "a.txt").write_text(text[:40_000])
     return root / "tokenizer.json", root / "text"
