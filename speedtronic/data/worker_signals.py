@@ -32,6 +32,8 @@ import time
 from types import FrameType
 from typing import Any
 
+from .._process import pid_alive
+
 __all__ = ["FORKSERVER_IGNORES_ENV", "REPEAT_WINDOW_S", "WorkerShield", "guarded",
            "start_forkserver_shielded", "worker_signal"]
 
@@ -51,16 +53,6 @@ def guarded(pid: int | None, signals: tuple[int, ...] = ()) -> None:
     _trainer = None if pid is None else (pid, tuple(signals))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else (a reused pid): not ours
-        return False
-    return True
-
-
 def worker_signal(signum: int, frame: FrameType | None) -> None:
     """A worker's handler: ignore the first signal (and its copies within
     :data:`REPEAT_WINDOW_S`) while the trainer lives; a later one takes the default action."""
@@ -73,7 +65,7 @@ def worker_signal(signum: int, frame: FrameType | None) -> None:
     # double Ctrl-C in one process ends the trainer at once, and its workers with it
     copy = ("TORCHELASTIC_RUN_ID" in os.environ
             and now - (_first_signal_at or now) < REPEAT_WINDOW_S)
-    if _trainer is not None and _alive(_trainer[0]) and (first or copy):
+    if _trainer is not None and pid_alive(_trainer[0]) and (first or copy):
         return
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)  # the default action now
