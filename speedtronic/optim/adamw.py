@@ -31,7 +31,7 @@ from ._state import (
     run_closure,
 )
 
-__all__ = ["AdamW", "adamw_step", "ADAMW_DEFAULTS", "fused_supported"]
+__all__ = ["AdamW", "adamw_step", "ADAMW_DEFAULTS", "fused_supported", "refuse_sparse_grads"]
 
 logger = logging.getLogger("speedtronic.optim")
 
@@ -121,6 +121,15 @@ def _same_layout(a: Tensor, b: Tensor) -> bool:
 #: Moment dtypes that differ from the parameter's: float16 underflows (the module docstring);
 #: a complex32 parameter's real and imaginary parts are float16 too.
 _MOMENTS = {torch.float16: torch.float32, torch.complex32: torch.complex64}
+
+
+def refuse_sparse_grads(groups: list[dict[str, Any]]) -> None:
+    """Raise before any update if a parameter of ``groups`` has a sparse gradient."""
+    for group in groups:
+        for p in group["params"]:
+            if p.grad is not None and p.grad.is_sparse:
+                raise RuntimeError(f"AdamW does not support sparse gradients (parameter shape "
+                                   f"{tuple(p.shape)}); nothing was updated this step")
 
 
 def adamw_step(state: dict, group: dict[str, Any]) -> None:
@@ -270,6 +279,8 @@ class AdamW(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         """Perform one optimization step."""
         loss = run_closure(closure)
+        if len(self.param_groups) > 1:  # a sparse grad in a later group: no half-applied step
+            refuse_sparse_grads(self.param_groups)
         for group in self.param_groups:
             adamw_step(self.state, group)
         return loss

@@ -27,7 +27,7 @@ from ._state import (
     fill_group_defaults,
     run_closure,
 )
-from .adamw import ADAMW_DEFAULTS, adamw_step, fused_supported
+from .adamw import ADAMW_DEFAULTS, adamw_step, fused_supported, refuse_sparse_grads
 from .adamw import _check_group as _check_adamw_group
 from .muon import MUON_DEFAULTS, MuonCacheMixin, check_cuda_graph
 from .muon import _check_group as _check_muon_group
@@ -106,14 +106,18 @@ class HybridOptimizer(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.o
         """Perform one optimization step over both branches."""
         loss = run_closure(closure)
         muon_groups = [g for g in self.param_groups if g["kind"] == "muon"]
+        adamw_groups = [g for g in self.param_groups if g["kind"] == "adamw"]
+        # AdamW refuses a sparse gradient only when its group's turn comes: checked for every
+        # group first, as an error there left the Muon matrices and earlier groups updated and
+        # the rest not (a half-applied step)
+        refuse_sparse_grads(adamw_groups)
         if muon_groups:
             self.run_muon_step(self.state, muon_groups)
-        for group in self.param_groups:
-            if group["kind"] == "adamw":
-                beta1 = group.get("momentum")  # set only by a momentum-cycling scheduler
-                if beta1 is not None and group["betas"][0] != beta1:
-                    group["betas"] = (beta1, group["betas"][1])
-                adamw_step(self.state, group)
+        for group in adamw_groups:
+            beta1 = group.get("momentum")  # set only by a momentum-cycling scheduler
+            if beta1 is not None and group["betas"][0] != beta1:
+                group["betas"] = (beta1, group["betas"][1])
+            adamw_step(self.state, group)
         return loss
 
 

@@ -439,3 +439,26 @@ def test_python_built_config_values_other_than_strings_still_reach_the_optimizer
         opt = build_optimizer(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)),
                               OptimizerConfig(name="muon", muon_ns_dtype=value))
         assert {g["ns_dtype"] for g in opt.param_groups if "ns_dtype" in g} == {name}
+
+
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_a_sparse_adamw_gradient_is_refused_before_any_parameter_moves(hybrid) -> None:
+    # the Muon matrices (and earlier AdamW groups) were updated before AdamW raised
+    weight = nn.Parameter(torch.randn(8, 8))
+    bias = nn.Parameter(torch.randn(8))
+    table = nn.Parameter(torch.randn(5, 8))
+    if hybrid:
+        opt = HybridOptimizer([{"params": [weight], "kind": "muon"},
+                               {"params": [bias], "kind": "adamw"},
+                               {"params": [table], "kind": "adamw"}])
+    else:
+        opt = AdamW([{"params": [weight]}, {"params": [bias]}, {"params": [table]}])
+    for p in (weight, bias):
+        p.grad = torch.randn_like(p)
+    table.grad = torch.randn(5, 8).to_sparse()
+    before = [p.detach().clone() for p in (weight, bias, table)]
+    with pytest.raises(RuntimeError, match="sparse gradients.*shape \\(5, 8\\)"):
+        opt.step()
+    for p, b in zip((weight, bias, table), before, strict=True):
+        assert torch.equal(p, b)
+    assert not opt.state or all(not st for st in opt.state.values())
