@@ -136,8 +136,11 @@ def test_lazy_and_string_imports_are_edges(tmp_path):
     ("speedtronic.diloco.store_contract", "speedtronic.diloco.store"),
     # The trainer runs what runtime built; it never reaches back into runtime.
     ("speedtronic.train.trainer", "speedtronic.train.runtime"),
-    # The schema needs only the redaction helpers, never the loader.
+    # The schema needs only the redaction helpers, never the loader; nor do its sections.
     ("speedtronic.config.schema", "speedtronic.config.loading"),
+    ("speedtronic.config.model_data", "speedtronic.config.loading"),
+    ("speedtronic.config.optimization", "speedtronic.config.loading"),
+    ("speedtronic.config.lifecycle", "speedtronic.config.loading"),
 ])
 def test_layering_seams(module, forbidden):
     graph = import_graph()

@@ -1,9 +1,10 @@
-"""The run configuration: the schema (:mod:`.schema`), loading and overrides (:mod:`.loading`),
-and redaction of secrets (:mod:`.redaction`).
+"""The run configuration: the schema (:mod:`.schema`, its sections in :mod:`.model_data`,
+:mod:`.optimization`, :mod:`.lifecycle` and :mod:`.scaling`), loading and overrides
+(:mod:`.loading`), and redaction of secrets (:mod:`.redaction`).
 
 Everything public is re-exported here, so ``from speedtronic.config import load_config,
-SpeedtronicConfig`` is the one import users need. Field docstrings in :mod:`.schema` are the
-reference documentation of every key (rendered in ``docs/configuration.md``).
+SpeedtronicConfig`` is the one import users need. Field docstrings in the section modules are
+the reference documentation of every key (rendered in ``docs/configuration.md``).
 """
 
 from __future__ import annotations

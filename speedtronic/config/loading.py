@@ -1,9 +1,10 @@
 """Turning YAML / JSON / dicts into a validated :class:`~speedtronic.config.SpeedtronicConfig`.
 
-Kept apart from the dataclasses so ``schema.py`` reads as the reference of every key. Order of
-work in :func:`load_config`: read the source -> expand shorthands (refusing conflicts) -> apply
-``--set`` overrides -> build dataclasses with strict type checks and unknown-key suggestions ->
-fill cross-section defaults and validate ranges (``SpeedtronicConfig.finalize``).
+Kept apart from the dataclasses so the schema (``schema.py`` and the section modules beside it)
+reads as the reference of every key. Order of work in :func:`load_config`: read the source ->
+expand shorthands (refusing conflicts) -> apply ``--set`` overrides -> build dataclasses with
+strict type checks and unknown-key suggestions -> fill cross-section defaults and validate ranges
+(``SpeedtronicConfig.finalize``).
 """
 
 from __future__ import annotations
