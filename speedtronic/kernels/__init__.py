@@ -3,7 +3,9 @@
 * :mod:`.extension` finds and loads the compiled CUDA extension (``speedtronic._C``) and says
   why not, in one line, when it falls back.
 * :mod:`.ops` is the op registry: each op's schema, fake (meta) kernel and pure-PyTorch
-  fallback side by side, registered with ``torch.library``.
+  fallback side by side, registered with ``torch.library``, one module per op family
+  (:mod:`.ops_orthogonalize`, :mod:`.ops_cautious_adamw`, :mod:`.ops_muon`,
+  :mod:`.ops_muon_lean`); :mod:`.ops` imports them all and is where callers take the ops from.
 * :mod:`.cpu` loads the torch-free fused fp32 CPU kernels (``speedtronic._cpu_kernels``).
 * :mod:`.newton_schulz` is the Newton-Schulz math and its coefficient schedules;
   :mod:`.choice` and :mod:`.autotune` pick, per shape, the kernel that measured fastest.
