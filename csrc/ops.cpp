@@ -1,5 +1,5 @@
 // The only file of speedtronic._C that includes torch: CUDA registrations of the speedtronic
-// ops (schemas are defined in speedtronic/ops.py) plus a few debug ops for tests/benchmarks.
+// ops (schemas are defined in speedtronic/kernels/ops*.py) plus a few debug ops for tests/benchmarks.
 // The glue itself lives in ops_impl.h so the CPU emulation tests compile the same code.
 #include <Python.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -1,7 +1,7 @@
 // Torch-facing glue for every speedtronic op: argument checks (same messages as
-// speedtronic/ops.py), dtype grouping, contiguity, scratch allocation, then the launchers of
+// speedtronic/kernels/ops*.py), dtype grouping, contiguity, scratch allocation, then the launchers of
 // launch.h. Included by ops.cpp (the CUDA registrations) AND by the CPU emulation binding
-// (tests/cuda_emulation/binding.cpp), so the emulation tests cover this file too. The includer
+// (tests/kernels/cuda_emulation/binding.cpp), so the emulation tests cover this file too. The includer
 // defines st::glue::current_stream().
 #pragma once
 

@@ -1,6 +1,6 @@
 // Multi-tensor elementwise kernels: cautious masking and the fused (cautious) AdamW step.
 //
-// Math matches speedtronic/ops.py (the pure-PyTorch default) operation by operation, in fp32
+// Math matches speedtronic/kernels/ops_cautious_adamw.py (the pure-PyTorch default) operation by operation, in fp32
 // registers with one rounding to the storage dtype where the reference stores:
 //   cautious_mask_:  keep u where u*g > 0; with rescale, kept *= numel / (kept_count + 1)
 //   adamw:           p <- p(1 - lr wd);  m <- lerp(m, g, 1-b1);  v <- b2 v + (1-b2) g^2

@@ -1,6 +1,6 @@
 // Test-only CPU build of the REAL kernel sources: torch headers first, then the emulation
 // header, then csrc's launchers (*.cu, which include csrc/kernels/*.cuh) and csrc/ops_impl.h.
-// Registers the same op schemas as speedtronic/ops.py under the `speedtronic_emu` namespace,
+// Registers the same op schemas as speedtronic/kernels/ops*.py under the `speedtronic_emu` namespace,
 // with CPU kernels, plus knobs for the emulator (schedule, statistics).
 #include <torch/library.h>
 #include <ATen/ATen.h>
