@@ -4,7 +4,8 @@
 * :mod:`.checks` - the token files a config names open and fit the vocabulary (no torch);
 * :mod:`.sources` - token stores: the stdlib corpus, a UTF-8 text file, synthetic ids;
 * :mod:`.token_files` - pre-tokenized ``.bin`` / ``.npy`` shards, memory-mapped;
-* :mod:`.prepare` - a tokenizer over text files or a Hugging Face dataset, into cached shards;
+* :mod:`.prepare` - a tokenizer over text files or a Hugging Face dataset, into cached shards
+  (its text in :mod:`.prepare_sources`, its worker pool and shard writer in :mod:`.prepare_shards`);
 * :mod:`.sampler` - shuffled, sharded, exactly resumable windows over a token store;
 * :mod:`.user` - a user's ``Dataset`` / ``IterableDataset`` from ``data.dataset``.
 """

@@ -17,16 +17,18 @@ removed by the next prepare under the same folder, once its process is gone.
 
 Documents are separated by the tokenizer's end-of-text token when it has one (``<|endoftext|>``,
 ``</s>``, ``<eos>``, ``[SEP]``); a text file is one document, a dataset row is one document.
+
+This module owns the flow and its bookkeeping: the tokenizer, the cache key, the temporary
+folder (stale ones, SIGTERM) and ``meta.json``. Reading and cutting the text is
+:mod:`.prepare_sources`; the worker pool and the shard buffer are :mod:`.prepare_shards`.
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import hashlib
 import json
 import logging
-import multiprocessing.context
 import os
 import re
 import shutil
@@ -42,17 +44,16 @@ import numpy as np
 
 from .._process import temp_owner_alive
 from ..config import ConfigError, SpeedtronicConfig
-from ..errors import Terminated, brief
-from .token_files import expand_paths, write_shard
+from ..errors import Terminated
+from . import prepare_sources
+from .prepare_shards import SHARD_TOKENS, _write_shards  # noqa: F401 - SHARD_TOKENS: re-export
+from .prepare_sources import _file_blocks, _hf_rows, text_files
+from .token_files import expand_paths
 
 __all__ = ["PreparedTokens", "load_tokenizer", "prepare", "prepared_dir", "text_files"]
 
 logger = logging.getLogger("speedtronic.data")
 
-SHARD_TOKENS = 1 << 26
-"""Tokens per output shard (128 MiB of uint16)."""
-_TEXT_BLOCK = 1 << 20
-"""Characters of a text file tokenized per task (split at a line end)."""
 _EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "[SEP]")
 """End-of-document tokens, first found wins: GPT-2 / Qwen, Llama 3 (its base models' document
 end; ``<|eot_id|>`` ends a chat turn), Llama 2 / Mistral, Gemma, BERT."""
@@ -116,21 +117,6 @@ def eos_id(tokenizer: Any) -> int | None:
     return None
 
 
-def text_files(spec: str, exclude: Path | None = None) -> list[Path]:
-    """The UTF-8 files named by ``data.text_path``: a file, a glob, or a directory (recursive),
-    leaving out anything under ``exclude`` (the prepared-token folder: inside ``text_path`` its
-    own shards were read back as text, a new, larger corpus on every run)."""
-    files = expand_paths(spec, "data.text_path", recursive=True)
-    if exclude is None:
-        return files
-    root = exclude.expanduser().resolve()
-    kept = [p for p in files if root not in p.resolve().parents]
-    if not kept:
-        raise ConfigError(f"data.text_path: every file under {spec!r} is inside the prepared-token "
-                          f"folder {str(root)!r}; point text_path at the text itself")
-    return kept
-
-
 def prepared_root(cfg: SpeedtronicConfig) -> Path:
     """The folder prepared tokens go under: ``data.prepare_dir`` or the cache's ``tokens/``."""
     if cfg.data.prepare_dir:
@@ -167,308 +153,6 @@ def prepared_dir(cfg: SpeedtronicConfig, tokenizer: Any) -> tuple[Path, str]:
                        "source": _source_fingerprint(cfg), "format": 1}, sort_keys=True)
     key = hashlib.sha256(blob.encode()).hexdigest()[:16]
     return prepared_root(cfg) / key, key
-
-
-def _check_saved_split(ds: Any, name: Any, split: str, config: str | None) -> None:
-    """A ``save_to_disk`` copy of one Dataset has no splits to choose from: ``hf_split`` must be
-    the split it was saved from (``train`` when it records none), and ``hf_config`` unset. Both
-    were ignored: ``hf_split: validation`` tokenized the train rows, and the log said
-    ``[validation]``."""
-    saved = getattr(ds, "split", None)
-    saved = None if saved is None else str(saved)
-    if config is not None:
-        raise ConfigError(f"data.hf_config: {name!r} is one saved Dataset, which has no "
-                          f"configurations; leave hf_config unset (got {config!r})")
-    if (saved or "train") != split:
-        what = f"the {saved!r} split" if saved else "no split (read as 'train')"
-        raise ConfigError(f"data.hf_split: {name!r} is one saved Dataset, of {what}, not "
-                          f"{split!r}; point data.hf_dataset at the DatasetDict folder to choose "
-                          f"a split, or set hf_split: {saved or 'train'}")
-
-
-def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[tuple[str, str]]:
-    """(where, text) for each row of the dataset; ``where`` names the row for errors."""
-    d = cfg.data
-    try:
-        import datasets
-    except ImportError:
-        raise ConfigError("data.hf_dataset needs the 'datasets' package: pip install "
-                          "'speedtronic[data]'") from None
-    path = Path(str(d.hf_dataset)).expanduser()
-    try:
-        if path.is_dir() and ((path / "dataset_info.json").exists()
-                              or (path / "state.json").exists()
-                              or (path / "dataset_dict.json").exists()):
-            ds = datasets.load_from_disk(str(path))  # a save_to_disk() copy
-            if isinstance(ds, datasets.DatasetDict):
-                if d.hf_split not in ds:
-                    raise ConfigError(f"data.hf_split: {d.hf_split!r} is not a split of "
-                                      f"{d.hf_dataset!r}; it has {sorted(ds)}")
-                ds = ds[d.hf_split]
-            else:
-                _check_saved_split(ds, d.hf_dataset, d.hf_split, d.hf_config)
-        else:  # a Hub name, or a local folder of json/csv/parquet files ("~" expanded)
-            ds = datasets.load_dataset(str(path) if path.exists() else str(d.hf_dataset),
-                                       d.hf_config, split=d.hf_split, streaming=d.hf_streaming)
-    except ConfigError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - report what the library said, in one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"data.hf_dataset: cannot load {d.hf_dataset!r} (split "
-                          f"{d.hf_split!r}): {first}") from None
-    columns = getattr(ds, "column_names", None)
-    if columns is not None and d.text_field not in columns:
-        raise ConfigError(f"data.text_field: {d.text_field!r} is not a column of "
-                          f"{d.hf_dataset!r}; columns: {sorted(columns)}")
-    empty = 0
-    for i, row in enumerate(ds):
-        if d.text_field not in row:
-            raise ConfigError(f"data.text_field: {d.text_field!r} is not a field of "
-                              f"{d.hf_dataset!r}; fields: {sorted(row)}")
-        where = f"data.hf_dataset {str(d.hf_dataset)!r} [{d.hf_split}] row {i}"
-        value = row[d.text_field]
-        # str(None) once trained on the word "None", once per null row; an empty row was a
-        # lone end-of-text token (a third of WikiText's rows: runs of them)
-        if value is None or value == "":
-            empty += 1
-            continue
-        if not isinstance(value, str):
-            raise ConfigError(f"data.text_field: {where} holds a {type(value).__name__}, not "
-                              f"text ({brief(value)}); name a column of strings")
-        text = value
-        limit = _FORCED_CUT_BLOCKS * _TEXT_BLOCK
-        while len(text) > limit:  # one huge row must not be one tokenizer call (see below)
-            cut = _block_cut(text[:limit], any_newline=True) or limit
-            logger.debug("data: %s: a cut at character %d bounds memory", where, cut)
-            yield where, text[:cut]
-            text = text[cut:]
-        yield where, text + "\x00EOD"
-    if empty:
-        logger.warning("data: %d row(s) of %r with a null or empty %s were skipped", empty,
-                       str(d.hf_dataset), d.text_field)
-
-
-# Where byte-level BPE (GPT-2 and cl100k style patterns) and SentencePiece-style Metaspace all
-# split text into the same pieces on both sides of a cut, whatever comes after the cut.
-_SAFE_CUTS = (
-    re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])"),  # before the one space between two letters
-    re.compile(r"(?<=\S)\n(?=\S)"),              # after a newline standing alone
-)
-
-
-def _last_match(pattern: re.Pattern[str], text: str, floor: int) -> int:
-    """End of the last match of ``pattern`` in ``text[floor:]`` (0 for none), searching back
-    from the end in growing windows: one C-speed scan of the tail in the common case."""
-    window = 1 << 16
-    while True:
-        start = max(floor, len(text) - window)
-        end = 0
-        for m in pattern.finditer(text, start):  # lookbehinds still see text before start
-            end = m.end()
-        if end or start == floor:
-            return end
-        window *= 8
-
-
-def _block_cut(text: str, any_newline: bool, searched: int = 0) -> int:
-    """Where to end a block of ``text`` (0: read on), so that tokenizing the blocks one by one
-    gives the ids of the whole file: before the last single space between two letters, else
-    after the last newline between two non-space characters (text without spaces), else, if
-    ``any_newline``, after the last newline.
-
-    A cut inside a whitespace run did not keep the ids: a block ending in ``"\\n\\n"`` gave one
-    token where the whole file has two (2 tokens off in 3 MB of code). ``text[:searched]`` is
-    known to hold no safe cut (the text read on from)."""
-    floor = max(0, searched - 2)  # a match needs the character after it, unseen back then
-    for pattern in _SAFE_CUTS:
-        cut = _last_match(pattern, text, floor)
-        if cut:
-            return cut - 1 if pattern is _SAFE_CUTS[0] else cut
-    return text.rfind("\n") + 1 if any_newline else 0
-
-
-#: Text read on without any cut point before a cut is forced. One tokenizer call holds ~200
-#: bytes per character of text without spaces (byte-level BPE, 1 MiB of letters: +196 MiB
-#: peak RSS, 4 MiB: +810 MiB), so a 40 MB minified line once peaked at 7.6 GB; 8 blocks bound
-#: a call near 1.6 GB whatever the line length.
-_FORCED_CUT_BLOCKS = 8
-
-
-class _Utf8Counter:
-    """``errors=`` handler for text files: replaces undecodable bytes with U+FFFD, as before,
-    and counts them so ``prepare`` can say so (the replacement used to be silent)."""
-
-    name = "speedtronic-count-replace"
-
-    def __init__(self) -> None:
-        self.bad = 0
-        codecs.register_error(self.name, self)
-
-    def __call__(self, exc: UnicodeError) -> tuple[str, int]:
-        if not isinstance(exc, UnicodeDecodeError):
-            raise exc
-        self.bad += exc.end - exc.start
-        return "\ufffd", exc.end
-
-
-_UTF8 = _Utf8Counter()
-
-
-def _file_blocks(files: list[Path]) -> Iterator[tuple[str, str]]:
-    """Each file in blocks of about 1 MiB (see :func:`_block_cut`), as (where, text); a file's
-    last block ends its document."""
-    for path in files:
-        where = f"data.text_path file {str(path)!r}"
-        bad_before, forced = _UTF8.bad, 0
-        with open(path, encoding="utf-8", errors=_UTF8.name) as fh:
-            carry, seen = "", False
-            while True:
-                chunk = fh.read(_TEXT_BLOCK)
-                if not chunk:
-                    break
-                text = carry + chunk
-                # Without a clean cut, read on (up to 8 blocks: a file of only indented lines
-                # must not become one block), then cut at any newline.
-                long = len(text) >= _FORCED_CUT_BLOCKS * _TEXT_BLOCK
-                cut = _block_cut(text, any_newline=long, searched=len(carry))
-                if cut <= 0 and long:  # not even a newline: force one, memory stays bounded
-                    space = max(text.rfind(" "), text.rfind("\t"))
-                    cut = space + 1 if space > 0 else len(text)
-                    forced += 1
-                if cut <= 0:
-                    carry = text
-                    continue
-                seen = True
-                yield where, text[:cut]
-                carry = text[cut:]
-            if seen or carry:  # an empty file is no document (no end-of-text token either)
-                yield where, carry + "\x00EOD"  # marker: end of this document
-        if forced:
-            logger.warning("data: %s has %d stretch(es) of %d MiB without a newline; cut there "
-                           "anyway to bound memory (the few ids at such a cut may differ from "
-                           "tokenizing the whole line)", where, forced,
-                           _FORCED_CUT_BLOCKS * _TEXT_BLOCK >> 20)
-        if _UTF8.bad > bad_before:
-            logger.warning("data: %s is not valid UTF-8: %d byte(s) were replaced by U+FFFD "
-                           "(re-encode it as UTF-8 to keep them)", where, _UTF8.bad - bad_before)
-
-
-_worker_tokenizer: Any = None
-_worker_eos: int | None = None
-_worker_spec = ""
-
-
-def _init_worker(serialized: str, eos: int | None, spec: str) -> None:
-    global _worker_tokenizer, _worker_eos, _worker_spec
-    from tokenizers import Tokenizer
-
-    _worker_tokenizer = Tokenizer.from_str(serialized)
-    _worker_eos = eos
-    _worker_spec = spec
-
-
-def _init_pool_worker(serialized: str, eos: int | None, spec: str) -> None:
-    """:func:`_init_worker` in a pool process, which leaves Ctrl-C to the parent: it reaches
-    the whole process group, and each worker printed a KeyboardInterrupt traceback while the
-    parent stopped the pool anyway."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _init_worker(serialized, eos, spec)
-
-
-class _QuietWorker(multiprocessing.context.SpawnProcess):
-    """A pool process that ends quietly once its parent is gone. A prepare killed outright
-    (SIGKILL, or SIGTERM before it was handled) left each worker writing its next result into
-    a pipe nobody reads: a BrokenPipeError traceback per worker. (SIGPIPE's default action
-    instead would kill a worker inside the result queue's lock, and the next one waits on that
-    lock forever.)"""
-
-    def run(self) -> None:
-        try:
-            super().run()
-        except BrokenPipeError:  # only the parent reads the results: nobody left to tell
-            pass
-
-
-class _QuietSpawn(multiprocessing.context.SpawnContext):
-    Process = _QuietWorker
-
-
-def _encode(task: tuple[str, str]) -> np.ndarray:
-    where, text = task
-    end = text.endswith("\x00EOD")
-    if end:
-        text = text[: -len("\x00EOD")]
-    try:
-        ids = _worker_tokenizer.encode(text, add_special_tokens=False).ids if text else []
-    except Exception as exc:  # noqa: BLE001 - the tokenizer's own failures are plain Exception
-        # A ConfigError (picklable: one message argument) crosses the worker pool as is, so the
-        # CLI prints this one line whether or not workers were used.
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"data.tokenizer: {_worker_spec!r} failed to encode {where}: {first} "
-                          "(use a tokenizer whose vocabulary covers every byte of the text or has "
-                          "an unknown token, or remove the text it cannot represent)") from None
-    if end and _worker_eos is not None:
-        ids.append(_worker_eos)
-    return np.asarray(ids, dtype=np.uint32)
-
-
-def _write_shards(tmp: Path, texts: Iterator[tuple[str, str]], tokenizer: Any, eos: int | None,
-                  spec: str, dtype: type[np.unsignedinteger], workers: int,
-                  show: bool) -> tuple[dict[str, dict[str, int]], int]:
-    """Tokenize ``texts`` in ``workers`` processes into shards in ``tmp``; (shards, tokens).
-
-    Ids arrive as uint32 arrays, a block of text each, and are copied (cast) into one shard
-    buffer of the shard's dtype; a full buffer is written and refilled. Peak memory is one
-    shard plus one block: buffering a shard's blocks as uint32, then concatenating, then
-    casting held ~6 shards' bytes (760 MiB growth for a 128 MiB uint16 shard)."""
-    shards: dict[str, dict[str, int]] = {}
-    shard = np.empty(SHARD_TOKENS, dtype)  # pages are touched as it fills: a tiny corpus pays
-    filled = total = 0                     # for what it holds
-
-    def write(n: int) -> None:
-        part = shard[:n]
-        name = f"shard_{len(shards):06d}.bin"
-        write_shard(tmp / name, part)
-        shards[name] = {"tokens": n, "max_id": int(part.max())}
-
-    init = (tokenizer.to_str(), eos, spec)
-    pool = _QuietSpawn().Pool(workers, _init_pool_worker, init) if workers > 1 else None
-    if pool is None:
-        _init_worker(*init)
-    results = pool.imap(_encode, texts, chunksize=4) if pool else map(_encode, texts)
-    bar = None
-    if show:
-        from tqdm import tqdm
-
-        bar = tqdm(unit="tok", unit_scale=True, desc="prepare", file=None)
-    ok = False
-    try:
-        for ids in results:
-            start, size = 0, int(ids.size)
-            while start < size:  # a document may straddle shards: its rest starts the next
-                take = min(SHARD_TOKENS - filled, size - start)
-                shard[filled:filled + take] = ids[start:start + take]  # cast to dtype, as astype
-                filled += take
-                start += take
-                if filled == SHARD_TOKENS:
-                    write(filled)
-                    filled = 0
-            total += size
-            if bar is not None and size:
-                bar.update(size)
-        if filled:
-            write(filled)
-        ok = True
-    finally:
-        if pool is not None:
-            if ok:
-                pool.close()
-            else:  # close() would wait for every queued block of a failed corpus first
-                pool.terminate()
-            pool.join()
-        if bar is not None:
-            bar.close()
-    return shards, total
 
 
 def _host() -> str:
@@ -565,7 +249,8 @@ def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
     else:
         files = text_files(str(d.text_path), prepared_root(cfg))
         texts = _file_blocks(files)
-        big = sum(1 for f in files if f.stat().st_size > _TEXT_BLOCK)
+        # (read through the module: a test shrinks the block there)
+        big = sum(1 for f in files if f.stat().st_size > prepare_sources._TEXT_BLOCK)
         if big and _prepends(tokenizer):
             logger.warning("prepare: the tokenizer's normalizer prepends to every call (Llama 2 "
                            "/ Mistral style), and %d file(s) are tokenized in ~1 MiB blocks: "

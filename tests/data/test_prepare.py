@@ -97,9 +97,9 @@ def test_blocks_tokenize_to_the_whole_files_ids(tmp_path, tokenizer_json, corpus
     run once merged two newline tokens into one)."""
     from tokenizers import Tokenizer
 
-    from speedtronic.data import prepare as prepare_module
+    from speedtronic.data import prepare_sources
 
-    monkeypatch.setattr(prepare_module, "_TEXT_BLOCK", 4096)
+    monkeypatch.setattr(prepare_sources, "_TEXT_BLOCK", 4096)
     d = tmp_path / "code"
     d.mkdir()
     text = corpus_text[:120_000]
@@ -369,16 +369,16 @@ def test_a_line_without_cut_points_is_cut_to_bound_memory(tmp_path, tokenizer_js
                                                           monkeypatch):
     """A 40 MB line of minified JSON was one tokenizer call (7.6 GB peak); now no call sees
     more than 8 blocks of text, with one warning per file."""
-    from speedtronic.data import prepare as prepare_module
+    from speedtronic.data import prepare_shards, prepare_sources
 
-    monkeypatch.setattr(prepare_module, "_TEXT_BLOCK", 4096)
+    monkeypatch.setattr(prepare_sources, "_TEXT_BLOCK", 4096)
     d = tmp_path / "minified"
     d.mkdir()
     (d / "blob.json").write_text('{"k":"' + "abcdefghij" * 30_000 + '"}')  # 300 KB, 1 line
     (d / "normal.txt").write_text("plain words here\n" * 2000)
     calls: list[int] = []
-    encode = prepare_module._encode
-    monkeypatch.setattr(prepare_module, "_encode",
+    encode = prepare_shards._encode
+    monkeypatch.setattr(prepare_shards, "_encode",
                         lambda task: (calls.append(len(task[1])), encode(task))[1])
     with caplog.at_level(logging.WARNING, "speedtronic"):
         meta = prepare(cfg(tmp_path, {"tokenizer": str(tokenizer_json), "text_path": str(d)}))
@@ -441,6 +441,7 @@ def test_a_normalizer_that_prepends_to_every_call_is_named_when_files_are_cut(
     from tokenizers import Tokenizer, models, normalizers, trainers
 
     from speedtronic.data import prepare as prepare_module
+    from speedtronic.data import prepare_sources
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
@@ -450,7 +451,7 @@ def test_a_normalizer_that_prepends_to_every_call_is_named_when_files_are_cut(
     tok.save(str(tmp_path / "llama2.json"))
     assert prepare_module._prepends(tok)
     assert not prepare_module._prepends(Tokenizer.from_file(str(tokenizer_json)))
-    monkeypatch.setattr(prepare_module, "_TEXT_BLOCK", 1000)  # a small file is cut too
+    monkeypatch.setattr(prepare_sources, "_TEXT_BLOCK", 1000)  # a small file is cut too
     texts = tmp_path / "texts"
     texts.mkdir()
     (texts / "a.txt").write_text("some text to learn from\n" * 200)

@@ -25,6 +25,7 @@ pytest.importorskip("tokenizers")
 from _data_fixtures import byte_level_bpe  # noqa: E402
 
 import speedtronic.data.prepare as prepare_module  # noqa: E402
+import speedtronic.data.prepare_shards as prepare_shards  # noqa: E402
 from speedtronic.config import load_config  # noqa: E402
 from speedtronic.data.prepare import prepare  # noqa: E402
 from speedtronic.data.sources import stdlib_corpus  # noqa: E402
@@ -40,6 +41,7 @@ posix_only = pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
 ENDLESS = textwrap.dedent("""
     import itertools, sys
     import speedtronic.data.prepare as P
+    import speedtronic.data.prepare_shards as S
 
     def endless(files):
         text = files[0].read_text()
@@ -47,7 +49,7 @@ ENDLESS = textwrap.dedent("""
             yield "endless", text + "\\x00EOD"
 
     if __name__ == "__main__":
-        P.SHARD_TOKENS = 1 << 14
+        S.SHARD_TOKENS = 1 << 14
         P._file_blocks = endless
         from speedtronic.cli import main
         sys.exit(main(sys.argv[1:]))
@@ -218,12 +220,12 @@ def test_the_shard_writer_holds_about_one_shard(tmp_path, monkeypatch, dtype):
     sizes = [int(n) for n in rng.integers(0, 3000, 230)] + [0, 1, 5000]
     blocks = [rng.integers(0, 60_000, n).astype(np.uint32) for n in sizes]
     feed = iter(blocks)
-    monkeypatch.setattr(prepare_module, "SHARD_TOKENS", shard_tokens)
-    monkeypatch.setattr(prepare_module, "_init_worker", lambda *a: None)
-    monkeypatch.setattr(prepare_module, "_encode", lambda task: next(feed).copy())
+    monkeypatch.setattr(prepare_shards, "SHARD_TOKENS", shard_tokens)
+    monkeypatch.setattr(prepare_shards, "_init_worker", lambda *a: None)
+    monkeypatch.setattr(prepare_shards, "_encode", lambda task: next(feed).copy())
     tracemalloc.start()
     try:
-        shards, total = prepare_module._write_shards(
+        shards, total = prepare_shards._write_shards(
             tmp_path, iter([("x", "t")] * len(blocks)), _Tok(), None, "t", dtype, 1, False)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
