@@ -3,7 +3,9 @@
 The loop never reads a device value per micro-batch: losses are summed into a device tensor and
 read only at log/eval steps, so a CUDA run queues work ahead of the host. What one optimizer step
 does (micro-batches, clipping, the update) is in :mod:`.step`, the log row in :mod:`.step_log`,
-the checkpoint content in :mod:`.trainer_state`; all three are mixed into :class:`Trainer`.
+the checkpoint content in :mod:`.trainer_state`, the optional features (compile, shape check,
+out-of-order backprop, MFU) in :mod:`.trainer_features`, and the eval, agreed stops and torchft
+step moves in :mod:`.step_boundary`; all five are mixed into :class:`Trainer`.
 Everything the loop needs is built by :mod:`speedtronic.train.runtime`; the :class:`Trainer` can
 also be constructed directly around any model whose forward is ``model(input_ids, labels) ->
 loss``.
@@ -25,19 +27,19 @@ from ..config import SpeedtronicConfig
 from ..distributed import DataParallel
 from ..distributed import ddp as dp_step
 from ..distributed import fsdp as fsdp_step
-from ..errors import RunPreempted, SpeedtronicError
+from ..errors import SpeedtronicError
 from ..models.loss import extract_loss
-from ..ooo import scheduler as ooo
 from ..ooo.trial import OOOTrial
-from . import shapes
-from .accumulation import IGNORE_INDEX, counted_tokens
+from .accumulation import IGNORE_INDEX
 from .checkpoint import CheckpointManager
 from .metrics import Heartbeat, MetricsLogger, format_step_line
 from .mfu import MfuMeter
-from .precision import PrecisionPlan, decide_compile
-from .preemption import PreemptionGuard, requeue_slurm_job
+from .precision import PrecisionPlan
+from .preemption import PreemptionGuard
 from .step import OptimizerStep
+from .step_boundary import StepBoundary
 from .step_log import LogInterval, StepLog
+from .trainer_features import TrainerFeatures
 from .trainer_state import DEFAULT_CALLBACK_NAME, TrainerState
 
 logger = logging.getLogger("speedtronic.trainer")
@@ -90,7 +92,7 @@ class TrainResult:
 loss_from_output = extract_loss
 
 
-class Trainer(OptimizerStep, StepLog, TrainerState):
+class Trainer(OptimizerStep, StepLog, TrainerState, TrainerFeatures, StepBoundary):
     """Runs optimizer steps until ``config.run.max_steps`` (an absolute step target).
 
     Args:
@@ -219,53 +221,9 @@ class Trainer(OptimizerStep, StepLog, TrainerState):
         self._check_callback_names()
         self._configure_features()
 
-    # ----------------------------------------------------------------------------- setup
-    def _configure_features(self) -> None:
-        cfg = self.config
-        if cfg.gradient_checkpointing:
-            hook = getattr(self.model, "set_gradient_checkpointing", None)
-            if callable(hook):
-                hook(True)
-                logger.info("gradient checkpointing: on")
-            else:
-                logger.warning("gradient checkpointing: off (%s has no "
-                               "set_gradient_checkpointing(bool))", type(self.model).__name__)
-        self.compile_on, why = decide_compile(cfg, self.device)
-        if self._fsdp and self.compile_on:  # compile: true is refused at start (fsdp.py)
-            self.compile_on, why = False, "auto: off under data_parallel.fsdp"
-        if self.compile_on:
-            self._forward = torch.compile(self._forward)  # a compiled DDP module under torchrun
-            self._compile_pending = True  # real compilation happens on the first forward
-            logger.info("torch.compile: on, %s (compiles on the first step; falls back to "
-                        "eager if the compiler fails)", why)
-        else:
-            logger.info("torch.compile: off, %s", why)
-
     def log_metrics(self, values: dict[str, Any]) -> None:
         """Record extra values (e.g. from a callback) as a ``train_step``-style event."""
         self.metrics.emit("metrics", {"step": self.step, **values})
-
-    def _start_features(self) -> None:
-        if self.config.shape_validation.enabled:
-            self._shape_report = shapes.check_shapes(self.model, self.config, self.device,
-                                                     self.precision.dtype)
-            table = self._shape_report.format_table()
-            if table:
-                self.metrics.line(table)
-            else:  # off (alignment: none, or CPU): the decision line, never a warning
-                logger.info("shape check: off (%s)", self._shape_report.reason)
-        self._ooo = ooo.build_ooo_scheduler(self.model, self.config, self.device)
-        if self._ooo is not None:
-            if self.config.ooo_trial_pairs > 0:
-                self._ooo_trial = OOOTrial(self._ooo, self.device, self.config.ooo_trial_pairs)
-                logger.info("ooo backprop: the first %d steps alternate it on and off; it stays "
-                            "on only where it measures faster", len(self._ooo_trial.plan))
-            else:
-                logger.info("ooo backprop: stays on without a trial (ooo_trial_pairs: 0)")
-        seq_len = getattr(self.data, "block_size", None) or self.config.data.block_size \
-            or self.config.model.max_seq_len
-        self._mfu = MfuMeter(self.model, int(seq_len), self.device, self.precision.mode,
-                             self.config.run.peak_tflops)
 
     # ----------------------------------------------------------------------------- state
     def release_run_lock(self) -> None:
@@ -283,60 +241,12 @@ class Trainer(OptimizerStep, StepLog, TrainerState):
         self._replaced = reason
         self.replacements += 1
 
-    def _end_ooo_trial(self, trial: OOOTrial, step: int) -> None:
-        """Record the out-of-order trial's outcome; a scheduler it closed is dropped."""
-        self._ooo_trial = None
-        self.metrics.emit("ooo_decision", {"step": step, **(trial.summary or {})})
-        if trial.decided is False:
-            self._ooo = None  # closed by the trial: every Linear has its own forward back
-
     # ----------------------------------------------------------------------------- loop
     def _call(self, method: str, *args: Any) -> None:
         for cb in self.callbacks:
             fn = getattr(cb, method, None)
             if callable(fn):
                 fn(self, *args)
-
-    def evaluate(self) -> float:
-        """Mean loss per label token over the fixed held-out batches (the same every call).
-
-        Token-weighted like training: each batch's mean loss counts by its label tokens, and a
-        batch of nothing but padding counts for nothing (its mean is NaN, which once made every
-        eval_loss of the run NaN). Labels that cannot be counted on the host weigh 1 per batch."""
-        if self._eval_cache is None:
-            batches = list(self.data.eval_batches(self.config.run.eval_batches))
-            counts = [counted_tokens(y) for _, y in batches]
-            weights = [1.0 if n is None else float(n) for n in counts]
-            self._eval_total_weight = sum(weights)  # over every rank's share
-            if self.dp is not None:  # each rank evaluates its share; the sum is all-reduced
-                world = self.dp.world_size
-                mine, weights = batches[self.dp.rank::world], weights[self.dp.rank::world]
-                if self._fsdp and batches:
-                    # an FSDP2 forward is a collective: every rank runs as many batches, a
-                    # rank short of its share re-runs the first one with weight 0
-                    pad = -(-len(batches) // world) - len(mine)
-                    mine, weights = mine + [batches[0]] * pad, weights + [0.0] * pad
-                batches = mine
-            self._eval_cache = [(x.to(self.device), y.to(self.device)) for x, y in batches]
-            self._eval_weights = weights
-        was_training = self.model.training
-        self.model.eval()
-        total = torch.zeros((), device=self.device)
-        with torch.no_grad():
-            for (x, y), w in zip(self._eval_cache, self._eval_weights, strict=True):
-                with self.precision.autocast():
-                    loss = extract_loss(self.model(x, y)).float()
-                if w:  # 0: all padding (a NaN mean), or an FSDP2 filler
-                    total += loss * w
-        self.model.train(was_training)
-        if self.dp is not None:
-            self.dp.all_reduce_sum(total)
-        value = (float(total.item()) / self._eval_total_weight if self._eval_total_weight
-                 else float("nan"))
-        self.last_eval_loss = value
-        self.metrics.emit("eval", {"step": self.step, "eval_loss": value})
-        self.metrics.line(f"eval step {self.step} | eval_loss {value:.4f}")
-        return value
 
     def fit(self) -> TrainResult:
         """Train from ``self.step`` to ``config.run.max_steps``; returns the result."""
@@ -468,61 +378,6 @@ class Trainer(OptimizerStep, StepLog, TrainerState):
             self.evaluate()
             self.save_checkpoint(force=True)
         return self._finish()
-
-    def jump_to_step(self, step: int, tokens: int | None = None,
-                     samples: int | None = None) -> None:
-        """Continue from ``step`` (and the peer's ``tokens`` / ``samples`` counters): another
-        replica's state was just loaded (torchft healing). The open log interval keeps counting
-        this process's own steps and tokens only."""
-        delta = step - self.step
-        self.step = step
-        self._interval_first_step += delta
-        self._step_jump += delta
-        jumps = (0 if tokens is None else tokens - self.tokens,
-                 0 if samples is None else samples - self.samples)
-        self.tokens += jumps[0]
-        self.samples += jumps[1]
-        self._counter_jump = (self._counter_jump[0] + jumps[0], self._counter_jump[1] + jumps[1])
-
-    def _drop_uncommitted_step(self) -> None:
-        """A torchft step the quorum did not commit: no update, no schedule move, not counted,
-        not logged (the next batches retry it)."""
-        self.optimizer.zero_grad(set_to_none=True)
-        self._grad_factor = 1.0
-        self._loss_sum.copy_(self._loss_before_step)
-        self._micro_since_log = self._micro_before_step
-
-    def _agree_on_stops(self, signum: int | None, time_due: bool) -> tuple[int | None, bool]:
-        """Under torchrun, the step boundary's rank-local triggers made common: a signal any
-        rank received, a time-based save any rank's clock calls for. Every rank must save (a
-        collective) and stop at the same step, or the others wait in a collective until the
-        timeout. One host all-reduce of two ints on the gloo control group (0.27 ms median on
-        loopback, 2 ranks), only when a signal or checkpoint.every_seconds is configured."""
-        if self.dp is None or not (self.config.train.preemption_signals
-                                   or self.config.checkpoint.every_seconds is not None):
-            return signum, time_due
-        agreed_signal, agreed_time = self.dp.agree_max([signum or 0, int(time_due)])
-        return (agreed_signal or None), bool(agreed_time)
-
-    def _stop_for_preemption(self, signum: int) -> None:
-        """The step boundary after a preemption signal: the checkpoint is written (the loop's
-        save ran this step), the job is requeued if asked, and :class:`RunPreempted` ends
-        ``fit``."""
-        import signal as _signal
-
-        name = _signal.Signals(signum).name
-        if self.checkpoints is None and not self.saves_on_rank0:
-            where = "checkpointing is off: nothing saved"
-        else:
-            where = f"checkpoint of step {self.step} saved; --resume continues from it"
-        # one requeue per job: rank 0 asks SLURM
-        requeued = self.config.train.requeue and (self.dp is None or self.dp.is_main) \
-            and requeue_slurm_job()
-        self.metrics.emit("preempted", {"step": self.step, "signal": name,
-                                        "requeued": requeued})
-        raise RunPreempted(signum, f"stopped by {name} at step {self.step} ({where})"
-                           + ("; the SLURM job is requeued" if requeued else ""),
-                           requeued=requeued)
 
     def _finish(self) -> TrainResult:
         """The ``train_end`` row, the MFU summary line and the result."""

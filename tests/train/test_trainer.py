@@ -103,7 +103,8 @@ def _count_host_syncs(monkeypatch, tmp_path, accumulation: int) -> int:
     def from_speedtronic() -> bool:
         path = sys._getframe(2).f_code.co_filename.replace("\\", "/")
         return path.endswith(tuple(f"speedtronic/train/{name}.py" for name in
-                                   ("trainer", "step", "step_log", "metrics")))
+                                   ("trainer", "step", "step_log", "step_boundary",
+                                    "trainer_features", "metrics")))
 
     def counting(name):
         def wrapper(self, *args):
