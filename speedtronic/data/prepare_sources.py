@@ -58,6 +58,43 @@ def _check_saved_split(ds: Any, name: Any, split: str, config: str | None) -> No
                           f"a split, or set hf_split: {saved or 'train'}")
 
 
+#: Data files ``data.hf_dataset`` may name by themselves, by suffix (before a compression
+#: suffix), and the ``datasets`` builder that reads each.
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv",
+                      ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+_COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+
+
+def _names_a_local_path(name: str) -> bool:
+    """Whether ``name`` can only mean a local path: a typo'd path was sent to the Hub, and the
+    error said the Hub could not be reached (offline) or had no such dataset."""
+    suffixes = [s for s in Path(name).suffixes if s not in _COMPRESSION_SUFFIXES]
+    return (name.startswith(("/", "./", "../", "~"))
+            or bool(suffixes and suffixes[-1] in DATA_FILE_BUILDERS))
+
+
+def _load_data_file(datasets: Any, path: Path, config: str | None, split: str,
+                    streaming: bool) -> Any:
+    """One local data file as a dataset (``load_dataset`` took only folders and Hub names: a
+    lone ``train.jsonl`` was looked up on the Hub). A file holds one split, ``train``."""
+    suffixes = [s for s in path.suffixes if s not in _COMPRESSION_SUFFIXES]
+    builder = DATA_FILE_BUILDERS.get(suffixes[-1] if suffixes else "")
+    if builder is None:
+        raise ConfigError(f"data.hf_dataset: {str(path)!r} is not a data file this reads; "
+                          f"name a {', '.join(DATA_FILE_BUILDERS)} file (optionally "
+                          "compressed), a folder of them, or a save_to_disk copy")
+    if config is not None:
+        raise ConfigError(f"data.hf_config: {str(path)!r} is one data file, which has no "
+                          f"configurations; leave hf_config unset (got {config!r})")
+    if split != "train":
+        raise ConfigError(f"data.hf_split: {str(path)!r} is one data file, read as the "
+                          f"'train' split, not {split!r}; set hf_split: train (or keep each "
+                          "split in its own file and name that file)")
+    extra = {"delimiter": "\t"} if suffixes[-1] == ".tsv" else {}
+    return datasets.load_dataset(builder, data_files=str(path), split="train",
+                                 streaming=streaming, **extra)
+
+
 def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[tuple[str, str]]:
     """(where, text) for each row of the dataset; ``where`` names the row for errors."""
     d = cfg.data
@@ -79,7 +116,13 @@ def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[tuple[str, str]]:
                 ds = ds[d.hf_split]
             else:
                 _check_saved_split(ds, d.hf_dataset, d.hf_split, d.hf_config)
+        elif path.is_file():
+            ds = _load_data_file(datasets, path, d.hf_config, d.hf_split, d.hf_streaming)
         else:  # a Hub name, or a local folder of json/csv/parquet files ("~" expanded)
+            if not path.exists() and _names_a_local_path(str(d.hf_dataset)):
+                raise ConfigError(f"data.hf_dataset: no such file or folder: "
+                                  f"{d.hf_dataset!r} (give a data file, a folder of them, a "
+                                  "save_to_disk copy, or a Hub name such as 'owner/name')")
             ds = datasets.load_dataset(str(path) if path.exists() else str(d.hf_dataset),
                                        d.hf_config, split=d.hf_split, streaming=d.hf_streaming)
     except ConfigError:

@@ -4,6 +4,7 @@ each source, and the bad-input cases as one-line errors."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 from pathlib import Path
@@ -207,6 +208,42 @@ def test_a_local_folder_of_files_may_be_named_from_home(tmp_path, tokenizer_json
         "\n".join(json.dumps({"text": f"line {i} of text"}) for i in range(30)) + "\n")
     c = cfg(tmp_path / "run", {"tokenizer": str(tokenizer_json), "hf_dataset": "~/corpus"})
     assert prepare(c)["tokens"] > 0
+
+
+def test_one_local_data_file_is_a_dataset_and_a_missing_path_is_named(tmp_path, tokenizer_json,
+                                                                       monkeypatch):
+    """A lone ``train.jsonl`` was sent to the Hub ("Couldn't reach ... on the Hub"), and so was a
+    typo'd ``./path``: neither said what was wrong."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rows = [{"text": f"row {i} of the text, with words", "n": i} for i in range(40)]
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    jsonl = folder / "train.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    (tmp_path / "train.csv").write_text(
+        "n,text\n" + "".join(f'{r["n"]},"{r["text"]}"\n' for r in rows))
+    (tmp_path / "train.jsonl.gz").write_bytes(gzip.compress(jsonl.read_bytes()))
+
+    def run(source, **data):
+        return prepare(cfg(tmp_path / f"run{len(str(source))}{len(data)}", {
+            "tokenizer": str(tokenizer_json), "hf_dataset": str(source), **data}))["tokens"]
+
+    tokens = run(folder)
+    assert tokens > 0
+    for one in (jsonl, tmp_path / "train.csv", tmp_path / "train.jsonl.gz"):
+        assert run(one) == tokens  # the same rows however they are stored
+    with pytest.raises(ConfigError, match=r"data.hf_split: .* one data file, read as the "
+                                          r"'train' split, not 'validation'"):
+        run(jsonl, hf_split="validation")
+    with pytest.raises(ConfigError, match="data.hf_config: .* no configurations"):
+        run(jsonl, hf_config="en")
+    (tmp_path / "notes.xml").write_text("<a/>")
+    with pytest.raises(ConfigError, match=r"data.hf_dataset: .*notes.xml.* not a data file .*"
+                                          r"\.jsonl"):
+        run(tmp_path / "notes.xml")
+    for missing in (str(tmp_path / "nope"), "./nope/train.jsonl", "corpus/train.parquet"):
+        with pytest.raises(ConfigError, match="data.hf_dataset: no such file or folder"):
+            run(missing)
 
 
 def test_resume_is_exact_on_prepared_shards(tmp_path, tokenizer_json, text_dir):
