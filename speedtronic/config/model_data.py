@@ -102,9 +102,9 @@ class DataConfig:
     source (``text_path`` or ``hf_dataset``) is tokenized once by ``speedtronic prepare``
     (also run on first use) and cached; ``model.vocab_size`` follows it when not set."""
     hf_dataset: str | None = None
-    """A Hugging Face dataset: a Hub name (online); offline, a local json/jsonl, csv/tsv, parquet,
-    arrow or txt file (one split, ``train``; ``.gz``/``.zst``... compressed too), a folder of
-    such files, or a ``save_to_disk`` copy. Needs ``tokenizer``."""
+    """A Hugging Face dataset: a Hub name (online); offline, a local json/jsonl, csv/tsv, parquet
+    or arrow file (one split, ``train``; ``.gz``/``.zst``... compressed too), a folder of such
+    files, or a ``save_to_disk`` copy. Needs ``tokenizer``."""
     hf_config: str | None = None
     """The dataset's configuration name, when it has several."""
     hf_split: str = "train"

@@ -61,7 +61,7 @@ def _check_saved_split(ds: Any, name: Any, split: str, config: str | None) -> No
 #: Data files ``data.hf_dataset`` may name by themselves, by suffix (before a compression
 #: suffix), and the ``datasets`` builder that reads each.
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv",
-                      ".parquet": "parquet", ".arrow": "arrow", ".txt": "text"}
+                      ".parquet": "parquet", ".arrow": "arrow"}
 _COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
 
 
@@ -79,6 +79,10 @@ def _load_data_file(datasets: Any, path: Path, config: str | None, split: str,
     lone ``train.jsonl`` was looked up on the Hub). A file holds one split, ``train``."""
     suffixes = [s for s in path.suffixes if s not in _COMPRESSION_SUFFIXES]
     builder = DATA_FILE_BUILDERS.get(suffixes[-1] if suffixes else "")
+    if suffixes and suffixes[-1] == ".txt":  # datasets' text builder: a document per line
+        raise ConfigError(f"data.hf_dataset: {str(path)!r} is plain text: set data.text_path "
+                          "to it instead (with data.tokenizer), which reads it as one stream; "
+                          "hf_dataset would make every line a document")
     if builder is None:
         raise ConfigError(f"data.hf_dataset: {str(path)!r} is not a data file this reads; "
                           f"name a {', '.join(DATA_FILE_BUILDERS)} file (optionally "

@@ -237,6 +237,9 @@ def test_one_local_data_file_is_a_dataset_and_a_missing_path_is_named(tmp_path, 
         run(jsonl, hf_split="validation")
     with pytest.raises(ConfigError, match="data.hf_config: .* no configurations"):
         run(jsonl, hf_config="en")
+    (tmp_path / "notes.txt").write_text("plain text\n")
+    with pytest.raises(ConfigError, match=r"notes.txt.* plain text: set data.text_path"):
+        run(tmp_path / "notes.txt")
     (tmp_path / "notes.xml").write_text("<a/>")
     with pytest.raises(ConfigError, match=r"data.hf_dataset: .*notes.xml.* not a data file .*"
                                           r"\.jsonl"):
