@@ -3,7 +3,7 @@ against new, with cuBLAS's rounding emulated on CPU.
 
 The polynomial ``P = a I + b A + c A^2`` that multiplies ``X`` each iteration used to be
 ``baddbmm`` (a copy of ``A`` into the output, then the GEMM with beta = b) and a separate
-``a I`` diagonal add: 3 launches. ``newton_schulz._fold_poly`` now writes ``A + (a/b) I`` with
+``a I`` diagonal add: 3 launches. ``newton_schulz_gemm._fold_poly`` now writes ``A + (a/b) I`` with
 one add and runs the GEMM in place with beta = b: 2 launches. Whether that costs accuracy
 depends on how the GEMM rounds, and the CPU's fp16 ``baddbmm`` does not round as cuBLAS does
 (so the CPU keeps the old route). This script therefore emulates cuBLAS: fp16 operands, the
@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_data import cpu_flags  # noqa: E402
 
 from speedtronic.kernels import newton_schulz as ns  # noqa: E402
+from speedtronic.kernels import newton_schulz_gemm as ns_gemm  # noqa: E402
 
 H = torch.float16
 
@@ -80,12 +81,12 @@ def main() -> None:
                        for r in ("old", "new")}
                 cpu = {}  # torch's own CPU fp16 GEMMs, which is why the CPU keeps the old route
                 for route, flag in (("old", False), ("new", True)):
-                    ns.COPY_FREE_FOLD_ON_CPU = flag
+                    ns_gemm.COPY_FREE_FOLD_ON_CPU = flag
                     try:
                         X = ns.orthogonalize(G.float(), 5, flat, 1e-7, torch.float16,
                                              "standard", True).double()
                     finally:
-                        ns.COPY_FREE_FOLD_ON_CPU = False
+                        ns_gemm.COPY_FREE_FOLD_ON_CPU = False
                     cpu[route] = float((X - ref).norm() / ref.norm())
                 rows.append({"spectrum": kind, "shape": f"{m}x{n}", "schedule": schedule,
                              **err, "ratio": err["new"] / err["old"],

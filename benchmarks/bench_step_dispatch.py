@@ -41,22 +41,23 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_data import cpu_flags  # noqa: E402
 
 import speedtronic  # noqa: E402
-from speedtronic.kernels import newton_schulz as ns  # noqa: E402
+from speedtronic.kernels import newton_schulz_gemm as gemm  # noqa: E402
 from speedtronic.optim import Muon, muon_step  # noqa: E402
 
 
 class _GpuRoute:
-    """A Muon whose steps take the GPU's Newton-Schulz fold on CPU (newton_schulz._fold_poly)."""
+    """A Muon whose steps take the GPU's Newton-Schulz fold on CPU
+    (newton_schulz_gemm._fold_poly)."""
 
     def __init__(self, opt: Muon) -> None:
         self.opt = opt
 
     def step(self) -> None:
-        ns.COPY_FREE_FOLD_ON_CPU = True
+        gemm.COPY_FREE_FOLD_ON_CPU = True
         try:
             self.opt.step()
         finally:
-            ns.COPY_FREE_FOLD_ON_CPU = False
+            gemm.COPY_FREE_FOLD_ON_CPU = False
 
 
 def _load_counter():

@@ -7,7 +7,8 @@
 //
 // cuBLASLt is reached through dlsym on the copy torch already loaded (RTLD_NOLOAD), so the
 // extension gains no link-time dependency and cannot load a second, different cuBLASLt. If it is
-// not there, the op raises and Newton-Schulz keeps torch.baddbmm (speedtronic/newton_schulz.py).
+// not there, the op raises and Newton-Schulz keeps torch.baddbmm
+// (speedtronic/kernels/newton_schulz_gemm.py).
 //
 // Layout: torch's (b, m, m) row-major A is, read column-major, A^T. cuBLAS then computes
 // D' = c A^T A^T + b A^T = (c A A + b A)^T, whose column-major storage is the row-major

@@ -75,10 +75,10 @@ def collect_env() -> dict[str, Any]:
 
 def _optional_kernels() -> dict[str, str]:
     """Whether each optional Newton-Schulz kernel family may compete (kernels.choice)."""
-    from ..kernels import newton_schulz as ns
+    from ..kernels import newton_schulz_gemm as gemm
 
     out = {}
-    for family in (ns.POLY_LT, ns.NS_STEP_LT, ns.SYM_GEMM):
+    for family in (gemm.POLY_LT, gemm.NS_STEP_LT, gemm.SYM_GEMM):
         if family.disabled is not None:
             state = f"off after an error: {family.disabled}"
         elif family.op() is not None:

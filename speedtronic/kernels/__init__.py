@@ -7,7 +7,9 @@
   (:mod:`.ops_orthogonalize`, :mod:`.ops_cautious_adamw`, :mod:`.ops_muon`,
   :mod:`.ops_muon_lean`); :mod:`.ops` imports them all and is where callers take the ops from.
 * :mod:`.cpu` loads the torch-free fused fp32 CPU kernels (``speedtronic._cpu_kernels``).
-* :mod:`.newton_schulz` is the Newton-Schulz math and its coefficient schedules;
+* :mod:`.newton_schulz` is the Newton-Schulz math (the standard and the Gram iteration),
+  :mod:`.newton_schulz_schedules` its coefficient schedules and compute dtype,
+  :mod:`.newton_schulz_gemm` the GEMM behind each of its products;
   :mod:`.choice` and :mod:`.autotune` pick, per shape, the kernel that measured fastest.
 
 May import: :mod:`speedtronic.errors` and the package root (``__version__``). Nothing above it

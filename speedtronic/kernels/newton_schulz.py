@@ -1,4 +1,4 @@
-"""Newton-Schulz orthogonalization: coefficient schedules, the standard and the Gram iteration.
+"""Newton-Schulz orthogonalization: the standard and the Gram iteration, and the op's body.
 
 This is the math behind the ``speedtronic::newton_schulz`` op (registered in :mod:`.ops`) on
 every device: each FLOP is a batched GEMM (cuBLAS on CUDA, oneDNN/MKL on CPU), so one Python
@@ -30,6 +30,13 @@ with fp32 accumulation inside every GEMM. This holds in exact arithmetic; roundi
 restarts bound. fp16 carries 3 more mantissa bits than bf16: 3-7x smaller errors against float64
 (benchmarks/results/gram_restarts.md) for the same GEMM work. The Muon step still checks the result
 and redoes a bucket in fp32 if it is not finite.
+
+Split by concern: the coefficient schedules, their tuned restarts and the compute dtype live in
+:mod:`.newton_schulz_schedules`; how each product is computed (torch, the CPU's blocked symmetric
+product, the optional sym_gemm / cuBLASLt families and their switches) in
+:mod:`.newton_schulz_gemm`, where a test patches a family. Here: the two iterations, the CPU
+workspace they write into, and :func:`orthogonalize`. The schedule names and the GEMM constants
+are re-exported, so ``newton_schulz.QUINTIC`` and the like keep working.
 """
 
 from __future__ import annotations
@@ -41,7 +48,30 @@ from contextvars import ContextVar
 import torch
 from torch import Tensor
 
-from .choice import TOLERANCE_16BIT, MeasuredKernel, debug_op
+from . import newton_schulz_gemm as _gemm
+from .newton_schulz_gemm import (  # noqa: F401  (re-exported: tests, benchmarks, cli.env)
+    CUBLASLT_ENV,
+    SYM_BLOCK_MIN_ROWS,
+    SYM_GEMM_DEFAULT_ON,
+    SYM_GEMM_ENV,
+    _dtype_name,
+    _fold_poly,
+    _poly,
+    _sym_bmm,
+    _xxt,
+)
+from .newton_schulz_schedules import (  # noqa: F401  (re-exported: the old home of these names)
+    COEFFICIENT_SCHEDULES,
+    GRAM_RESTARTS,
+    POLAR_EXPRESS_PUBLISHED,
+    QUINTIC,
+    _iter_coefficients,
+    gram_restarts,
+    polar_express_coefficients,
+    resolve_coefficients,
+    resolve_compute_dtype,
+    schedule_name,
+)
 
 __all__ = [
     "COEFFICIENT_SCHEDULES",
@@ -61,36 +91,6 @@ __all__ = [
     "workspace_scope",
 ]
 
-QUINTIC: tuple[float, float, float] = (3.4445, -4.7750, 2.0315)
-"""Keller Jordan's quintic (a, b, c), the same every iteration (torch.optim.Muon's default)."""
-
-# Published per-iteration (a, b, c) of Polar Express, degree 5 (Amsel, Persson, Musco, Gower,
-# arXiv 2505.16932, Algorithm 1). Iterations past the 8th repeat the last entry, which is the
-# limit polynomial (15x - 10x^3 + 3x^5)/8 rescaled. The paper divides every entry but the last by
-# the safety factor 1.01 (a/1.01, b/1.01^3, c/1.01^5) and normalizes by 1.01*||X||_F.
-POLAR_EXPRESS_PUBLISHED: tuple[tuple[float, float, float], ...] = (
-    (8.28721201814563, -23.595886519098837, 17.300387312530933),
-    (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-    (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-    (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-    (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-    (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-    (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-    (1.875, -1.25, 0.375),
-)
-_PE_SAFETY = 1.01
-
-COEFFICIENT_SCHEDULES = ("quintic", "polar_express")
-"""Names accepted wherever Newton-Schulz coefficients are configured."""
-
-GRAM_RESTARTS: dict[str, tuple[int, ...]] = {"quintic": (2,), "polar_express": (1, 2)}
-"""Per schedule, the iterations (1-based) after which the Gram iteration re-forms ``X = Q X``
-and ``R = X X^T``. Chosen by ``benchmarks/tune_gram_restarts.py``: the fewest restarts whose
-error on Gaussian and power-law spectra (aspect 2 to 8, fp16 and fp32, inputs also scaled by
-1.05 as a safety margin) stays within 1.25x standard Newton-Schulz in the same dtype
-(``benchmarks/results/gram_restarts.md``). Coefficients that match no schedule, and bf16, use
-standard NS."""
-
 GRAM_MIN_ASPECT = 2.0
 """``n / m`` from which the Gram iteration is used when no per-shape measurement decides (CPU,
 or ``SPEEDTRONIC_AUTOTUNE=0``): the MAC counts above break even near n = 1.8 m."""
@@ -101,132 +101,6 @@ or ``SPEEDTRONIC_AUTOTUNE=0``): the MAC counts above break even near n = 1.8 m."
 # relative to float64, benchmarks/results/gram_restarts.md, "fold" table); in bf16 it would
 # double an already large error, so bf16 keeps baddbmm.
 _FOLD_DTYPES = (torch.float16, torch.float32, torch.float64)
-
-
-def polar_express_coefficients(steps: int) -> list[float]:
-    """Flat ``3 * steps`` Polar Express schedule, equivalent to the paper's Algorithm 1.
-
-    The safety factor is applied as published. The paper's extra ``1.01`` in the normalization
-    (X / (1.01 ||X||_F)) is folded into the first polynomial: p(x / s) has coefficients
-    (a/s, b/s^3, c/s^5), so our ops keep the plain Frobenius normalization.
-    """
-    if steps < 1:
-        raise ValueError(f"polar_express needs steps >= 1, got {steps}")
-    s = _PE_SAFETY
-    table = [(a / s, b / s**3, c / s**5) for a, b, c in POLAR_EXPRESS_PUBLISHED[:-1]]
-    table.append(POLAR_EXPRESS_PUBLISHED[-1])
-    table = table[:steps] + [table[-1]] * max(0, steps - len(table))
-    a, b, c = table[0]
-    table[0] = (a / s, b / s**3, c / s**5)
-    return [float(v) for abc in table for v in abc]
-
-
-def resolve_coefficients(spec: str | Sequence[float], steps: int) -> list[float]:
-    """Turn a schedule name or an explicit list into a flat list of 3 or ``3 * steps`` floats.
-
-    ``"quintic"`` gives :data:`QUINTIC` (3 floats, reused every iteration); ``"polar_express"``
-    gives :func:`polar_express_coefficients`; a list of 3 or ``3 * steps`` floats is returned as
-    floats. Anything else raises ``ValueError`` naming the valid choices.
-    """
-    if isinstance(spec, str):
-        if spec == "quintic":
-            return list(QUINTIC)
-        if spec == "polar_express":
-            return polar_express_coefficients(steps)
-        raise ValueError(f"unknown Newton-Schulz coefficient schedule {spec!r}; valid: "
-                         f"{', '.join(COEFFICIENT_SCHEDULES)} or a list of 3 or 3*steps floats")
-    flat = [float(v) for v in spec]
-    if len(flat) not in (3, 3 * steps):
-        raise ValueError(f"Newton-Schulz coefficients must hold 3 or 3*steps={3 * steps} floats, "
-                         f"got {len(flat)}")
-    return flat
-
-
-def schedule_name(coefficients: Sequence[float], steps: int) -> str | None:
-    """The shipped schedule these coefficients are (``"quintic"``, ``"polar_express"``), or None."""
-    flat = [float(v) for v in coefficients]
-    if flat == list(QUINTIC) or flat == list(QUINTIC) * steps:
-        return "quintic"
-    if len(flat) == 3 * steps and flat == polar_express_coefficients(steps):
-        return "polar_express"
-    return None
-
-
-def gram_restarts(coefficients: Sequence[float], steps: int) -> tuple[int, ...] | None:
-    """Restart points for these coefficients, or None when they were not tuned (use standard)."""
-    name = schedule_name(coefficients, steps)
-    return GRAM_RESTARTS.get(name) if name is not None else None
-
-
-def resolve_compute_dtype(device: torch.device, dtype: torch.dtype,
-                          requested: torch.dtype | None = None) -> torch.dtype:
-    """Newton-Schulz matmul dtype: ``requested`` if given; else float64 stays float64, fp16 on CUDA
-    (3-7x more accurate than bf16 for the same GEMM work, and overflow-free here: see the module
-    docstring), fp32 elsewhere: AVX2-only CPUs have no 16-bit GEMM path and run it tens of times
-    slower than fp32 (each CPU benchmark records the machine's flags and GEMM rates, e.g.
-    benchmarks/results/optimizer_cpu.md)."""
-    if requested is not None:
-        return requested
-    if dtype == torch.float64:
-        return torch.float64
-    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
-
-
-def _iter_coefficients(coefficients: Sequence[float], steps: int) -> list[tuple[float, ...]]:
-    flat = [float(v) for v in coefficients]
-    if len(flat) == 3:
-        return [tuple(flat)] * steps
-    return [tuple(flat[3 * k:3 * k + 3]) for k in range(steps)]
-
-
-# ------------------------------------------------------------------ optional GEMM kernels
-# Two families may replace torch's cuBLAS call per shape (speedtronic.kernels.choice: used only
-# where measured faster on this GPU, checked against cuBLAS first, any error switches the family
-# off with one log line):
-# * sym_gemm (csrc/kernels/sym_gemm_sm90.cuh): X X^T and b A + c A^2 on lower-triangle tiles only
-#   (TMA + wgmma, sm_90a). Verified in the CPU emulation and by compile/SASS gates only: no GPU
-#   has run it, so it is OFF by default (SYM_GEMM_DEFAULT_ON); SPEEDTRONIC_SYM_GEMM=1 opts in.
-# * poly_lt (csrc/cublaslt_poly.h): b A + c A^2 as one cuBLASLt call with C != D, without the
-#   copy of A into the output that torch.baddbmm makes before its GEMM; and ns_step_lt, a whole
-#   standard iteration after X X^T (P = b A + c A^2, then a X + P X with C = X, D = new) in two
-#   such calls: 3 launches per iteration with X X^T, where fp16's fold takes 4 (X X^T,
-#   A + (a/b) I, an in-place baddbmm, a bmm) and bf16's baddbmm route 3-5 (its copies).
-#   Production cuBLAS, so both are candidates by default; SPEEDTRONIC_CUBLASLT=0 switches them
-#   off.
-
-SYM_GEMM_ENV = "SPEEDTRONIC_SYM_GEMM"
-SYM_GEMM_DEFAULT_ON = False
-"""Whether the Hopper kernel is a candidate when SPEEDTRONIC_SYM_GEMM is unset (not before a GPU
-run has measured it)."""
-CUBLASLT_ENV = "SPEEDTRONIC_CUBLASLT"
-
-
-def _is_hopper(X: Tensor) -> bool:
-    return X.device.type != "cuda" or torch.cuda.get_device_capability(X.device) == (9, 0)
-
-
-SYM_GEMM = MeasuredKernel("sym_gemm (Hopper kernel)", "sym_gemm", SYM_GEMM_ENV,
-                          SYM_GEMM_DEFAULT_ON, debug_op("sym_gemm"), symmetric=True,
-                          device_ok=_is_hopper)
-POLY_LT = MeasuredKernel("poly_lt (cuBLASLt, C != D)", "cublaslt", CUBLASLT_ENV, True,
-                         debug_op("poly_lt"))
-NS_STEP_LT = MeasuredKernel("ns_step_lt (cuBLASLt, C != D)", "cublaslt_step", CUBLASLT_ENV, True,
-                            debug_op("ns_step_lt"))
-
-
-def _dtype_name(X: Tensor) -> str:
-    return str(X.dtype).removeprefix("torch.")
-
-
-# CPU only: a product known to be symmetric is computed on its block-lower triangle (4 row
-# blocks: 10 of 16 blocks' FLOPs) and mirrored. Single thread, fp32, this cut X X^T by 27-35%
-# at m = 256-2048 (48 x 768^2: 490 -> 358 ms; 24 x 768x3072: 901 -> 605 ms; 6 x 256^2: 2.2 ->
-# 1.6 ms) and the GPT-2-small NS by 17-22%. The fp32 error against float64 moved by <= 1.05x
-# on power-law spectra and up to 2.6x (to 3.7e-6) on Gaussian ones in Gram NS. Mirroring P Q
-# and R P as well (symmetric only in exact arithmetic) made Gram's error 2-5x larger: those
-# stay full GEMMs. A blocked product costs 6 more ops than one bmm, hence the threshold.
-SYM_BLOCK_MIN_ROWS = 256
-_SYM_BLOCKS = 4
 
 
 class Workspace:
@@ -284,97 +158,6 @@ def _buf(ws: Workspace | None, shape: Sequence[int], like: Tensor,
     return None if ws is None else ws.out(shape, like, live)
 
 
-def _sym_bmm(X: Tensor, Y: Tensor, out: Tensor | None = None) -> Tensor:
-    """``X Y^T`` for ``X, Y (b, m, k)`` when entry ``(i, j)`` and ``(j, i)`` are the same dot
-    product (``X X^T``; ``A A = A A^T`` for a symmetric ``A``), so mirroring loses nothing."""
-    b, m, _ = X.shape
-    if X.device.type != "cpu" or m < SYM_BLOCK_MIN_ROWS or X.dtype in TOLERANCE_16BIT:
-        # 16-bit CPU: bmm into a strided out is 2x slower, not faster
-        return torch.bmm(X, Y.mT, out=out)
-    if out is None:
-        out = torch.empty((b, m, m), dtype=torch.promote_types(X.dtype, Y.dtype),
-                          device=X.device)
-    bounds = [m * i // _SYM_BLOCKS for i in range(_SYM_BLOCKS + 1)]
-    for r0, r1 in zip(bounds[:-1], bounds[1:], strict=True):  # block row i, columns [0, r1)
-        torch.bmm(X[:, r0:r1], Y[:, :r1].mT, out=out[:, r0:r1, :r1])
-    for r0, r1 in zip(bounds[1:-1], bounds[2:], strict=True):  # upper := lower blocks^T
-        out[:, :r0, r0:r1].copy_(out[:, r0:r1, :r0].mT)
-    return out
-
-
-def _xxt(X: Tensor, out: Tensor | None = None) -> Tensor:
-    """``X X^T`` for ``X (b, m, k)``."""
-    if X.dtype not in TOLERANCE_16BIT:
-        return _sym_bmm(X, X, out)
-    b, m, k = X.shape
-    return SYM_GEMM.run(f"sym_gemm xxt {b}x{m}x{k} {_dtype_name(X)}", X,
-                        lambda: torch.bmm(X, X.mT, out=out), lambda op: op(X, 1.0, 0.0, None))
-
-
-def _poly(A: Tensor, b: float, c: float, out: Tensor | None = None) -> Tensor:
-    """``b A + c A^2`` for symmetric ``A`` (b, m, m), as a new tensor (or into ``out``)."""
-    if A.device.type == "cpu" and A.dtype in (torch.float32, torch.float64):
-        # CPU: a GEMM with beta != 0 is 1.3-1.5x slower than the plain GEMM plus an add.
-        return _sym_bmm(A, A, out).mul_(c).add_(A, alpha=b)       # A A = A A^T
-    if A.dtype not in TOLERANCE_16BIT:
-        return torch.baddbmm(A, A, A, beta=b, alpha=c, out=out)  # one rounding (fp32 acc.)
-    n, m = A.shape[0], A.shape[1]
-
-    def cublas() -> Tensor:  # torch.baddbmm (copies A into the output first), or cuBLASLt
-        return POLY_LT.run(f"poly_lt {n}x{m} {_dtype_name(A)}", A,
-                           lambda: torch.baddbmm(A, A, A, beta=b, alpha=c, out=out),
-                           lambda op: op(A, b, c))
-
-    return SYM_GEMM.run(f"sym_gemm poly {n}x{m} {_dtype_name(A)}", A, cublas,
-                        lambda op: op(A, c, b, A))
-
-
-_IDENTITY: dict[tuple[int, torch.dtype, str], Tensor] = {}
-
-
-def _identity(m: int, like: Tensor) -> Tensor:
-    """A cached ``(m, m)`` identity in ``like``'s dtype and device (2 MiB at m = 1024, fp16),
-    never created inside a CUDA-graph capture (its kernels would only be recorded, not run)."""
-    key = (m, like.dtype, str(like.device))
-    eye = _IDENTITY.get(key)
-    if eye is None:
-        eye = torch.eye(m, dtype=like.dtype, device=like.device)
-        capturing = like.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        if not capturing:
-            _IDENTITY[key] = eye
-    return eye
-
-
-COPY_FREE_FOLD_ON_CPU = False
-"""Whether the CPU takes :func:`_fold_poly`'s GPU route too (tests set it to check that route's
-algebra and op count on CPU; a CPU run has no reason to)."""
-
-
-def _fold_poly(A: Tensor, a: float, b: float, c: float, out: Tensor | None = None) -> Tensor:
-    """``a I + b A + c A^2`` for symmetric ``A (b, m, m)``: the polynomial that multiplies ``X``.
-
-    Off the CPU, 2 launches: ``out = A + (a/b) I`` (an add that takes the place of the copy of
-    ``A`` which ``baddbmm`` makes before its GEMM) and ``out.baddbmm_(A, A, beta=b, alpha=c)``
-    (in place, C == D). The old route was that copy, the GEMM and a separate ``a I`` diagonal
-    add: 4 launches per standard iteration now instead of 5 for the same GEMM work (GPT-2
-    small's step: 89 -> 79 estimated launches). Off-diagonal entries are copied exactly and
-    rounded once, by the GEMM; the diagonal rounds ``A_ii + a/b`` where it used to round
-    ``B_ii + a``. With cuBLAS's rounding (fp16 in, fp32 accumulate, one rounding out) the fp16
-    error against float64 is 0.66-1.01x the old route's (``benchmarks/bench_fold_rounding.py``,
-    results in ``benchmarks/results/fold_rounding.md``). The CPU keeps the old route: its fp16
-    ``baddbmm`` rounds differently (Polar Express up to 1.99x the old route's error there) and its
-    fp32 GEMM with beta != 0 is 1.3-1.5x slower (see :func:`_poly`); so do ``b = 0`` and the
-    opt-in Hopper kernel. ``poly_lt`` (cuBLASLt, C != D) would save nothing here (1 launch plus
-    the diagonal add), so it serves bf16, which does not fold."""
-    on_cpu = A.device.type == "cpu" and not COPY_FREE_FOLD_ON_CPU
-    if b == 0.0 or on_cpu or (A.dtype in TOLERANCE_16BIT and SYM_GEMM.op() is not None):
-        P = _poly(A, b, c, out)
-        P.diagonal(dim1=-2, dim2=-1).add_(a)
-        return P
-    P = torch.add(A, _identity(A.shape[-1], A), alpha=a / b, out=out)  # (b, m, m)
-    return P.baddbmm_(A, A, beta=b, alpha=c)                            # A A = A A^T
-
-
 def ns_standard(X: Tensor, coeffs: Sequence[tuple[float, ...]], transpose_out: bool,
                 ws: Workspace | None = None) -> Tensor:
     """Standard NS on ``X (b, m, n)``, ``m <= n``, normalized, in the compute dtype.
@@ -399,9 +182,9 @@ def _ns_step(X: Tensor, A: Tensor, a: float, b: float, c: float,
     """One wide iteration: ``ns_step_lt`` (2 cuBLASLt calls) where this shape measured it
     faster and matching (CUDA, 16-bit), else the torch route."""
     bs, m, n = X.shape
-    return NS_STEP_LT.run(f"ns_step_lt {bs}x{m}x{n} {_dtype_name(X)}", X,
-                          lambda: _ns_iteration(X, A, a, b, c, False, ws),
-                          lambda op: op(X, A, a, b, c))
+    return _gemm.NS_STEP_LT.run(f"ns_step_lt {bs}x{m}x{n} {_dtype_name(X)}", X,
+                                lambda: _ns_iteration(X, A, a, b, c, False, ws),
+                                lambda op: op(X, A, a, b, c))
 
 
 def _ns_iteration(X: Tensor, A: Tensor, a: float, b: float, c: float, transpose_out: bool,

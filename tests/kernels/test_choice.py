@@ -12,6 +12,7 @@ import torch
 from _dispatch_fixtures import choices, counting_dispatch, run_orthogonalize
 
 from speedtronic.kernels import newton_schulz as ns
+from speedtronic.kernels import newton_schulz_gemm as gemm
 from speedtronic.kernels.choice import MeasuredKernel
 
 
@@ -38,8 +39,8 @@ def setup(monkeypatch):
     def make(op: FakePolyLt, op_ms: float, env: str | None = None):
         if env is not None:
             monkeypatch.setenv(ns.CUBLASLT_ENV, env)
-        family = MeasuredKernel(ns.POLY_LT.name, "cublaslt", ns.CUBLASLT_ENV, True, lambda: op)
-        monkeypatch.setattr(ns, "POLY_LT", family)
+        family = MeasuredKernel(gemm.POLY_LT.name, "cublaslt", ns.CUBLASLT_ENV, True, lambda: op)
+        monkeypatch.setattr(gemm, "POLY_LT", family)
         return counting_dispatch(monkeypatch, op, op_ms)
 
     return make
@@ -65,7 +66,7 @@ def test_on_by_default_and_used_where_faster_and_correct(setup, dtype):
 
 def test_the_gpu_fp16_route_folds_a_i_without_a_copy_and_never_asks_poly_lt(setup,
                                                                             monkeypatch):
-    monkeypatch.setattr(ns, "COPY_FREE_FOLD_ON_CPU", True)  # the route off the CPU
+    monkeypatch.setattr(gemm, "COPY_FREE_FOLD_ON_CPU", True)  # the route off the CPU
     op = FakePolyLt()
     d = setup(op, op_ms=0.01)
     out = _run(torch.float16)
@@ -97,7 +98,7 @@ def test_an_error_switches_the_family_off_once(setup, caplog):
     with caplog.at_level(logging.WARNING, logger="speedtronic.newton_schulz"):
         out = _run()
         _run()
-    assert op.calls == 1 and ns.POLY_LT.disabled and out.isfinite().all()
+    assert op.calls == 1 and gemm.POLY_LT.disabled and out.isfinite().all()
     assert sum("disabled for this process" in r.getMessage() for r in caplog.records) == 1
 
 
@@ -109,7 +110,7 @@ def test_environment_switch_turns_it_off(setup):
 
 
 def test_without_the_extension_there_is_no_candidate():
-    assert ns.POLY_LT.load() is None  # CPU torch: speedtronic._C is not loaded
+    assert gemm.POLY_LT.load() is None  # CPU torch: speedtronic._C is not loaded
 
 
 def test_speedtronic_env_says_which_families_may_compete(monkeypatch):
@@ -118,16 +119,16 @@ def test_speedtronic_env_says_which_families_may_compete(monkeypatch):
     op = FakePolyLt()
     monkeypatch.delenv(ns.CUBLASLT_ENV, raising=False)
     monkeypatch.delenv(ns.SYM_GEMM_ENV, raising=False)
-    monkeypatch.setattr(ns, "POLY_LT", MeasuredKernel("lt", "cublaslt", ns.CUBLASLT_ENV, True,
+    monkeypatch.setattr(gemm, "POLY_LT", MeasuredKernel("lt", "cublaslt", ns.CUBLASLT_ENV, True,
                                                       lambda: op))
-    monkeypatch.setattr(ns, "SYM_GEMM", MeasuredKernel("sym", "sym_gemm", ns.SYM_GEMM_ENV,
+    monkeypatch.setattr(gemm, "SYM_GEMM", MeasuredKernel("sym", "sym_gemm", ns.SYM_GEMM_ENV,
                                                        False, lambda: op))
     state = _optional_kernels()
     assert state["cublaslt"].startswith("candidate")
     assert state["sym_gemm"] == "off (SPEEDTRONIC_SYM_GEMM=1 to change)"
-    ns.POLY_LT.disable(RuntimeError("boom"))
+    gemm.POLY_LT.disable(RuntimeError("boom"))
     assert _optional_kernels()["cublaslt"] == "off after an error: RuntimeError: boom"
-    monkeypatch.setattr(ns, "POLY_LT", MeasuredKernel("lt", "cublaslt", ns.CUBLASLT_ENV, True,
+    monkeypatch.setattr(gemm, "POLY_LT", MeasuredKernel("lt", "cublaslt", ns.CUBLASLT_ENV, True,
                                                       lambda: None))
     assert _optional_kernels()["cublaslt"].startswith("unavailable")
 
@@ -153,10 +154,10 @@ def step_setup(monkeypatch):
     monkeypatch.setenv(ns.SYM_GEMM_ENV, "0")
 
     def make(op: FakeNsStepLt, op_ms: float):
-        family = MeasuredKernel(ns.NS_STEP_LT.name, ns.NS_STEP_LT.label, ns.CUBLASLT_ENV, True,
+        family = MeasuredKernel(gemm.NS_STEP_LT.name, gemm.NS_STEP_LT.label, ns.CUBLASLT_ENV, True,
                                 lambda: op)
-        monkeypatch.setattr(ns, "NS_STEP_LT", family)
-        monkeypatch.setattr(ns, "POLY_LT", MeasuredKernel("lt", "cublaslt", ns.CUBLASLT_ENV, True,
+        monkeypatch.setattr(gemm, "NS_STEP_LT", family)
+        monkeypatch.setattr(gemm, "POLY_LT", MeasuredKernel("lt", "cublaslt", ns.CUBLASLT_ENV, True,
                                                           lambda: None))
         return counting_dispatch(monkeypatch, op, op_ms)
 

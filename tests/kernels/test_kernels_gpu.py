@@ -306,9 +306,10 @@ def test_newton_schulz_on_cuda_every_method_against_float64(gen, shape):
 @pytest.mark.parametrize("shape", [(4, 768, 768), (2, 768, 3072)])
 def test_the_copy_free_fold_is_as_accurate_as_the_old_route_on_cuda(gen, monkeypatch, schedule,
                                                                     shape):
-    """a I + b A + c A^2 as ``A + (a/b) I`` then an in-place baddbmm_ (newton_schulz._fold_poly)
-    against the route it replaced (baddbmm's copy, then a diagonal add), fp16 on cuBLAS: the
-    CPU emulation (benchmarks/results/fold_rounding.md) predicts 0.66-1.01x the error."""
+    """a I + b A + c A^2 as ``A + (a/b) I`` then an in-place baddbmm_
+    (newton_schulz_gemm._fold_poly) against the route it replaced (baddbmm's copy, then a
+    diagonal add), fp16 on cuBLAS: the CPU emulation (benchmarks/results/fold_rounding.md)
+    predicts 0.66-1.01x the error."""
     from speedtronic.kernels import newton_schulz as ns
 
     def old_route(A, a, b, c, out=None):

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from speedtronic.kernels import newton_schulz as ns
+from speedtronic.kernels import newton_schulz_gemm as gemm
 from speedtronic.kernels import ops
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -255,7 +256,7 @@ def test_the_gpu_fold_route_matches_the_cpu_route_and_float64(monkeypatch, metho
     ref = reference(G, schedule, 5)
     cpu64 = ns.orthogonalize(G, 5, coeffs, 1e-7, torch.float64, method)
     cpu32 = ns.orthogonalize(G.float(), 5, coeffs, 1e-7, torch.float32, method)
-    monkeypatch.setattr(ns, "COPY_FREE_FOLD_ON_CPU", True)
+    monkeypatch.setattr(gemm, "COPY_FREE_FOLD_ON_CPU", True)
     scope = ns.workspace_scope(ns.Workspace()) if workspace else None
     with scope if scope is not None else torch.no_grad():
         gpu64 = ns.orthogonalize(G, 5, coeffs, 1e-7, torch.float64, method).clone()
@@ -269,7 +270,7 @@ def test_the_gpu_fold_costs_two_ops_per_polynomial_and_no_diagonal_add(monkeypat
     # standard iteration (4, was 5 with baddbmm's copy and the a I diagonal add).
     from speedtronic.kernels.counting import DispatchCounter
 
-    monkeypatch.setattr(ns, "COPY_FREE_FOLD_ON_CPU", True)
+    monkeypatch.setattr(gemm, "COPY_FREE_FOLD_ON_CPU", True)
     X = gaussian(2, 32, 96).half()
     X = X / X.float().norm(dim=(-2, -1), keepdim=True).half()
     ns.orthogonalize(X, 5, list(ns.QUINTIC), 1e-7, torch.float16, "standard", True)  # eye cached

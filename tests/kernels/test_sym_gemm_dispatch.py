@@ -1,4 +1,4 @@
-"""Dispatch of the Hopper symmetric kernel inside Newton-Schulz (kernels/newton_schulz.py),
+"""Dispatch of the Hopper symmetric kernel inside Newton-Schulz (kernels/newton_schulz_gemm.py),
 on CPU with a fake kernel and fake timers: off by default, used only where measured faster and
 checked correct, switched off by the environment or by any error (one log line)."""
 
@@ -12,6 +12,7 @@ from _dispatch_fixtures import choices, counting_dispatch, run_orthogonalize
 
 from speedtronic.kernels import autotune
 from speedtronic.kernels import newton_schulz as ns
+from speedtronic.kernels import newton_schulz_gemm as gemm
 from speedtronic.kernels.choice import MeasuredKernel
 
 
@@ -42,9 +43,9 @@ def setup(monkeypatch):
     def make(kernel: FakeKernel, kernel_ms: float, env: str | None = "1"):
         if env is not None:
             monkeypatch.setenv(ns.SYM_GEMM_ENV, env)
-        family = MeasuredKernel(ns.SYM_GEMM.name, "sym_gemm", ns.SYM_GEMM_ENV,
+        family = MeasuredKernel(gemm.SYM_GEMM.name, "sym_gemm", ns.SYM_GEMM_ENV,
                                 ns.SYM_GEMM_DEFAULT_ON, lambda: kernel, symmetric=True)
-        monkeypatch.setattr(ns, "SYM_GEMM", family)
+        monkeypatch.setattr(gemm, "SYM_GEMM", family)
         return counting_dispatch(monkeypatch, kernel, kernel_ms)
 
     return make
@@ -107,7 +108,7 @@ def test_an_error_disables_the_family_with_one_log_line(setup, caplog):
         _run()
     assert k.calls == 1
     assert sum("disabled for this process" in r.getMessage() for r in caplog.records) == 1
-    assert ns.SYM_GEMM.disabled and out.isfinite().all()
+    assert gemm.SYM_GEMM.disabled and out.isfinite().all()
 
 
 def test_environment_switch_turns_it_off(setup):

@@ -343,7 +343,7 @@ def test_the_cuda_graph_key_changes_with_what_invalidates_a_capture():
 # group's matrices together) the pre-pass 2 launches (momentum + sums of squares, then scale +
 # cast) and the update 1 (decay, guard skip and update); the guard a sum per group + 3.
 # Newton-Schulz: standard (square groups) X X^T 1 + (a I + b A + c A^2) 2 (an add writing
-# A + (a/b) I, then an in-place GEMM with beta = b: newton_schulz._fold_poly) + P X 1 = 4 per
+# A + (a/b) I, then an in-place GEMM with beta = b: newton_schulz_gemm._fold_poly) + P X 1 = 4 per
 # iteration; Gram (rectangular) at most 5 per iteration (the polynomial 2, P Q 1, then R P and
 # P (R P), or at a restart Q X and X X^T) + 3. GPT-2 small: 3 + 3 + (1 + 20) + (1 + 25 + 3) = 56,
 # within the 60. Without the extension the batched torch passes run: 79 (bench rows).
