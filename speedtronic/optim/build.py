@@ -29,8 +29,9 @@ from ._state import (
 )
 from .adamw import ADAMW_DEFAULTS, adamw_step, fused_supported, refuse_sparse_grads
 from .adamw import _check_group as _check_adamw_group
-from .muon import MUON_DEFAULTS, MuonCacheMixin, check_cuda_graph
-from .muon import _check_group as _check_muon_group
+from .muon import MuonCacheMixin, check_cuda_graph
+from .muon_groups import MUON_DEFAULTS
+from .muon_groups import _check_group as _check_muon_group
 from .muon_step import tensorize_hyper
 from .routing import route_parameters, trainable_parameters
 
@@ -46,7 +47,7 @@ class HybridOptimizer(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.o
 
     Args:
         param_groups: dicts with ``"params"`` and ``"kind"`` (``"muon"`` or ``"adamw"``); missing
-            hyperparameters take :data:`speedtronic.optim.muon.MUON_DEFAULTS` /
+            hyperparameters take :data:`speedtronic.optim.muon_groups.MUON_DEFAULTS` /
             :data:`speedtronic.optim.adamw.ADAMW_DEFAULTS`.
 
     ``step()`` runs every Muon group together (same-shape matrices share one batched

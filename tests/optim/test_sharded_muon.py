@@ -277,7 +277,7 @@ def test_fsdp2_dtensor_parameters_get_the_single_process_update(tmp_path):
 
 
 def test_a_dtensor_that_is_not_a_row_sharded_matrix_is_refused():
-    from speedtronic.optim.muon import _check_dtensor
+    from speedtronic.optim.muon_groups import _check_dtensor
 
     with pytest.raises(ValueError, match="layout 'matrix'"):
         _check_dtensor(torch.randn(4, 4), "split")
