@@ -72,6 +72,7 @@ def bench_steps(timer_repeat: int) -> dict:
     import bench_kernels_gpu as bk  # the same step and clock as the main benchmark
 
     from speedtronic.kernels import newton_schulz as ns
+    from speedtronic.kernels import newton_schulz_gemm as gemm
 
     out: dict = {}
     clock = bk.Clock(torch.device("cuda"))
@@ -82,7 +83,7 @@ def bench_steps(timer_repeat: int) -> dict:
             step()  # first step: per-shape measurements (env=1) happen here
             out[f"{name} SPEEDTRONIC_SYM_GEMM={env}"] = clock.time(step, warmup=2,
                                                                    repeat=timer_repeat)
-        out[f"{name} sym_gemm disabled after error"] = ns._sym_state["disabled"]
+        out[f"{name} sym_gemm disabled after error"] = gemm.SYM_GEMM.disabled
     os.environ.pop(ns.SYM_GEMM_ENV, None)
     return out
 
