@@ -1,7 +1,8 @@
 """The training loop and its parts: one training run on one process.
 
 * :mod:`.runtime` turns a validated config into a run (``train_from_config``): data, model,
-  optimizer, callbacks, then the :class:`~speedtronic.train.trainer.Trainer`.
+  optimizer, callbacks, then the :class:`~speedtronic.train.trainer.Trainer`; :mod:`.run_parts`
+  builds those parts, :mod:`.runtime` the run directory around them.
 * :mod:`.trainer` runs the steps; :mod:`.accumulation` (token-weighted micro-batches),
   :mod:`.precision` (device, dtype and compile decisions), :mod:`.checkpoint` (atomic, resumable
   saves), :mod:`.metrics`, :mod:`.mfu`, :mod:`.plot`, :mod:`.host_memory` (glibc malloc tuning)
