@@ -26,6 +26,7 @@ import sysconfig
 import setuptools
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 #: pyproject.toml's SPDX license string needs setuptools 77 (PEP 639). pip's isolated build
 #: gets it from [build-system]; --no-build-isolation (the CUDA build) uses the venv's own, and
@@ -296,7 +297,23 @@ def extension_modules() -> tuple[list, dict]:
     return cpu_only[0] + [ext], {"build_ext": BuildWithInfo.with_options(use_ninja=use_ninja)}
 
 
+class BuildPyWithConfigs(build_py):
+    """Also copies the repository's ``configs/*.yaml`` into the built package as
+    ``speedtronic/configs/``, so a wheel install runs ``speedtronic train --config quickstart``
+    (speedtronic/config/bundled.py). An editable install reads ``configs/`` in place."""
+
+    def run(self) -> None:
+        super().run()
+        if getattr(self, "editable_mode", False):
+            return
+        target = os.path.join(self.build_lib, "speedtronic", "configs")
+        for source in sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml"))):
+            self.mkpath(target)
+            self.copy_file(source, os.path.join(target, os.path.basename(source)))
+
+
 ext_modules, cmdclass = extension_modules()
+cmdclass = {**cmdclass, "build_py": BuildPyWithConfigs}
 #: With only the CPU library to build, the wheel is tagged cp310-abi3 (one wheel for every
 #: Python >= 3.10 on the platform); the CUDA extension is tied to one Python version.
 ABI3_WHEEL = (bool(ext_modules) and all(e.name == CPU_EXTENSION for e in ext_modules)

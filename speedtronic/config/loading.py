@@ -23,6 +23,9 @@ import yaml
 
 from ..errors import ConfigError, brief
 from . import schema as _c
+from .bundled import bundled_config, bundled_config_names
+
+logger = logging.getLogger("speedtronic.config")
 
 # PyYAML follows YAML 1.1, where "3e-4" (no dot) is a *string*. Learning rates are written that
 # way all the time, so our loader also resolves such scientific notation to float.
@@ -122,8 +125,17 @@ def _read_source(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return _deep_copy(dict(source))
     path = Path(source)
+    if not path.exists() and bundled_config(str(source)) is not None:
+        path = bundled_config(str(source))  # a bundled example by name (config/bundled.py)
+        logger.info("config: %r is not a file here: the bundled example %s", str(source), path)
     if not path.is_file():
-        raise ConfigError(f"config file not found: {str(path)!r}" if not path.exists()
+        names = bundled_config_names()
+        hint = ""
+        if names and Path(str(source)).name == str(source):  # a name alone: say which exist
+            close = difflib.get_close_matches(str(source).removesuffix(".yaml"), names, n=1)
+            hint = (" (" + (f"did you mean the bundled {close[0]!r}? " if close else "")
+                    + f"bundled examples, named alone: {', '.join(names)})")
+        raise ConfigError(f"config file not found: {str(path)!r}{hint}" if not path.exists()
                           else f"config path is not a file: {str(path)!r}")
     try:
         text = path.read_text(encoding="utf-8")
