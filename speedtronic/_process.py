@@ -30,13 +30,21 @@ def _pid_alive_windows(pid: int, kernel32: Any = None,
     import ctypes
 
     if kernel32 is None:
+        from ctypes import wintypes
+
         kernel32 = ctypes.WinDLL("kernel32", use_last_error=True)  # type: ignore[attr-defined]
         last_error = ctypes.get_last_error  # type: ignore[attr-defined]
+        # HANDLE is pointer-sized: ctypes' default int result would cut a 64-bit handle
+        kernel32.OpenProcess.restype = wintypes.HANDLE
+        kernel32.OpenProcess.argtypes = (wintypes.DWORD, wintypes.BOOL, wintypes.DWORD)
+        kernel32.GetExitCodeProcess.argtypes = (wintypes.HANDLE, ctypes.POINTER(wintypes.DWORD))
+        kernel32.GetExitCodeProcess.restype = wintypes.BOOL
+        kernel32.CloseHandle.argtypes = (wintypes.HANDLE,)
     handle = kernel32.OpenProcess(_PROCESS_QUERY_LIMITED_INFORMATION, False, pid)
     if not handle:
         return last_error is not None and last_error() == _ERROR_ACCESS_DENIED
     try:
-        code = ctypes.c_ulong(0)
+        code = ctypes.c_ulong(0)  # DWORD
         if not kernel32.GetExitCodeProcess(handle, ctypes.byref(code)):
             return True  # it exists (a handle was given); its state is unknown
         return code.value == _STILL_ACTIVE
