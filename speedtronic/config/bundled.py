@@ -3,9 +3,10 @@
 A wheel carries the repository's ``configs/*.yaml`` as ``speedtronic/configs/`` (``setup.py``
 copies them at build time); a checkout or editable install reads ``configs/`` beside the
 package. A ``--config`` value that is not a file and has no directory part is looked up here by
-name, with or without ``.yaml``: ``pip install speedtronic && speedtronic train --config
-quickstart`` is the README's main job with nothing else on disk. An existing file always wins,
-so a user's own ``quickstart.yaml`` in the working directory is never shadowed.
+name, with or without ``.yaml``: after a wheel install, ``speedtronic train --config
+quickstart`` is the README's main job with nothing else on disk. An existing file always wins
+(``quickstart`` or ``quickstart.yaml``, config/loading.py), so a user's own
+``quickstart.yaml`` in the working directory is never shadowed.
 """
 
 from __future__ import annotations

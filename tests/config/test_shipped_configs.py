@@ -37,6 +37,7 @@ def test_a_bundled_config_is_named_alone_and_a_file_of_that_name_wins(tmp_path, 
     assert load_config("quickstart.yaml").to_dict() == shipped
     (tmp_path / "quickstart.yaml").write_text("run:\n  max_steps: 7\n")
     assert load_config("quickstart.yaml").run.max_steps == 7  # the user's own file
+    assert load_config("quickstart").run.max_steps == 7       # named alone too
     with pytest.raises(ConfigError, match=r"not found: 'quickstrt' \(did you mean the bundled "
                                           r"'quickstart'\? bundled examples, named alone: .*"
                                           r"gpt2_small_gpu, quickstart\)"):
