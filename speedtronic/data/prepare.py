@@ -140,7 +140,9 @@ def _source_fingerprint(cfg: SpeedtronicConfig) -> dict[str, Any]:
                               "split": d.hf_split, "text_field": d.text_field,
                               "empty_rows": "skipped"}  # were one end-of-text token each
         local = Path(str(d.hf_dataset)).expanduser()
-        if local.exists():  # a local folder/file: edited files must make new shards
+        if local.is_file():  # one data file: its own name, never a glob ("train[1].jsonl")
+            fp["files"] = _file_stamps([local])
+        elif local.exists():  # a local folder: edited files must make new shards
             fp["files"] = _file_stamps(expand_paths(str(local), "data.hf_dataset",
                                                     recursive=True))
         return fp

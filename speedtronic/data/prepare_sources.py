@@ -10,10 +10,12 @@ same way. The cutting rules live here, with the memory numbers that set them.
 from __future__ import annotations
 
 import codecs
+import glob
+import importlib.util
 import logging
 import re
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 from ..config import ConfigError, SpeedtronicConfig
@@ -62,14 +64,20 @@ def _check_saved_split(ds: Any, name: Any, split: str, config: str | None) -> No
 #: suffix), and the ``datasets`` builder that reads each.
 DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".csv": "csv", ".tsv": "csv",
                       ".parquet": "parquet", ".arrow": "arrow"}
-_COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+#: Compression suffixes ``datasets`` reads, and the package each needs beyond the standard
+#: library (the ``data`` extra installs neither: "Compression type zstd not supported" named
+#: no package).
+_COMPRESSION_SUFFIXES = {".gz": None, ".bz2": None, ".xz": None, ".zst": "zstandard",
+                         ".lz4": "lz4"}
 
 
 def _names_a_local_path(name: str) -> bool:
     """Whether ``name`` can only mean a local path: a typo'd path was sent to the Hub, and the
-    error said the Hub could not be reached (offline) or had no such dataset."""
+    error said the Hub could not be reached (offline) or had no such dataset. Hub ids are never
+    absolute, on any system (``C:\\data`` included)."""
     suffixes = [s for s in Path(name).suffixes if s not in _COMPRESSION_SUFFIXES]
-    return (name.startswith(("/", "./", "../", "~"))
+    return (name.startswith(("/", "./", "../", "~", ".\\", "..\\"))
+            or PureWindowsPath(name).is_absolute()
             or bool(suffixes and suffixes[-1] in DATA_FILE_BUILDERS))
 
 
@@ -94,8 +102,13 @@ def _load_data_file(datasets: Any, path: Path, config: str | None, split: str,
         raise ConfigError(f"data.hf_split: {str(path)!r} is one data file, read as the "
                           f"'train' split, not {split!r}; set hf_split: train (or keep each "
                           "split in its own file and name that file)")
+    package = _COMPRESSION_SUFFIXES.get(path.suffix)
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise ConfigError(f"data.hf_dataset: {str(path)!r} is {path.suffix}-compressed, which "
+                          f"needs the {package!r} package: pip install {package}")
     extra = {"delimiter": "\t"} if suffixes[-1] == ".tsv" else {}
-    return datasets.load_dataset(builder, data_files=str(path), split="train",
+    # escaped: data_files is a glob pattern, and "train[1].jsonl" matched nothing
+    return datasets.load_dataset(builder, data_files=glob.escape(str(path)), split="train",
                                  streaming=streaming, **extra)
 
 

@@ -5,6 +5,7 @@ each source, and the bad-input cases as one-line errors."""
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -230,8 +231,14 @@ def test_one_local_data_file_is_a_dataset_and_a_missing_path_is_named(tmp_path, 
 
     tokens = run(folder)
     assert tokens > 0
-    for one in (jsonl, tmp_path / "train.csv", tmp_path / "train.jsonl.gz"):
+    bracketed = tmp_path / "train[1].jsonl"  # data_files is a glob: this matched nothing
+    bracketed.write_bytes(jsonl.read_bytes())
+    for one in (jsonl, tmp_path / "train.csv", tmp_path / "train.jsonl.gz", bracketed):
         assert run(one) == tokens  # the same rows however they are stored
+    if importlib.util.find_spec("zstandard") is None:  # "Compression type zstd not supported"
+        (tmp_path / "train.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+        with pytest.raises(ConfigError, match="needs the 'zstandard' package: pip install"):
+            run(tmp_path / "train.jsonl.zst")
     with pytest.raises(ConfigError, match=r"data.hf_split: .* one data file, read as the "
                                           r"'train' split, not 'validation'"):
         run(jsonl, hf_split="validation")
@@ -244,7 +251,8 @@ def test_one_local_data_file_is_a_dataset_and_a_missing_path_is_named(tmp_path, 
     with pytest.raises(ConfigError, match=r"data.hf_dataset: .*notes.xml.* not a data file .*"
                                           r"\.jsonl"):
         run(tmp_path / "notes.xml")
-    for missing in (str(tmp_path / "nope"), "./nope/train.jsonl", "corpus/train.parquet"):
+    for missing in (str(tmp_path / "nope"), "./nope/train.jsonl", "corpus/train.parquet",
+                    "C:\\data\\nope", ".\\nope"):
         with pytest.raises(ConfigError, match="data.hf_dataset: no such file or folder"):
             run(missing)
 
