@@ -16,7 +16,7 @@
 # Run it with the device tool's full 600 s: steps 1-5 took ~3 min on 2026-11-30; 6-8 add ~5.
 # Exit status: 0 all passed; 3 no GPU (after the build step); else the failing step's status.
 #   benchmarks/gpu_check.sh            # everything
-#   GPU_CHECK_QUICK=1 benchmarks/gpu_check.sh   # skip torch.compile baselines
+#   GPU_CHECK_QUICK=1 benchmarks/gpu_check.sh   # skip bench_kernels_gpu's torch.compile baselines
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
@@ -68,7 +68,7 @@ record tests "$([[ $rc -eq 0 ]] && echo ok || echo "FAILED (exit $rc)") $(tail -
 overall=$rc
 
 # ---- 3. compute-sanitizer ----------------------------------------------------------------------
-SAN="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+SAN="${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}"
 for tool in memcheck racecheck; do
     note "compute-sanitizer $tool"
     if [[ ! -x "$SAN" ]]; then record "sanitizer $tool" "unavailable (no compute-sanitizer)"; continue; fi
@@ -84,8 +84,9 @@ done
 # ---- 4. benchmarks -----------------------------------------------------------------------------
 note "out-of-order backprop benchmark"
 "$PY" benchmarks/bench_ooo.py --device cuda --rounds 5 --steps 3 2>&1 | tee "$LOG_DIR/gpu_check_ooo.log"
-orc=${PIPESTATUS[0]}
-record "bench ooo" "$([[ $orc -eq 0 ]] && echo ok || echo "FAILED (exit $orc)")"
+oorc=${PIPESTATUS[0]}
+record "bench ooo" "$([[ $oorc -eq 0 ]] && echo ok || echo "FAILED (exit $oorc)")"
+[[ $oorc -ne 0 ]] && overall=1
 [[ -n "${RESULTS_DIR:-}" ]] && cp -f "$ROOT"/benchmarks/results/ooo_cuda.* "$RESULTS_DIR"/ 2>/dev/null
 note "benchmarks"
 quick=()
@@ -111,6 +112,7 @@ note "trainer vs hand loop (GPT-2-small class, bf16, hybrid Muon; eager and comp
 timeout 240 "$PY" benchmarks/bench_trainer.py --device cuda --steps 30 --repeats 2 2>&1 | tail -8 | tee "$LOG_DIR/gpu_check_trainer.log"
 trc=${PIPESTATUS[0]}
 record "bench trainer" "$([[ $trc -eq 0 ]] && echo ok || echo "FAILED (exit $trc)")"
+[[ $trc -ne 0 ]] && overall=1
 [[ -n "${RESULTS_DIR:-}" ]] && cp -f "$ROOT"/benchmarks/results/bench_trainer_cuda.* "$RESULTS_DIR"/ 2>/dev/null
 
 # ---- 7. one `speedtronic train` run: tokens/s and MFU ------------------------------------------
