@@ -125,12 +125,14 @@ def _read_source(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(source, Mapping):
         return _deep_copy(dict(source))
     path = Path(source)
-    own = path.with_name(path.name + ".yaml") if path.suffix == "" and path.name else None
-    if not path.exists() and own is not None and own.is_file():
-        path = own  # "--config quickstart" beside a quickstart.yaml of the user's: theirs
-    elif not path.exists() and bundled_config(str(source)) is not None:
-        path = bundled_config(str(source))  # a bundled example by name (config/bundled.py)
-        logger.info("config: %r is not a file here: the bundled example %s", str(source), path)
+    if not path.exists():
+        own = path.with_name(path.name + ".yaml") if path.suffix == "" and path.name else None
+        if own is not None and own.is_file():
+            path = own  # "--config quickstart" beside a quickstart.yaml of the user's: theirs
+        elif (bundled := bundled_config(str(source))) is not None:  # config/bundled.py
+            logger.info("config: %r is not a file here: the bundled example %s", str(source),
+                        bundled)
+            path = bundled
     if not path.is_file():
         names = bundled_config_names()
         hint = ""
