@@ -21,6 +21,7 @@ tokens; permutations are made once per chunk.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from typing import Any
 
@@ -35,6 +36,11 @@ __all__ = ["WindowIterator", "split_batch", "eval_windows", "min_train_tokens"]
 logger = logging.getLogger("speedtronic.data")
 
 Batch = tuple[torch.Tensor, torch.Tensor]
+
+SAMPLE_WINDOWS = 64
+"""Windows of the train tokens whose digest identifies the data in a resume position."""
+SAMPLE_LENGTH = 32
+"""Ids per sampled window."""
 
 
 def split_batch(windows: np.ndarray, pin: bool = False) -> Batch:
@@ -90,6 +96,7 @@ class WindowIterator:
         self.samples_seen = 0
         self._epoch_cache: tuple[int, int, int, np.ndarray] | None = None
         self._chunk_cache: tuple[tuple[int, int], np.ndarray, np.ndarray] | None = None
+        self._sample_digest: str | None = None
 
     # -- epoch / chunk layout (pure functions of seed, epoch, chunk) -------------------------
     def _epoch_layout(self, epoch: int) -> tuple[int, int, np.ndarray]:
@@ -152,10 +159,23 @@ class WindowIterator:
         return split_batch(windows, self.pin_memory)
 
     # -- exact resume ------------------------------------------------------------------------
-    def _meta(self) -> dict[str, int]:
+    def _meta(self) -> dict[str, int | str]:
         return {"tokens": self.store.n, "block_size": self.T, "seed": self.seed,
                 "rank": self.rank, "world": self.world, "chunk_samples": self.S,
-                "shuffle": int(self.shuffle)}
+                "shuffle": int(self.shuffle), "tokens_sample": self.tokens_sample()}
+
+    def tokens_sample(self) -> str:
+        """A digest of ``SAMPLE_WINDOWS`` short windows spread evenly over the train tokens:
+        the data's identity in the resume position. The token count alone let a resume onto
+        edited or re-tokenized data of the same length pass without a word. Reading 64 x 32
+        ids costs one small gather (64 reads of a text file), once per run."""
+        if self._sample_digest is None:
+            length = min(SAMPLE_LENGTH, self.store.n)
+            starts = np.unique(np.linspace(0, self.store.n - length, num=SAMPLE_WINDOWS)
+                               .round().astype(np.int64))
+            ids = np.ascontiguousarray(self.store.gather(starts, length), dtype=np.int64)
+            self._sample_digest = hashlib.blake2b(ids.tobytes(), digest_size=8).hexdigest()
+        return self._sample_digest
 
     def state_dict(self) -> dict[str, Any]:
         """The position after the last returned batch (plain ints: safe for weights_only)."""
@@ -168,9 +188,11 @@ class WindowIterator:
             raise SpeedtronicError(f"data state is of kind {state.get('kind')!r}, expected "
                                    "'windows' (was the checkpoint made with another data source?)")
         meta = state.get("meta", {})
-        changed = {k: (meta.get(k), v) for k, v in self._meta().items() if meta.get(k) != v}
+        # a key the saved position lacks (a checkpoint from before it existed) is not a change
+        changed = {k: (meta[k], v) for k, v in self._meta().items()
+                   if k in meta and meta[k] != v}
         if changed:
-            logger.warning("data: resuming a position saved with different data settings "
+            logger.warning("data: resuming a position saved with different data or data settings "
                            "(%s); the resumed order will not match the original run",
                            ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in changed.items()))
         self.epoch = int(state["epoch"])

@@ -133,3 +133,37 @@ def test_eval_files_inside_the_training_folder_are_never_trained_on(tmp_path):
                                                "data.eval_tokens_path"):
         build_data(config({"tokens_path": str(folder / "fineweb_val_000000.bin"),
                            "eval_tokens_path": str(folder / "fineweb_val_*.bin")}))
+
+
+def _resume_warnings(saved_tokens: np.ndarray, resumed_tokens: np.ndarray, caplog,
+                     drop_keys: tuple[str, ...] = ()) -> list[str]:
+    """Warnings of resuming, onto ``resumed_tokens``, a position saved over ``saved_tokens``."""
+    from speedtronic.data.sampler import WindowIterator
+    from speedtronic.data.sources import ArrayStore
+
+    it = WindowIterator(ArrayStore(saved_tokens), 8, 4, seed=3)
+    take(it, 3)
+    state = it.state_dict()
+    for key in drop_keys:
+        del state["meta"][key]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="speedtronic.data"):
+        WindowIterator(ArrayStore(resumed_tokens), 8, 4, seed=3).load_state_dict(state)
+    return [r.getMessage() for r in caplog.records if "resuming a position" in r.getMessage()]
+
+
+def test_resume_onto_other_tokens_of_the_same_length_is_warned_about(caplog):
+    tokens = np.arange(4000, dtype=np.int32) % 251
+    assert _resume_warnings(tokens, tokens.copy(), caplog) == []
+    edited = tokens[::-1].copy()  # re-tokenized or edited data: same count, other ids
+    (warning,) = _resume_warnings(tokens, edited, caplog)
+    assert "tokens_sample" in warning and "tokens:" not in warning  # the count is unchanged
+    # the same ids stored in another dtype (uint16 shards vs int32) are the same data
+    assert _resume_warnings(tokens, tokens.astype(np.uint16), caplog) == []
+
+
+def test_a_position_saved_before_the_tokens_sample_resumes_without_a_warning(caplog):
+    tokens = np.arange(4000, dtype=np.int32) % 251
+    assert _resume_warnings(tokens, tokens, caplog, drop_keys=("tokens_sample",)) == []
+    (warning,) = _resume_warnings(tokens, tokens[:-200], caplog, drop_keys=("tokens_sample",))
+    assert "tokens: 4000 -> 3800" in warning
