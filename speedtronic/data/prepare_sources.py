@@ -9,10 +9,14 @@ same way. The cutting rules live here, with the memory numbers that set them.
 
 from __future__ import annotations
 
+import bz2
 import codecs
 import glob
+import gzip
 import importlib.util
+import json
 import logging
+import lzma
 import re
 from collections.abc import Iterator
 from pathlib import Path, PureWindowsPath
@@ -58,6 +62,42 @@ def _check_saved_split(ds: Any, name: Any, split: str, config: str | None) -> No
         raise ConfigError(f"data.hf_split: {name!r} is one saved Dataset, of {what}, not "
                           f"{split!r}; point data.hf_dataset at the DatasetDict folder to choose "
                           f"a split, or set hf_split: {saved or 'train'}")
+
+
+def _empty_parts(path: Path) -> list[str]:
+    """The parts of a local ``hf_dataset`` that hold no rows, named for an error: an empty
+    data file (compressed too), or a ``save_to_disk`` Dataset (or split of a DatasetDict) saved
+    with none. ``datasets`` fails on each with a bare ``IndexError`` ("list index out of range")
+    or ``StopIteration``, which said nothing about the cause."""
+    if not path.exists():
+        return []
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    empty = []
+    for f in files:
+        name = "the file" if f == path else str(f.relative_to(path))
+        if f.name == "state.json":
+            try:
+                state = json.loads(f.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                continue
+            if isinstance(state, dict) and state.get("_data_files") == []:
+                empty.append("the saved Dataset" if f.parent == path else
+                             f"its saved split {f.parent.name!r}")
+        elif f.name not in ("dataset_info.json", "dataset_dict.json") and _holds_no_bytes(f):
+            empty.append(name)
+    return empty
+
+
+def _holds_no_bytes(f: Path) -> bool:
+    """``f`` is 0 bytes long, or decompresses to 0 bytes (gz, bz2, xz)."""
+    opener = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(f.suffix)
+    try:
+        if opener is None:
+            return f.stat().st_size == 0
+        with opener(f, "rb") as fh:
+            return fh.read(1) == b""
+    except (OSError, EOFError, lzma.LZMAError):
+        return False
 
 
 #: Data files ``data.hf_dataset`` may name by themselves, by suffix (before a compression
@@ -145,6 +185,12 @@ def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[tuple[str, str]]:
     except ConfigError:
         raise
     except Exception as exc:  # noqa: BLE001 - report what the library said, in one line
+        empty = _empty_parts(path) if isinstance(exc, (IndexError, StopIteration)) else []
+        if empty:
+            raise ConfigError(f"data.hf_dataset: cannot load {d.hf_dataset!r}: "
+                              f"{', '.join(empty)} {'holds' if len(empty) == 1 else 'hold'} no "
+                              f"rows, which the datasets library fails on "
+                              f"({type(exc).__name__}); remove or fill it") from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"data.hf_dataset: cannot load {d.hf_dataset!r} (split "
                           f"{d.hf_split!r}): {first}") from None

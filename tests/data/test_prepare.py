@@ -199,6 +199,34 @@ def test_a_saved_dataset_refuses_a_split_or_config_it_does_not_have(tmp_path, to
     assert run(hf_split="validation")["tokens"] > 0
 
 
+def test_a_local_dataset_without_rows_is_named_not_a_library_traceback(tmp_path, tokenizer_json,
+                                                                        monkeypatch):
+    """An empty save_to_disk copy failed with "list index out of range" and an empty jsonl with
+    "StopIteration": the datasets library's own failures, which named no cause."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    rows = [{"text": f"row {i} of the set"} for i in range(20)]
+    datasets.Dataset.from_dict({"text": []}).save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                          "validation": datasets.Dataset.from_dict({"text": []})}).save_to_disk(
+        str(tmp_path / "dict"))
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    with gzip.open(tmp_path / "empty.jsonl.gz", "wb"):
+        pass
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.jsonl").write_bytes(b"")
+    cases = {"saved": "the saved Dataset holds no rows",
+             "dict": "its saved split 'validation' holds no rows",
+             "empty.jsonl": "the file holds no rows",
+             "empty.jsonl.gz": "the file holds no rows",
+             "folder": "a.jsonl holds no rows"}
+    for name, message in cases.items():
+        c = cfg(tmp_path / f"run-{name}", {"tokenizer": str(tokenizer_json),
+                                           "hf_dataset": str(tmp_path / name)})
+        with pytest.raises(ConfigError, match=r"cannot load .*: " + message) as caught:
+            prepare(c)
+        assert "which the datasets library fails on" in str(caught.value), name
+
+
 def test_a_local_folder_of_files_may_be_named_from_home(tmp_path, tokenizer_json, monkeypatch):
     """``~/corpus`` worked for a save_to_disk copy, not for a folder of jsonl files (the Hub
     was asked for it)."""
