@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -115,15 +116,27 @@ class MLPStack(nn.Module):
 
 
 def _load_baseline(rev: str) -> Any:
-    source = subprocess.run(["git", "show", f"{rev}:speedtronic/ooo/scheduler.py"], cwd=ROOT,
-                            check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp()) / "ooo_baseline.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("speedtronic._ooo_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    module.__package__ = "speedtronic"
-    spec.loader.exec_module(module)
-    return module
+    """The scheduler of ``rev``: its whole ``speedtronic/ooo/`` package, imported as
+    ``speedtronic._ooo_baseline`` so its relative imports (``.deferred_linear``, ``..config``)
+    resolve; loading ``scheduler.py`` alone broke once the package was split into modules."""
+    folder = Path(tempfile.mkdtemp()) / "_ooo_baseline"
+    folder.mkdir()
+    listed = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:speedtronic/ooo"], cwd=ROOT,
+                            capture_output=True, text=True)
+    if listed.returncode != 0:
+        sys.exit(f"--baseline-rev {rev}: no speedtronic/ooo/ package at that revision "
+                 f"({listed.stderr.strip()})")
+    for name in listed.stdout.split():
+        if name.endswith(".py"):
+            (folder / name).write_text(subprocess.run(
+                ["git", "show", f"{rev}:speedtronic/ooo/{name}"], cwd=ROOT, check=True,
+                capture_output=True, text=True).stdout)
+    # an empty package around them: the revision's __init__ serves deprecated names by its
+    # own package name, which this copy does not have
+    package = types.ModuleType("speedtronic._ooo_baseline")
+    package.__path__ = [str(folder)]
+    sys.modules[package.__name__] = package
+    return importlib.import_module(f"{package.__name__}.scheduler")
 
 
 def _make(variant: str, module: Any, base: nn.Module, fake: _Counting) -> tuple[nn.Module, Any]:
