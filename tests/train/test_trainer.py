@@ -434,9 +434,11 @@ class _FixedCycle:
         self.pos = state["pos"]
 
 
-def test_accumulation_with_padding_equals_one_big_batch(tmp_path):
+@pytest.mark.parametrize("clip", [None, 0.05, 100.0])
+def test_accumulation_with_padding_equals_one_big_batch(tmp_path, clip):
     # 4 micro-batches of 2 x 8 with 16, 9, 3 and 12 counted tokens (-100 = padding): the
-    # accumulated step must be the token mean of all 40, like one batch of 8.
+    # accumulated step must be the token mean of all 40, like one batch of 8. With clipping the
+    # token factor rides on the clip's multiply (clip_scaled_grad_norm_): 0.05 clips, 100 not.
     g = torch.Generator().manual_seed(3)
     x = torch.randint(0, 32, (8, 8), generator=g)
     y = torch.randint(0, 32, (8, 8), generator=g)
@@ -445,7 +447,8 @@ def test_accumulation_with_padding_equals_one_big_batch(tmp_path):
     runs = {}
     for name, micro in (("accumulated", 2), ("one_batch", 8)):
         cfg = tiny_config(tmp_path, name=name, run={"max_steps": 1, "eval_every": 0},
-                          optimizer={"grad_clip": None}, checkpoint={"enabled": False},
+                          optimizer={"grad_clip": clip}, checkpoint={"enabled": False},
+                          logging={"every_steps": 1},
                           data={"micro_batch_size": micro, "target_batch_size": 8})
         torch.manual_seed(0)
         model = TinyLM()
@@ -453,12 +456,43 @@ def test_accumulation_with_padding_equals_one_big_batch(tmp_path):
         trainer = build_trainer(cfg, model=model, data=_Batches(batches))
         result = trainer.fit()
         trainer.metrics.close()
+        rows = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
+        (norm,) = [r["grad_norm"] for r in rows if r.get("event") == "train_step"]
         runs[name] = ({k: v.detach().clone() for k, v in model.state_dict().items()},
-                      result.final_loss)
-    (acc, acc_loss), (one, one_loss) = runs["accumulated"], runs["one_batch"]
+                      result.final_loss, norm)
+    (acc, acc_loss, acc_norm), (one, one_loss, one_norm) = runs["accumulated"], runs["one_batch"]
     assert abs(acc_loss - one_loss) < 1e-5  # the logged loss is the token mean too
+    assert acc_norm == pytest.approx(one_norm, rel=1e-5)  # the norm of the weighted gradients
+    if clip == 0.05:
+        assert one_norm > 4 * clip  # the clip acted
     for k in one:
         assert torch.allclose(acc[k], one[k], atol=1e-6, rtol=0), k
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e3])
+def test_the_token_factor_folded_into_the_clip_is_torchs_clip_of_the_weighted_grads(max_norm):
+    from speedtronic.kernels.counting import DispatchCounter
+    from speedtronic.train.step import clip_scaled_grad_norm_
+
+    g = torch.Generator().manual_seed(0)
+    shapes = [(16, 8), (8,), (4, 4, 3)]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    ours = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    ref = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    for p, q, gr in zip(ours, ref, grads, strict=True):
+        p.grad, q.grad = gr.clone(), gr.clone()
+    factor = 1.6
+    with DispatchCounter() as folded:
+        norm = clip_scaled_grad_norm_(ours, max_norm, factor)
+    with DispatchCounter() as plain:
+        torch._foreach_mul_([q.grad for q in ref], factor)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+    assert float(norm) == pytest.approx(float(ref_norm), rel=1e-6)
+    for p, q in zip(ours, ref, strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    # one multi-tensor multiply, not two, and no host read
+    assert folded.by_name["_foreach_mul_"] == plain.by_name["_foreach_mul_"] - 1 == 1
+    assert folded.host_syncs == 0
 
 
 def test_the_lr_column_is_the_lr_the_step_used(tmp_path):
