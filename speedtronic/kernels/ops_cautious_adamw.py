@@ -33,7 +33,9 @@ def _cautious_mask_impl(updates: Sequence[Tensor], grads: Sequence[Tensor], resc
     # One tensor at a time: the only temporaries are one mask (and one product) of the
     # largest tensor, never a copy of every parameter.
     for u, g in zip(updates, grads, strict=True):
-        mask = (u * g) > 0                                        # bool, u's shape
+        # fp16's product underflows: 1e-4 * 1e-4 is 0 there (smallest subnormal 6e-8), which
+        # dropped agreeing entries of small gradients; the CUDA kernels multiply in fp32 too
+        mask = (u.float() * g if u.dtype == torch.float16 else u * g) > 0  # bool, u's shape
         u.mul_(mask)
         if rescale:
             # numel / (kept + 1), as a 0-d tensor: no host sync.

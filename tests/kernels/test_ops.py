@@ -258,6 +258,14 @@ def test_cautious_mask_matches_float64(rescale: bool) -> None:
         assert _rel(got, exp) < 1e-6
 
 
+def test_cautious_mask_keeps_small_fp16_entries_whose_signs_agree() -> None:
+    # 1e-4 * 1e-4 is 0 in fp16 (smallest subnormal 6e-8): a product test there dropped them
+    u = torch.tensor([1e-4, -1e-4, 1e-4, 0.5], dtype=torch.float16)
+    g = torch.tensor([1e-4, -1e-4, -1e-4, 0.5], dtype=torch.float16)
+    ops.cautious_mask_([u], [g], False)
+    assert u.tolist() == pytest.approx([1e-4, -1e-4, 0.0, 0.5], rel=1e-3)
+
+
 # ---- fused-shaped Muon / AdamW ops -----------------------------------------------------------
 
 def test_muon_pre_orthogonalize_matches_reference() -> None:
