@@ -92,18 +92,37 @@ class SpeedtronicConfig:
     """The whole run: one section per concern plus four root switches."""
 
     run: RunConfig = field(default_factory=RunConfig)
+    """Identity and length of the run: name, seed, device, steps, output folder, eval schedule,
+    CPU threads (docs/training.md)."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """Which model to build and its size (docs/models.md)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Where batches come from (text, token files, a tokenizer, Hugging Face datasets) and the
+    micro and target batch sizes (docs/data.md)."""
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """AdamW or hybrid Muon + AdamW, with Muon+ and cautious masking (docs/optimizers.md)."""
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    """Warmup and decay of the learning rate (docs/training.md#the-loop)."""
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    """Autocast mode of forward/backward (docs/training.md#precision)."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When checkpoints are written, how many are kept and whether the run resumes from the
+    newest (docs/training.md#checkpoints)."""
     train: TrainConfig = field(default_factory=TrainConfig)
+    """What the loop does on a non-finite loss and on a preemption signal
+    (docs/reliability.md)."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Console lines, ``metrics.jsonl``, TensorBoard and W&B (docs/training.md#metrics)."""
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    """DiLoCo multi-node training over a shared store (docs/diloco.md)."""
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
+    """``torchrun`` data parallelism: DDP, sharded Muon, ZeRO-1, FSDP2
+    (docs/scaling.md#torchrun)."""
     torchft: TorchftConfig = field(default_factory=TorchftConfig)
+    """Fault-tolerant replica groups on torchft (docs/scaling.md#torchft-replica-groups)."""
     shape_validation: ShapeValidationConfig = field(default_factory=ShapeValidationConfig)
+    """The startup check of GEMM dimensions against the hardware's alignment
+    (docs/ooo-and-shapes.md#shape-validation)."""
     compile: bool | Literal["auto"] = "auto"
     """Compile the model with ``torch.compile`` (falls back to eager, with the reason logged).
     ``auto``: on for CUDA runs of at least 2000 steps, where compiling pays back (an 85M GPT on
