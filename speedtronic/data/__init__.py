@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from .checks import check_data
 
 # The builder imports torch: loaded on first use (PEP 562), so `speedtronic validate` can read
@@ -23,7 +25,7 @@ __all__ = ["BYTE_VOCAB", "DataBundle", "TEXT_CHUNK_BYTES", "TrainIterator", "bui
            "check_data", "collate_tokens"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 from .._renamed import renamed
@@ -210,7 +210,7 @@ class OutageStore(Store):
 
 
 def open_store(url: str, *, retry: RetryPolicy | None = None,
-               stop: threading.Event | None = None, **backend_kwargs) -> RetryingStore:
+               stop: threading.Event | None = None, **backend_kwargs: Any) -> RetryingStore:
     """Open ``file:///path``, ``s3://bucket/prefix`` or ``hf://user/repo`` behind the retry layer.
 
     Credentials are read by the back ends from the environment only (AWS_* / HF_TOKEN).

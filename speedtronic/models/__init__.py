@@ -8,6 +8,8 @@ tensor, ``{"loss": ...}`` or ``(loss, ...)``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .builtin import BUILTIN_MODELS
 
 # The rest import torch: loaded on first use (PEP 562), so `from speedtronic.models import
@@ -20,7 +22,7 @@ __all__ = ["BUILTIN_MODELS", "ModelFactory", "ReferenceTransformer", "build_mode
            "register_model", "registered_models"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 

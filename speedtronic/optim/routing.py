@@ -39,6 +39,7 @@ gains) and embeddings/heads do not decay unless ``decay_norms_and_biases`` /
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -96,7 +97,7 @@ class ParameterRoutes:
         """All AdamW params (decay first)."""
         return self.adamw_decay + self.adamw_no_decay
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[list[nn.Parameter]]:
         """Unpack as ``muon, adamw = route_parameters(model)`` (lists of parameters)."""
         yield [p for _, p in self.muon]
         yield [p for _, p in self.adamw]
