@@ -233,6 +233,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``speedtronic`` argument parser: one subcommand per :data:`SUBCOMMANDS` entry, each also
+    taking ``--debug`` after its name."""
     from .. import __version__
 
     parser = _Parser(prog="speedtronic", description="Speedtronic training engine")

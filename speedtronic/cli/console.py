@@ -74,6 +74,9 @@ def console_for_output() -> Iterator[None]:
 
 
 def setup_logging(debug: bool) -> None:
+    """Send ``speedtronic`` log lines to the current stdout, one ``HH:MM:SS`` stamp each, at
+    DEBUG with ``debug`` else INFO. Safe to call again: the console handler is added once, and
+    the logger does not propagate, so a handler on the root logger never prints a line twice."""
     root = logging.getLogger("speedtronic")
     if not any(getattr(h, "_speedtronic_console", False) for h in root.handlers):
         handler = _CurrentStdoutHandler()

@@ -26,6 +26,7 @@ def _seed(text: str) -> int:
 
 
 def add_sample(sub: argparse._SubParsersAction) -> None:
+    """Register ``speedtronic sample RUN_DIR``: text from a run's checkpoint."""
     p = sub.add_parser("sample", help="generate text from a run's checkpoint")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
@@ -62,6 +63,9 @@ def _codec(cfg: Any, tokenizer: str | None) -> tuple[Callable[[str], list[int]],
 
 
 def cmd_sample(args: argparse.Namespace) -> int:
+    """Generate from a run's checkpoint and print prompt plus continuation on stdout (loading
+    warnings and the settings line go to stderr, so the text can be piped). Returns the exit
+    code; a bad option raises ConfigError."""
 
     from ..config import ConfigError
     from ..models.generate import generate
@@ -101,6 +105,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 
 
 def add_export(sub: argparse._SubParsersAction) -> None:
+    """Register ``speedtronic export RUN_DIR``: a run's model as a Hugging Face folder."""
     p = sub.add_parser("export", help="write a run's model as a Hugging Face folder "
                                       "(LlamaForCausalLM for the reference model)")
     p.add_argument("run_dir", metavar="RUN_DIR")
@@ -109,6 +114,8 @@ def add_export(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    """Write a run's checkpoint as a Hugging Face folder (default ``<RUN_DIR>/hf``), with the run's
+    tokenizer and end-of-text token when it has them. Returns the exit code."""
     from pathlib import Path
 
     from ..models.export import export_hf

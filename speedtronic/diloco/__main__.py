@@ -13,6 +13,8 @@ from .service import run_master
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m speedtronic.diloco master``: run a master-only aggregation loop until it stops,
+    then print where the final global is. Returns the exit code (2 on a config or store error)."""
     parser = argparse.ArgumentParser(prog="python -m speedtronic.diloco")
     sub = parser.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("master", help="run a master-only aggregation loop")

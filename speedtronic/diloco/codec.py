@@ -60,6 +60,7 @@ def check_id(value: str, what: str = "node id") -> str:
 
 
 def sha256(data: bytes) -> str:
+    """Hex sha256 of ``data``: the checksum pointers (and delta headers) record."""
     return hashlib.sha256(data).hexdigest()
 
 
@@ -127,6 +128,8 @@ class DeltaHeader:
 
 
 def delta_key(node: str, session: str, seq: int, base_version: int) -> str:
+    """Store key of a worker's delta: ``nodes/<node>/<session>/d<seq>-b<base version>``; the
+    master reads node, session, seq and base version back with :func:`parse_delta_key`."""
     return f"nodes/{node}/{session}/d{seq:08d}-b{base_version:08d}.safetensors"
 
 
@@ -315,12 +318,16 @@ class Pointer:
 
 
 def global_key(version: int, epoch: int, nonce: str) -> str:
+    """Store key of the global weights of ``version``, written by the master with ``epoch`` and a
+    fresh ``nonce``."""
     # The epoch + nonce make every write a new immutable name: a master that crashed after
     # writing weights but before the pointer never collides with its successor's version.
     return f"global/v{version:08d}-e{epoch:04d}-{nonce}.safetensors"
 
 
 def state_key(version: int, epoch: int, nonce: str) -> str:
+    """Store key of the master state (outer optimizer, applied deltas) published with the global
+    of ``version``; epoch and nonce make each write a new name, as for :func:`global_key`."""
     return f"master/state-v{version:08d}-e{epoch:04d}-{nonce}.safetensors"
 
 

@@ -64,6 +64,8 @@ __all__ = ["ModelMismatch", "Worker", "_Snapshot", "_Upload", "default_node_id",
 
 
 def default_node_id() -> str:
+    """``<host>-<pid>``: the host name with characters an id may not hold replaced by ``-`` (ids
+    are store path segments); the pid keeps two processes on one host apart."""
     host = "".join(c if c.isalnum() or c in "_.-" else "-" for c in socket.gethostname())
     return f"{host[:40] or 'node'}-{os.getpid()}"
 

@@ -71,6 +71,8 @@ def carry_weight(method: str, lr: float, momentum: float, workers: float) -> flo
 
 
 def staleness_weight(staleness: int, policy: str) -> float:
+    """Scale of a delta ``staleness`` versions stale (``distributed.staleness_weighting``): 1
+    (``none``), 1/(1+s) (``inverse``) or 1/sqrt(1+s) (``inverse_sqrt``); else ValueError."""
     if policy == "none":
         return 1.0
     if policy == "inverse":

@@ -58,6 +58,9 @@ def check_log_file(cfg: SpeedtronicConfig, run_dir: Path) -> HeldLogLines | None
 
 
 def open_log_file(buffer: HeldLogLines) -> logging.Handler:
+    """Open ``logging.file`` for appending, write the held build lines to it in order and replace
+    the holding handler with the file handler, which is returned. An unopenable path raises
+    ConfigError naming ``logging.file``."""
     path = buffer.path
     path.parent.mkdir(parents=True, exist_ok=True)  # a folder inside the run directory
     try:
