@@ -63,6 +63,7 @@ class RunConfig:
     """Number of held-out micro-batches per evaluation (the same batches every time)."""
 
     def validate(self, p: str = "run") -> None:
+        """Check name, steps, seed, threads, eval and device; raise ConfigError naming the key."""
         require(bool(self.name.strip()) and "/" not in self.name and self.name not in (".", ".."),
                f"{p}.name", f"must be a non-empty name without '/', got {brief(self.name)}")
         require(self.max_steps > 0, f"{p}.max_steps", f"must be > 0, got {self.max_steps}")
@@ -104,6 +105,8 @@ class CheckpointConfig:
     (a wall-clock bound on lost work, e.g. under a scheduler's time limit); None = steps only."""
 
     def validate(self, p: str = "checkpoint") -> None:
+        """Check that ``directory`` stays inside the run directory and the counts are positive;
+        raise ConfigError naming the key."""
         parts = PurePosixPath(self.directory.replace("\\", "/")).parts
         require(bool(self.directory.strip()) and not self.directory.startswith(("/", "\\", "~"))
                 and ".." not in parts and ":" not in self.directory,
@@ -151,6 +154,8 @@ class TrainConfig:
     ``checkpoint.resume: true``)."""
 
     def validate(self, p: str = "train") -> None:
+        """Check ``max_skipped_steps`` and that each preemption signal can be caught here; raise
+        ConfigError naming the key."""
         require(self.max_skipped_steps > 0, f"{p}.max_skipped_steps",
                f"must be > 0, got {self.max_skipped_steps}")
         import signal as _signal
@@ -185,6 +190,7 @@ class LoggingConfig:
     """W&B project name; None = ``speedtronic``."""
 
     def validate(self, p: str = "logging") -> None:
+        """Check ``every_steps`` and ``heartbeat_seconds``; raise ConfigError naming the key."""
         require(self.every_steps > 0, f"{p}.every_steps", f"must be > 0, got {self.every_steps}")
         require(self.heartbeat_seconds >= 0, f"{p}.heartbeat_seconds",
                f"must be >= 0 (0 = off), got {self.heartbeat_seconds}")
@@ -212,6 +218,7 @@ class ShapeValidationConfig:
     """Also warn on CPU (alignment matters little there)."""
 
     def validate(self, p: str = "shape_validation") -> None:
+        """Check that an int ``alignment`` is positive; raise ConfigError naming the key."""
         if isinstance(self.alignment, int):
             require(self.alignment > 0, f"{p}.alignment",
                    f"must be auto, none or a positive int, got {self.alignment}")

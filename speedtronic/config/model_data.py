@@ -61,6 +61,8 @@ class ModelConfig:
     """Recompute block activations in backward (same as root ``gradient_checkpointing``)."""
 
     def validate(self, p: str = "model") -> None:
+        """Check sizes (n_head dividing d_model into an even head dim), dropout, rope_base and
+        hf_config; raise ConfigError naming the key."""
         for key in ("vocab_size", "max_seq_len", "n_layer", "n_head", "d_model"):
             value = getattr(self, key)
             if value is not None or key != "vocab_size":
@@ -148,6 +150,8 @@ class DataConfig:
     """Data-order seed; None = ``run.seed``."""
 
     def validate(self, p: str = "data") -> None:
+        """Check that at most one source is set (a byte-read ``text_path`` must exist), what a
+        tokenizer needs, sizes and batch sizes; raise ConfigError naming the key."""
         sources = {"text_path": self.text_path, "synthetic": self.synthetic or None,
                    "dataset": self.dataset, "tokens_path": self.tokens_path,
                    "hf_dataset": self.hf_dataset}

@@ -85,6 +85,8 @@ class OptimizerConfig:
     """Rescale kept entries by numel / (kept + 1) as in the Cautious Optimizers paper."""
 
     def validate(self, p: str = "optimizer") -> None:
+        """Check choices, ranges and the options only Muon takes; raise ConfigError naming the key.
+        ``build_optimizer`` runs it too, for a section built in Python."""
         check_choices(self, p)  # build_optimizer validates this section on its own
         check_finite(self, p)
         for key in ("lr", "eps", "muon_lr", "muon_eps", "muon_norm_eps"):
@@ -141,6 +143,7 @@ class SchedulerConfig:
     steps, 0.15 with 4)."""
 
     def validate(self, p: str = "scheduler") -> None:
+        """Check the step counts and ``min_lr_ratio``; raise ConfigError naming the key."""
         require(self.warmup_steps >= 0, f"{p}.warmup_steps",
                f"must be >= 0, got {self.warmup_steps}")
         if self.max_steps is not None:
@@ -158,4 +161,5 @@ class PrecisionConfig:
     An explicit mode the device cannot run falls back with a warning."""
 
     def validate(self, p: str = "precision") -> None:
+        """No rule beyond ``mode``'s choices, which ``finalize`` checks (ConfigError naming it)."""
         pass

@@ -218,6 +218,8 @@ class DistributedConfig:
                     f"got {brief(self.node_id)}")
 
     def validate(self, p: str = "distributed") -> None:
+        """Check store URL (required when enabled), node id, intervals, timeouts and round limits;
+        raise ConfigError naming the key."""
         if self.enabled:
             require(self.store is not None, f"{p}.store",
                    "is required when distributed.enabled is true (file:///..., s3://..., hf://...)")
@@ -333,6 +335,8 @@ class DataParallelConfig:
             self.timeout_s = max(600.0, longest + 60.0)
 
     def validate(self, p: str = "data_parallel") -> None:
+        """Check ``timeout_s`` (set by :meth:`resolve_timeout` first) and ``bucket_cap_mb``; raise
+        ConfigError naming the key."""
         require(self.timeout_s is not None and self.timeout_s > 0, f"{p}.timeout_s",
                 f"must be > 0 seconds, got {self.timeout_s}")
         require(self.bucket_cap_mb > 0, f"{p}.bucket_cap_mb",
@@ -384,6 +388,8 @@ class TorchftConfig:
     """``diloco``: the outer Nesterov momentum."""
 
     def validate(self, p: str = "torchft") -> None:
+        """With ``mode`` on: check replica groups, lighthouse, timeouts and outer settings; raise
+        ConfigError naming the key."""
         if self.mode == "off":
             return
         require(self.replica_groups >= 1, f"{p}.replica_groups",
