@@ -71,8 +71,13 @@ class TrainIterator(Protocol):
 
     def __iter__(self) -> Iterator[Batch]: ...
     def __next__(self) -> Batch: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last returned batch, as plain values a checkpoint can hold
+        (loaded with ``weights_only``); its ``kind`` names the source that made it."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue exactly after the batch at which ``state`` was taken; a state of another
+        ``kind`` (another data source) raises SpeedtronicError."""
 
 
 @dataclass

@@ -285,6 +285,8 @@ class Pointer:
     unknown); ``adaptive_inner_steps`` workers scale their H by it."""
 
     def to_bytes(self) -> bytes:
+        """The pointer as indented JSON with sorted keys (what ``global/latest.json`` holds);
+        read back by :meth:`from_bytes`."""
         return (json.dumps(asdict(self), sort_keys=True, indent=1) + "\n").encode()
 
     @classmethod

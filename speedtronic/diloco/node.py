@@ -151,6 +151,9 @@ class Worker(GlobalInstall, DeltaUploads, ConsistentBase):
 
     # ------------------------------------------------------------------ callback API
     def on_train_start(self, trainer: Any) -> None:
+        """Wait up to ``start_timeout`` for a usable published global, install it into the model,
+        then start the upload and poll threads. A model unlike the master's raises ConfigError;
+        no global in time, or a store that refuses access, raises StoreError."""
         self._params = sync_parameters(trainer.model)
         cfg = self.cfg
         if not self.tokens_per_step and getattr(trainer, "config", None) is not None:
@@ -232,6 +235,9 @@ class Worker(GlobalInstall, DeltaUploads, ConsistentBase):
                        math.ceil(ckpt.every_steps / H) - 1, H)
 
     def after_optimizer_step(self, trainer: Any, step: int) -> None:
+        """Count the step; at the end of an inner round, queue the round's delta for upload and
+        install the newest global (with ``consistent_base``: after waiting for the master as
+        configured), then adapt the round length."""
         t0 = time.perf_counter()
         self._time_step()
         if self._reset_due:
@@ -256,6 +262,9 @@ class Worker(GlobalInstall, DeltaUploads, ConsistentBase):
         self._step_end = self._clock()
 
     def on_train_end(self, trainer: Any) -> None:
+        """Send the partial last round, flush uploads (up to ``shutdown_timeout``), write the done
+        marker and, with ``final_sync_timeout``, end on a global holding this node's last delta.
+        A run stopped early writes no done marker and does no final sync."""
         if not self._threads:
             return
         if self._steps_in_round and not isinstance(run_stopped_by(trainer), NonFiniteError):
@@ -284,10 +293,13 @@ class Worker(GlobalInstall, DeltaUploads, ConsistentBase):
         self._log(trainer)
 
     def state_dict(self) -> dict:
+        """Node id and installed global version: all a resume needs, since it installs the newest
+        global again."""
         # Resume re-installs the newest global (at most one inner round of local work is lost).
         return {"node_id": self.node_id, "version": self.version}
 
     def load_state_dict(self, state: dict) -> None:
+        """Nothing to restore: :meth:`on_train_start` installs the newest global on resume."""
         pass
 
     # ------------------------------------------------------------------ training-thread parts
@@ -309,6 +321,8 @@ class Worker(GlobalInstall, DeltaUploads, ConsistentBase):
         log({f"diloco/{k}": v for k, v in self.metrics(wall).items()})
 
     def metrics(self, wall: float | None = None) -> dict[str, float]:
+        """Counters for ``diloco/*`` metrics: installed version, deltas, bytes, store retries and
+        seconds spent on the training thread (with ``wall``, also their share of it)."""
         out: dict[str, float] = {"version": self.version, **self.m,
                                  "store_retries": getattr(self.store, "retries", 0),
                                  "train_thread_s": self._train_s}
@@ -318,6 +332,8 @@ class Worker(GlobalInstall, DeltaUploads, ConsistentBase):
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
+        """Stop the poll and upload threads and join them (up to 10 s each); pending uploads are not
+        waited for (:meth:`flush` does that). Safe to call twice."""
         self._stop.set()
         self._poll_soon.set()
         with self._lock:

@@ -182,11 +182,14 @@ class OuterOptimizer:
 
     # ------------------------------------------------------------------ persistence
     def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Momentum buffers (``buf/<name>``) and round accumulators (``acc/<name>``), saved in
+        the master state published with each global; the scalars are in :meth:`state_meta`."""
         out = {f"buf/{k}": v for k, v in self.buf.items()}
         out.update({f"acc/{k}": v for k, v in self.acc.items()})
         return out
 
     def state_meta(self) -> dict:
+        """The JSON-safe settings and round progress that go with :meth:`state_tensors`."""
         return {"method": self.method, "lr": self.lr, "momentum": self.momentum,
                 "eager_share": self.eager_share, "arrived": self.arrived,
                 "round_method": self.round_method, "round_share": self.round_share}

@@ -90,6 +90,8 @@ class MasterNode:
         self._reported = False
 
     def on_train_start(self, trainer: Any) -> None:
+        """Start the master thread (it adopts the store's state or publishes v0 from this node's
+        initial weights), then start the worker, which waits for that global."""
         params = sync_parameters(trainer.model)
         initial = lambda: {k: p.detach().float().cpu().clone() for k, p in params.items()}
         config = getattr(trainer, "config", None)
@@ -122,10 +124,15 @@ class MasterNode:
                                    " (the run stops; the log above has the details)")
 
     def after_optimizer_step(self, trainer: Any, step: int) -> None:
+        """The worker's step; a dead master thread raises SpeedtronicError first (nothing would
+        aggregate the work)."""
         self._raise_if_master_died()
         self.worker.after_optimizer_step(trainer, step)
 
     def on_train_end(self, trainer: Any) -> None:
+        """End the worker, keep aggregating until every node is done (or none sent a delta for
+        ``master_idle_timeout``), then sync to the final global. A run stopped early stops the
+        master thread instead; a master thread that died raises SpeedtronicError."""
         self.worker.on_train_end(trainer)
         self._train_done = True
         if self.thread is not None and run_stopped_by(trainer) is not None:
@@ -144,9 +151,11 @@ class MasterNode:
                 self._raise_if_master_died()
 
     def state_dict(self) -> dict:
+        """The worker's state (the master's own state lives in the store)."""
         return self.worker.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
+        """Hand ``state`` to the worker (the master thread reloads its state from the store)."""
         self.worker.load_state_dict(state)
 
 

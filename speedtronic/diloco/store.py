@@ -57,6 +57,8 @@ class RetryPolicy:
     max_retry_after: float = 300.0
 
     def delay(self, attempt: int, retry_after: float | None, rng: random.Random) -> float:
+        """Seconds to sleep after failed attempt ``attempt`` (0-based): the jittered backoff
+        drawn from ``rng``, or the server's ``retry_after`` (capped) when that is longer."""
         backoff = rng.uniform(0.0, min(self.max_delay, self.base_delay * (2 ** attempt)))
         if retry_after is not None:
             return max(backoff, min(retry_after, self.max_retry_after))
