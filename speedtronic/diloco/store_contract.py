@@ -90,18 +90,29 @@ class Store:
     url: str = ""
 
     def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        """Store ``data`` under ``key`` atomically: readers see the old object or the whole new one,
+        never a part. ``if_absent``: create-only, raising :class:`ObjectExists` when the key is
+        taken (immutable globals and deltas rely on it); otherwise overwrite."""
         raise NotImplementedError
 
     def get(self, key: str) -> bytes:
+        """The whole object's bytes; raises :class:`ObjectNotFound` when the key is missing (never
+        retried: it is an answer, not a failure)."""
         raise NotImplementedError
 
     def stat(self, key: str) -> ObjectInfo | None:
+        """The key's size and an opaque version tag, or None when it is missing (not an error). The
+        tag need not be the etag :meth:`swap` takes: :meth:`get_with_etag` gives that one."""
         raise NotImplementedError
 
     def list(self, prefix: str = "") -> list[str]:
+        """The keys of all objects whose key starts with ``prefix`` (a string prefix, not only a
+        folder), sorted; no temporary or lock files, and ``[]`` when nothing matches."""
         raise NotImplementedError
 
     def delete(self, key: str) -> None:
+        """Remove ``key``; a key that is already gone is not an error, so a retried delete (whose
+        first try landed) succeeds."""
         raise NotImplementedError
 
     def delete_many(self, keys: list[str]) -> None:
