@@ -331,6 +331,9 @@ class ReferenceTransformer(nn.Module):
     # -- forward ---------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor,
                 labels: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids``: (B, T) int64, T <= ``max_seq_len``. With ``labels`` (B, T, already
+        shifted, ``-100`` = ignored): the scalar mean cross-entropy over the labelled positions (0
+        when there are none); without: the logits (B, T, vocab_size). Other shapes: ValueError."""
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (batch, seq_len), got shape "
                              f"{tuple(input_ids.shape)}")

@@ -257,6 +257,10 @@ class AdamW(Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, then the group's own values are checked (torch.optim.AdamW checks only its
+        constructor's arguments): lr, betas, eps, weight_decay, and fused with cautious refused.
+        A rejected group is removed again, so the optimizer stays as it was; ``betas`` is stored
+        as a tuple."""
         super().add_param_group(param_group)
         checked_or_dropped(self.param_groups, _check_group)
 

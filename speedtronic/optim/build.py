@@ -71,6 +71,10 @@ class HybridOptimizer(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.o
         super().__init__(param_groups, defaults={"momentum": None})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """The group needs ``kind`` (``muon`` or ``adamw``), whose defaults fill the hyperparameters
+        it lacks; it is then checked by that branch's rules, as in :class:`Muon` and
+        :class:`AdamW` (a rejected group is removed again), and a Muon group's ``lr``,
+        ``weight_decay`` and ``momentum`` become 0-d tensors."""
         kind = param_group.get("kind")
         if kind not in _KIND_DEFAULTS:
             raise ValueError(f"param group 'kind' must be 'muon' or 'adamw', got {kind!r}")
@@ -88,6 +92,9 @@ class HybridOptimizer(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.o
                             lambda group: _KIND_DEFAULTS.get(group.get("kind"), {}))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's load, after checking that the saved groups have this optimizer's kinds in order
+        (another ``optimizer.name`` or model raises ValueError). fp32 state stays fp32 and the
+        cached Muon step plan is dropped, so the next step reads the loaded momentum."""
         saved = [g.get("kind") for g in state_dict.get("param_groups", [])]
         mine = [g["kind"] for g in self.param_groups]
         if saved != mine:

@@ -288,6 +288,11 @@ class Muon(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.optim.Optimi
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's, then the group's own values are checked (torch.optim.Muon checks only its
+        constructor's, and less: here also momentum < 1, eps and norm_eps > 0, 2-D parameters as
+        the group's ``layout`` allows) and a rejected group is removed again.
+        ``lr``, ``weight_decay`` and ``momentum`` become 0-d fp32 tensors on the parameters'
+        device, which an LR scheduler then fills in place."""
         super().add_param_group(param_group)
         checked_or_dropped(self.param_groups, _check_group)
         tensorize_hyper(self.param_groups[-1])
