@@ -24,6 +24,7 @@ import yaml
 from ..errors import ConfigError, brief
 from . import schema as _c
 from .bundled import bundled_config, bundled_config_names
+from .v2_keys import v2_key_advice, v2_value_advice
 
 logger = logging.getLogger("speedtronic.config")
 
@@ -351,11 +352,17 @@ def _build(cls: type, raw: Any, prefix: str) -> Any:
     for key, value in raw.items():
         dotted = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
+            advice = v2_key_advice(dotted)  # a 2.0 key: its replacement, not the closest name
+            if advice is not None:
+                raise ConfigError(advice)
             close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
             hint = f"; did you mean '{(prefix + '.') if prefix else ''}{close[0]}'?" if close else \
                 f"; valid keys: {', '.join(fields)}"
             raise ConfigError(f"unknown config key '{dotted}'{hint}")
         tp = hints[key]
+        advice = v2_value_advice(dotted, value)
+        if advice is not None:
+            raise ConfigError(advice)
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, dotted)
         else:
