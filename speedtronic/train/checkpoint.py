@@ -38,6 +38,7 @@ import torch
 
 from .._process import temp_owner_alive
 from ..errors import SpeedtronicError
+from .v2_checkpoints import V2_CHECKPOINT_ADVICE, is_v2_checkpoint_file
 
 logger = logging.getLogger("speedtronic.checkpoint")
 
@@ -337,6 +338,9 @@ class CheckpointManager:
         if not path.is_file():
             raise CheckpointError(f"checkpoint {str(path)!r} does not exist" if not path.exists()
                                   else f"checkpoint {str(path)!r} is not a file")
+        if is_v2_checkpoint_file(path):
+            raise CheckpointError(f"{path.name} is a speedtronic 2.0 checkpoint: "
+                                  f"{V2_CHECKPOINT_ADVICE}")
         digest_file = path.with_suffix(".sha256")
         if verify:
             try:

@@ -18,6 +18,7 @@ import torch
 from ..models.builtin import architecture_changes
 from .checkpoint import CheckpointError, CheckpointManager
 from .trainer import Trainer
+from .v2_checkpoints import V2_CHECKPOINT_ADVICE, find_v2_checkpoints, is_v2_checkpoint_file
 
 logger = logging.getLogger("speedtronic.runtime")
 
@@ -28,7 +29,16 @@ def resume_trainer(trainer: Trainer, directory: Path) -> bool:
     """Load the newest usable checkpoint of ``directory`` into ``trainer``; True if one was.
 
     Raises (before anything is written) when the checkpoint does not fit this run."""
-    found = CheckpointManager(directory, keep_last=None).load_latest()
+    manager = CheckpointManager(directory, keep_last=None)
+    if not [p for _, p in manager.list() if not is_v2_checkpoint_file(p)]:
+        # 2.0 kept checkpoints in <output_dir>/checkpoints, one folder above this version's
+        # run directory: --resume of a 2.0 run quietly started a fresh one
+        legacy = find_v2_checkpoints(directory, directory.parent.parent)
+        if legacy is not None:
+            theirs = "" if legacy == directory else f" and {directory} none of this version's"
+            raise CheckpointError(f"--resume: {legacy} holds speedtronic 2.0 checkpoints"
+                                  f"{theirs}: {V2_CHECKPOINT_ADVICE} (drop --resume)")
+    found = manager.load_latest()
     if found is None:
         logger.warning("resume: no checkpoint in %s; starting a fresh run from step 0",
                        directory)

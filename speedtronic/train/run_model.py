@@ -21,6 +21,7 @@ from ..config import ConfigError, SpeedtronicConfig, load_config
 from ..models import build_model
 from .checkpoint import CheckpointManager, mismatch_details
 from .resume import architecture_changes
+from .v2_checkpoints import V2_CHECKPOINT_ADVICE, find_v2_checkpoints
 
 __all__ = ["init_from", "load_run_model", "run_checkpoint"]
 
@@ -32,6 +33,7 @@ def run_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
     run = Path(run_dir)
     cfg_path = run / "config.yaml"
     if not cfg_path.is_file():
+        _refuse_v2(run, "")
         raise ConfigError(f"{str(run)!r} is not a run directory (no config.yaml); give the "
                           "folder `speedtronic train` wrote, e.g. runs/quickstart")
     cfg = load_config(cfg_path)
@@ -44,6 +46,14 @@ def run_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
                           "yet (checkpoint.enabled: false, or the run stopped before its "
                           "first save)")
     return cfg, found[0], found[1]
+
+
+def _refuse_v2(folder: Path, prefix: str) -> None:
+    """A ConfigError for a speedtronic 2.0 run folder (checkpoints, no config.yaml)."""
+    legacy = find_v2_checkpoints(folder)
+    if legacy is not None:
+        raise ConfigError(f"{prefix}{str(folder)!r} holds speedtronic 2.0 checkpoints "
+                          f"({legacy}): {V2_CHECKPOINT_ADVICE}")
 
 
 def load_run_model(run_dir: str | Path, checkpoint: str | Path | None = None,
@@ -172,6 +182,7 @@ def init_from(model: nn.Module, cfg: SpeedtronicConfig) -> str:
         changes = architecture_changes((state.get("config") or {}).get("model") or {},
                                        cfg.to_dict()["model"])
     elif spec.is_dir():
+        _refuse_v2(spec, "model.init_from: ")
         tensors, changes = _safetensors(spec), ""
         if isinstance(model, HFCausalLM):
             target, what = model.hf, f"Hugging Face folder {spec}"

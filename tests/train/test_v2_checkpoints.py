@@ -1,0 +1,77 @@
+"""speedtronic 2.0's checkpoints (``<output_dir>/checkpoints/step_<12 digits>.pt`` + ``latest.json``,
+pickles without digests): each way of pointing this version at one says what it is, exits 2, and
+leaves the 2.0 files as they were. ``--resume`` once started a fresh run without a word (it
+looks one folder deeper) and ``model.init_from`` asked for a digest 2.0 never wrote."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from _engine_fixtures import one_thread, tiny_raw  # noqa: F401
+
+from speedtronic.cli import main
+from speedtronic.config import ConfigError, load_config
+from speedtronic.train.checkpoint import CheckpointError, CheckpointManager
+from speedtronic.train.run_model import run_checkpoint
+from speedtronic.train.v2_checkpoints import find_v2_checkpoints
+
+
+def _v2_run(output_dir: Path) -> dict[str, str]:
+    """2.0's layout, with a state of the kinds 2.0 pickled; returns every file's sha256."""
+    folder = output_dir / "checkpoints"
+    folder.mkdir(parents=True)
+    state = {"model": collections.OrderedDict(w=torch.zeros(2)), "optimizer": {}, "scaler": None,
+             "step": 4, "config": {"run": {"name": "smoke"}}, "coordinator": None}
+    for step in (2, 4):
+        torch.save(state, folder / f"step_{step:012d}.pt")
+    (folder / "latest.json").write_text(json.dumps({"step": 4, "file": "step_000000000004.pt"}))
+    return _digests(output_dir)
+
+
+def _digests(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_resume_of_a_2_0_run_stops_with_exit_2_before_writing(tmp_path, capsys):
+    out = tmp_path / "runs"
+    before = _v2_run(out)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_raw(out, name="smoke")))
+    assert main(["train", "--config", str(cfg), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "speedtronic 2.0 checkpoints" in err and "drop --resume" in err
+    assert "Traceback" not in err
+    assert _digests(out) == before  # no run directory made, the 2.0 files untouched
+
+
+def test_a_2_0_checkpoint_file_or_folder_is_named_as_such(tmp_path):
+    before = _v2_run(tmp_path)
+    ckpt = tmp_path / "checkpoints" / "step_000000000004.pt"
+    with pytest.raises(CheckpointError, match="is a speedtronic 2.0 checkpoint"):
+        CheckpointManager(ckpt.parent).load(ckpt, verify=False)
+    with pytest.raises(ConfigError, match="holds speedtronic 2.0 checkpoints"):
+        run_checkpoint(tmp_path)  # sample / export of a 2.0 run folder
+    cfg = load_config(tiny_raw(tmp_path / "new", model={"init_from": str(tmp_path)}))
+    from speedtronic.models import build_model
+    from speedtronic.train.run_model import init_from
+
+    with pytest.raises(ConfigError, match="model.init_from: .* holds speedtronic 2.0"):
+        init_from(build_model(cfg.model), cfg)
+    assert _digests(tmp_path) == before
+
+
+def test_this_versions_own_checkpoints_are_not_taken_for_2_0_ones(tmp_path):
+    manager = CheckpointManager(tmp_path / "checkpoints")
+    manager.save(4, {"model": {"w": torch.zeros(2)}, "step": 4})
+    assert find_v2_checkpoints(tmp_path) is None
+    assert manager.load_latest()[0]["step"] == 4
+    # a 12-digit name that carries this version's digest is ours (a run past 10^8 steps)
+    big = manager.save(123_456_789_012, {"model": {"w": torch.zeros(2)}, "step": 1})
+    assert find_v2_checkpoints(tmp_path) is None and manager.load(big)["step"] == 1
