@@ -76,3 +76,56 @@ def test_new_names_import_without_any_warning():
             "from speedtronic.ooo.scheduler import OOOScheduler\n"
             "from speedtronic.cli import main, console_main\n")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---- speedtronic 2.0's names (docs/upgrading.md) ---------------------------------------------
+
+def test_the_optimizers_and_trainer_import_from_the_top_without_a_warning(recwarn):
+    from speedtronic import AdamW, HybridOptimizer, Muon, Trainer, build_optimizer
+    from speedtronic.optim import build
+    from speedtronic.train import trainer
+
+    assert HybridOptimizer is build.HybridOptimizer and build_optimizer is build.build_optimizer
+    assert Trainer is trainer.Trainer and Muon.__module__ == "speedtronic.optim.muon"
+    assert AdamW.__module__ == "speedtronic.optim.adamw"
+    assert not [w for w in recwarn if issubclass(w.category, DeprecationWarning)]
+
+
+def test_2_0_top_level_names_are_served_with_a_warning_or_named_as_gone():
+    import importlib
+    import warnings
+
+    import speedtronic
+    from speedtronic._renamed import V2_GONE_NAMES, V2_TOP_LEVEL
+
+    for name, module in V2_TOP_LEVEL.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            value = getattr(speedtronic, name)
+        assert value is getattr(importlib.import_module(module), name), name
+        assert [str(w.message) for w in caught] == [f"speedtronic.{name} is now {module}.{name}"]
+    for name, advice in V2_GONE_NAMES.items():
+        # `from speedtronic import X` keeps this text (an AttributeError would be replaced by a
+        # bare "cannot import name")
+        try:
+            exec(f"from speedtronic import {name}", {})
+        except ImportError as exc:
+            assert str(exc).startswith(f"speedtronic.{name} was speedtronic 2.0's; now: ")
+            assert advice in str(exc)
+        else:
+            raise AssertionError(f"{name} imported")
+    assert not hasattr(speedtronic, "no_such_name")  # other names: a plain AttributeError
+
+
+def test_2_0_modules_that_are_gone_say_where_their_contents_went():
+    import importlib
+
+    from speedtronic._renamed import V2_GONE_MODULES
+
+    for old, where in V2_GONE_MODULES.items():
+        try:
+            importlib.import_module(old)
+        except ModuleNotFoundError as exc:
+            assert exc.name == old and where in str(exc) and "speedtronic 2.0" in str(exc), old
+        else:
+            raise AssertionError(f"{old} imported")

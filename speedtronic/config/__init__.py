@@ -9,6 +9,7 @@ the reference documentation of every key (rendered in ``docs/configuration.md``)
 
 from __future__ import annotations
 
+from .._renamed import renamed
 from ..errors import ConfigError
 from .loading import load_config
 from .redaction import redact, to_plain
@@ -49,3 +50,6 @@ __all__ = [
     "redact",
     "to_plain",
 ]
+
+#: speedtronic 2.0's name for load_config, served with a DeprecationWarning
+__getattr__ = renamed(__name__, "load_yaml_config", "load_config", load_config)

@@ -393,3 +393,6 @@ def load_config(source: str | Path | Mapping[str, Any] | _c.SpeedtronicConfig,
         cfg.model.vocab_size = None  # not written: it follows the data (see ModelConfig)
     return cfg.finalize()
 
+
+
+_c.LOADER[:] = [load_config]  # SpeedtronicConfig.from_dict / from_yaml call it

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -85,6 +86,11 @@ _SECTIONS: dict[str, type] = {
     "torchft": TorchftConfig,
     "shape_validation": ShapeValidationConfig,
 }
+
+
+#: ``load_config``, put here by :mod:`.loading` when it is imported (it builds this module's
+#: classes, so this module cannot import it back): what ``from_dict`` / ``from_yaml`` call.
+LOADER: list[Any] = []
 
 
 @dataclass
@@ -218,6 +224,17 @@ class SpeedtronicConfig:
         if self.torchft.mode != "off" and self.torchft.replica_group is not None:
             return base / f"replica_group_{self.torchft.replica_group}"
         return base
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> SpeedtronicConfig:
+        """A checked config from a plain nested dict (the inverse of :meth:`to_dict`):
+        ``load_config(values)``, with its shorthands, checks and errors."""
+        return LOADER[0](values)
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> SpeedtronicConfig:
+        """A checked config from a YAML (or JSON) file: ``load_config(path)``."""
+        return LOADER[0](Path(path))
 
     def to_dict(self, redact: bool = True) -> dict[str, Any]:
         """A JSON/YAML-safe nested dict; with ``redact``, secrets are replaced by ``<redacted>``."""

@@ -77,7 +77,10 @@ class HybridOptimizer(MuonCacheMixin, Fp32StateMixin, EagerMethodsMixin, torch.o
         ``weight_decay`` and ``momentum`` become 0-d tensors."""
         kind = param_group.get("kind")
         if kind not in _KIND_DEFAULTS:
-            raise ValueError(f"param group 'kind' must be 'muon' or 'adamw', got {kind!r}")
+            raise ValueError(f"param group 'kind' must be 'muon' or 'adamw', got {kind!r}: "
+                             "each group is a dict such as {'params': [...], 'kind': 'muon', "
+                             "'lr': 0.02} (speedtronic 2.0's HybridOptimizer(muon_params, "
+                             "adamw_params, ...) is two such groups, or build_optimizer(model))")
         group = {**_KIND_DEFAULTS[kind], **param_group}
         super().add_param_group(group)
         checked_or_dropped(self.param_groups,

@@ -56,3 +56,25 @@ def test_docs_list_every_2_0_key() -> None:
         assert f"`{dotted}`" in section, dotted
     for dotted, value in V2_REMOVED_VALUES:
         assert f"`{dotted}: {value}`" in section
+
+
+def test_from_dict_and_from_yaml_are_load_config_and_round_trip_to_dict(tmp_path) -> None:
+    from speedtronic.config import SpeedtronicConfig
+
+    cfg = load_config({"run": {"max_steps": 7}, "optimizer": "muon"})
+    again = SpeedtronicConfig.from_dict(cfg.to_dict(redact=False))
+    assert again.to_dict(redact=False) == cfg.to_dict(redact=False)
+    path = tmp_path / "c.yaml"
+    path.write_text("max_steps: 9\n")  # the root shorthand 2.0's examples use
+    assert SpeedtronicConfig.from_yaml(path).run.max_steps == 9
+    with pytest.raises(ConfigError, match="speedtronic 2.0 key"):
+        SpeedtronicConfig.from_dict({"data": {"max_steps": 3}})
+
+
+def test_load_yaml_config_is_served_as_load_config_with_a_warning() -> None:
+    import speedtronic.config as config_module
+
+    with pytest.warns(DeprecationWarning, match="load_yaml_config is now load_config"):
+        assert config_module.load_yaml_config is load_config
+    with pytest.raises(AttributeError):
+        getattr(config_module, "no_such_name")  # noqa: B009
