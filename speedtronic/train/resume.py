@@ -30,18 +30,21 @@ def resume_trainer(trainer: Trainer, directory: Path) -> bool:
 
     Raises (before anything is written) when the checkpoint does not fit this run."""
     manager = CheckpointManager(directory, keep_last=None)
+    legacy = None
     if not [p for _, p in manager.list() if not is_v2_checkpoint_file(p)]:
         # 2.0 kept checkpoints in <output_dir>/checkpoints, one folder above this version's
-        # run directory: --resume of a 2.0 run quietly started a fresh one
+        # run directory: --resume of a 2.0 run started a fresh one without naming them
         legacy = find_v2_checkpoints(directory, directory.parent.parent)
-        if legacy is not None:
-            theirs = "" if legacy == directory else f" and {directory} none of this version's"
-            raise CheckpointError(f"--resume: {legacy} holds speedtronic 2.0 checkpoints"
-                                  f"{theirs}: {V2_CHECKPOINT_ADVICE} (drop --resume)")
+        if legacy == directory:  # 2.0's files where this run's would go: nothing to start on
+            raise CheckpointError(f"--resume: {legacy} holds speedtronic 2.0 checkpoints: "
+                                  f"{V2_CHECKPOINT_ADVICE} (under another run.name, or "
+                                  "without --resume)")
     found = manager.load_latest()
     if found is None:
-        logger.warning("resume: no checkpoint in %s; starting a fresh run from step 0",
-                       directory)
+        # A job that always passes --resume starts fresh (the documented rule), 2.0 files or not
+        logger.warning("resume: no checkpoint in %s; starting a fresh run from step 0%s",
+                       directory, "" if legacy is None else
+                       f" ({legacy} holds speedtronic 2.0 checkpoints: {V2_CHECKPOINT_ADVICE})")
         return False
     state, path = found
     saved = state.get("config") or {}

@@ -1,7 +1,7 @@
-"""speedtronic 2.0's checkpoints (``<output_dir>/checkpoints/step_<12 digits>.pt`` + ``latest.json``,
-pickles without digests): each way of pointing this version at one says what it is, exits 2, and
-leaves the 2.0 files as they were. ``--resume`` once started a fresh run without a word (it
-looks one folder deeper) and ``model.init_from`` asked for a digest 2.0 never wrote."""
+"""speedtronic 2.0's checkpoints (``<output_dir>/checkpoints/step_<12 digits>.pt`` beside
+``latest.json``, pickles without digests): each way of pointing this version at one names it
+and leaves the 2.0 files as they were. ``--resume`` once started a fresh run without naming them
+(it looks one folder deeper) and ``model.init_from`` asked for a digest 2.0 never wrote."""
 
 from __future__ import annotations
 
@@ -39,16 +39,32 @@ def _digests(root: Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def test_resume_of_a_2_0_run_stops_with_exit_2_before_writing(tmp_path, capsys):
+def test_resume_of_a_2_0_run_names_its_checkpoints_and_starts_fresh(tmp_path, capsys):
+    """A job that always passes --resume starts fresh when there is nothing of this version to
+    resume (the documented rule); beside a 2.0 run the warning now says why."""
     out = tmp_path / "runs"
     before = _v2_run(out)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_raw(out, name="smoke", run={"max_steps": 2})))
+    assert main(["train", "--config", str(cfg), "--resume"]) == 0
+    printed = capsys.readouterr()
+    (line,) = [ln for ln in (printed.out + printed.err).splitlines()
+               if "starting a fresh run" in ln]
+    assert f"{out / 'checkpoints'} holds speedtronic 2.0 checkpoints" in line
+    after = _digests(out)
+    assert {k: after[k] for k in before} == before  # the 2.0 files untouched
+    assert (out / "smoke" / "checkpoints").is_dir()
+
+
+def test_resume_where_2_0_checkpoints_fill_this_runs_folder_stops_with_exit_2(tmp_path, capsys):
+    out = tmp_path / "runs"
+    before = _v2_run(out / "smoke")  # run.output_dir of 2.0 was this run's directory
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump(tiny_raw(out, name="smoke")))
     assert main(["train", "--config", str(cfg), "--resume"]) == 2
     err = capsys.readouterr().err
-    assert "speedtronic 2.0 checkpoints" in err and "drop --resume" in err
-    assert "Traceback" not in err
-    assert _digests(out) == before  # no run directory made, the 2.0 files untouched
+    assert "holds speedtronic 2.0 checkpoints" in err and "Traceback" not in err
+    assert _digests(out / "smoke") == before
 
 
 def test_a_2_0_checkpoint_file_or_folder_is_named_as_such(tmp_path):
