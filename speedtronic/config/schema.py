@@ -227,7 +227,7 @@ class SpeedtronicConfig:
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> SpeedtronicConfig:
-        """A checked config from a plain nested dict (the inverse of :meth:`to_dict`):
+        """A checked config from a plain nested dict (the inverse of ``to_dict(redact=False)``):
         ``load_config(values)``, with its shorthands, checks and errors."""
         return LOADER[0](values)
 

@@ -71,7 +71,8 @@ def _empty_parts(path: Path) -> list[str]:
     or ``StopIteration``, which said nothing about the cause."""
     if not path.exists():
         return []
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))  # .gitkeep
     empty = []
     for f in files:
         name = "the file" if f == path else str(f.relative_to(path))

@@ -93,7 +93,10 @@ def resolve_user_dataset(spec: Any, cfg: SpeedtronicConfig) -> tuple[Any, Any | 
             raise ConfigError(f"data.dataset: cannot import {module_name!r}: {exc} (the module "
                               "must be importable: installed, in the working directory, or on "
                               "PYTHONPATH)") from exc
-        factory = getattr(module, attr, None)
+        try:  # a lazy module's __getattr__ may raise ImportError
+            factory = getattr(module, attr, None)
+        except ImportError as exc:
+            raise ConfigError(f"data.dataset: {spec!r}: {exc}") from None
         if not callable(factory):
             raise ConfigError(f"data.dataset: {module_name!r} has no callable {attr!r}")
         check_factory_call(factory, "data.dataset", spec, "a Dataset, an IterableDataset, a "

@@ -65,7 +65,10 @@ def _import_factory(spec: str) -> ModelFactory:
         raise ConfigError(f"model.name: cannot import module {module_name!r} from {spec!r}: "
                           f"{exc} (the module must be importable: installed, in the working "
                           "directory, or on PYTHONPATH)") from exc
-    factory = getattr(module, attr, None)
+    try:  # a lazy module's __getattr__ may raise ImportError (speedtronic's for 2.0 names)
+        factory = getattr(module, attr, None)
+    except ImportError as exc:
+        raise ConfigError(f"model.name: {spec!r}: {exc}") from None
     if not callable(factory):
         raise ConfigError(f"model.name: {spec!r}: module {module_name!r} has no callable "
                           f"{attr!r}")

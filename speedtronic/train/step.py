@@ -34,6 +34,12 @@ logger = logging.getLogger("speedtronic.trainer")
 __all__ = ["OptimizerStep", "clip_scaled_grad_norm_"]
 
 
+def norm_dtype(grads: list[torch.Tensor]) -> torch.dtype:
+    """fp32 for the gradient norm (16-bit gradients summed in fp32), fp64 when any gradient is
+    fp64: ``_foreach_norm`` refuses to narrow a double (a float64 model crashed at clipping)."""
+    return torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+
+
 def clip_scaled_grad_norm_(params: list[torch.nn.Parameter], max_norm: float,
                            factor: float) -> torch.Tensor:
     """``clip_grad_norm_`` of the gradients times ``factor``, with the factor folded into the
@@ -46,7 +52,7 @@ def clip_scaled_grad_norm_(params: list[torch.nn.Parameter], max_norm: float,
     if len({g.device for g in grads}) > 1:  # torch's clip handles devices; keep it simple
         torch._foreach_mul_(grads, factor)
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    norms = torch._foreach_norm(grads, 2.0, dtype=torch.float32)
+    norms = torch._foreach_norm(grads, 2.0, dtype=norm_dtype(grads))
     total = torch.linalg.vector_norm(torch.stack(norms)) * factor
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0) * factor  # 0-d, on the device
     torch._foreach_mul_(grads, coef)
@@ -166,7 +172,7 @@ class OptimizerStep:
             grads = [p.grad for p in self.params if p.grad is not None]
             if grads:  # one foreach op, not one norm per parameter (110 ops on GPT-2 small)
                 norm = torch.linalg.vector_norm(
-                    torch.stack(torch._foreach_norm(grads, 2.0, dtype=torch.float32)))
+                    torch.stack(torch._foreach_norm(grads, 2.0, dtype=norm_dtype(grads))))
         if need_norm:  # the lr this step uses, for its log row (the schedule moves it below)
             lr = self.optimizer.param_groups[0]["lr"]
             self._lr_used = lr.clone() if isinstance(lr, torch.Tensor) else lr

@@ -47,6 +47,11 @@ def test_register_user_model_and_import_string(monkeypatch):
         build_model(ModelConfig(name="speedtronic_test_user_models:no_args"))
     with pytest.raises(ConfigError, match="set_gradient_checkpointing"):
         build_model(ModelConfig(name="test-user-model", gradient_checkpointing=True))
+    # a module whose __getattr__ raises ImportError (speedtronic's own, for 2.0's GPT) is a
+    # config error naming the cause, not a traceback
+    with pytest.raises(ConfigError, match="model.name: 'speedtronic:GPT': speedtronic.GPT was "
+                                          "speedtronic 2.0's"):
+        build_model(ModelConfig(name="speedtronic:GPT"))
     register_model("test-not-a-module", lambda cfg: "oops")
     with pytest.raises(SpeedtronicError, match="expected a torch.nn.Module"):
         build_model(ModelConfig(name="test-not-a-module"))

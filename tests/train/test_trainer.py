@@ -469,16 +469,18 @@ def test_accumulation_with_padding_equals_one_big_batch(tmp_path, clip):
         assert torch.allclose(acc[k], one[k], atol=1e-6, rtol=0), k
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("max_norm", [0.5, 1e3])
-def test_the_token_factor_folded_into_the_clip_is_torchs_clip_of_the_weighted_grads(max_norm):
+def test_the_token_factor_folded_into_the_clip_is_torchs_clip_of_the_weighted_grads(max_norm,
+                                                                                     dtype):
     from speedtronic.kernels.counting import DispatchCounter
     from speedtronic.train.step import clip_scaled_grad_norm_
 
     g = torch.Generator().manual_seed(0)
     shapes = [(16, 8), (8,), (4, 4, 3)]
-    grads = [torch.randn(s, generator=g) for s in shapes]
-    ours = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
-    ref = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    grads = [torch.randn(s, generator=g, dtype=dtype) for s in shapes]  # fp64 crashed once
+    ours = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
+    ref = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
     for p, q, gr in zip(ours, ref, grads, strict=True):
         p.grad, q.grad = gr.clone(), gr.clone()
     factor = 1.6
