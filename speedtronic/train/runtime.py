@@ -45,6 +45,7 @@ from .run_log import check_log_file, open_log_file, remove_log_handlers
 from .run_parts import build_optimizer, build_parts
 from .schedule import build_scheduler, lr_factor, seed_everything
 from .trainer import Trainer, TrainerCallback, TrainResult
+from .v2_checkpoints import find_v2_checkpoints
 
 logger = logging.getLogger("speedtronic.runtime")
 
@@ -64,9 +65,14 @@ def _prepare_run_dir(run_dir: Path, resume: bool, asked_to_resume: bool = False)
             aside = run_dir.with_name(f"{run_dir.name}.old-{stamp}-{n}")
             n += 1
         os.replace(run_dir, aside)
+        if find_v2_checkpoints(aside) is not None:  # --resume would not load them either
+            why = "it holds speedtronic 2.0 checkpoints, which this version cannot load"
+        elif asked_to_resume:
+            why = "it has no checkpoint to resume from"
+        else:
+            why = "to continue a run instead: --resume, or resume=True from Python"
         logger.warning("run dir %s held an earlier run; moved it to %s (%s)", run_dir, aside,
-                       "it has no checkpoint to resume from" if asked_to_resume else
-                       "to continue a run instead: --resume, or resume=True from Python")
+                       why)
     run_dir.mkdir(parents=True, exist_ok=True)
 
 

@@ -67,6 +67,19 @@ def test_resume_where_2_0_checkpoints_fill_this_runs_folder_stops_with_exit_2(tm
     assert _digests(out / "smoke") == before
 
 
+def test_a_fresh_run_moving_a_2_0_run_aside_does_not_suggest_resuming_it(tmp_path, capsys):
+    out = tmp_path / "runs"
+    before = _v2_run(out / "smoke")  # 2.0's output_dir is this run's directory
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(tiny_raw(out, name="smoke", run={"max_steps": 1})))
+    assert main(["train", "--config", str(cfg)]) == 0
+    printed = capsys.readouterr()
+    (line,) = [ln for ln in (printed.out + printed.err).splitlines() if "held an earlier" in ln]
+    assert "speedtronic 2.0 checkpoints" in line and "--resume" not in line
+    (aside,) = out.glob("smoke.old-*")
+    assert _digests(aside) == before
+
+
 def test_a_2_0_checkpoint_file_or_folder_is_named_as_such(tmp_path):
     before = _v2_run(tmp_path)
     ckpt = tmp_path / "checkpoints" / "step_000000000004.pt"
