@@ -5,10 +5,11 @@ is instead of failing on a detail.
 with no digest files, as a pickle of Python objects; this version writes
 ``<output_dir>/<run.name>/checkpoints/step_<8 digits>.pt`` with a ``.sha256`` each and a
 ``latest`` pointer, loaded with ``weights_only=True``. Neither the layout nor the weights carry
-over: 2.0's reference model names and shapes its tensors differently (75,072 against 82,240
-parameters for the same 2.0 smoke config). Met with a 2.0 checkpoint, ``--resume`` quietly
-started a fresh run (it looked one folder deeper), and ``model.init_from`` asked for a digest
-file 2.0 never wrote and then called the file "written by something else".
+over: 2.0's reference model names and shapes its tensors differently (for 2.0's own smoke
+config, ``d_ff: 128``, its MLP is 88 wide and this version's 128). Met with a 2.0 checkpoint,
+``--resume`` started a fresh run without naming it (it looked one folder deeper), and
+``model.init_from`` asked for a digest file 2.0 never wrote and then called the file "written
+by something else".
 """
 
 from __future__ import annotations
