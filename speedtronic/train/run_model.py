@@ -21,7 +21,13 @@ from ..config import ConfigError, SpeedtronicConfig, load_config
 from ..models import build_model
 from .checkpoint import CheckpointManager, mismatch_details
 from .resume import architecture_changes
-from .v2_checkpoints import V2_CHECKPOINT_ADVICE, find_v2_checkpoints
+from .v2_checkpoints import (
+    V2_CHECKPOINT_ADVICE,
+    find_v2_checkpoints,
+    is_v2_checkpoint_file,
+    latest_v2_checkpoint,
+    load_v2_weights,
+)
 
 __all__ = ["init_from", "load_run_model", "run_checkpoint"]
 
@@ -172,7 +178,21 @@ def init_from(model: nn.Module, cfg: SpeedtronicConfig) -> str:
     from ..models.hf import HFCausalLM
 
     spec = Path(str(cfg.model.init_from)).expanduser()
-    if spec.is_file() or (spec.is_dir() and (spec / "config.yaml").is_file()):
+    legacy = (spec if spec.is_file() and is_v2_checkpoint_file(spec) else
+              latest_v2_checkpoint(spec) if spec.is_dir() and not (spec / "config.yaml").is_file()
+              else None)
+    if legacy is not None:  # speedtronic 2.0's checkpoint: its weights, renamed
+        if isinstance(model, HFCausalLM):
+            raise ConfigError(f"model.init_from: {legacy} is a speedtronic 2.0 checkpoint of "
+                              "its reference model; set model.name: reference_transformer")
+        tensors, saved = load_v2_weights(legacy)
+        target, what = model, f"speedtronic 2.0 checkpoint {legacy} (converted names)"
+        changes = architecture_changes(saved, cfg.to_dict()["model"], "the 2.0 checkpoint")
+        if changes:  # before the shapes: 2.0's d_ff meant another width, say which to set
+            raise ConfigError(f"model.init_from: {what} was trained as another architecture: "
+                              f"{changes}. Set those model.* keys to the 2.0 run's (d_ff: the "
+                              "width of its MLP tensors)")
+    elif spec.is_file() or (spec.is_dir() and (spec / "config.yaml").is_file()):
         # one of our checkpoints, or a run directory's newest
         if spec.is_dir():
             _, state, path = run_checkpoint(spec)
@@ -182,7 +202,6 @@ def init_from(model: nn.Module, cfg: SpeedtronicConfig) -> str:
         changes = architecture_changes((state.get("config") or {}).get("model") or {},
                                        cfg.to_dict()["model"])
     elif spec.is_dir():
-        _refuse_v2(spec, "model.init_from: ")
         tensors, changes = _safetensors(spec), ""
         if isinstance(model, HFCausalLM):
             target, what = model.hf, f"Hugging Face folder {spec}"

@@ -1,7 +1,8 @@
 """speedtronic 2.0's checkpoints (``<output_dir>/checkpoints/step_<12 digits>.pt`` beside
-``latest.json``, pickles without digests): each way of pointing this version at one names it
-and leaves the 2.0 files as they were. ``--resume`` once started a fresh run without naming them
-(it looks one folder deeper) and ``model.init_from`` asked for a digest 2.0 never wrote."""
+``latest.json``, pickles without digests): every way of pointing this version at one names it
+and leaves the 2.0 files as they were, and ``model.init_from`` loads its weights under this
+version's names. ``--resume`` once started a fresh run without naming them (it looks one folder
+deeper) and ``model.init_from`` asked for a digest 2.0 never wrote."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -21,13 +23,35 @@ from speedtronic.train.checkpoint import CheckpointError, CheckpointManager
 from speedtronic.train.run_model import run_checkpoint
 from speedtronic.train.v2_checkpoints import find_v2_checkpoints
 
+#: A 2.0 model section (its smoke config's shape, smaller): 2.0 built its SwiGLU
+#: int(2/3 * 48) = 32 wide, rounded up to a multiple of n_head: d_ff 32 here.
+V2_MODEL = {"name": "reference_transformer", "vocab_size": 64, "max_seq_len": 32, "n_layer": 2,
+            "n_head": 4, "n_kv_head": 2, "d_model": 32, "d_ff": 48, "dropout": 0.0,
+            "tie_weights": True, "rope_base": 10000.0, "gradient_checkpointing": False}
+HERE = {k: V2_MODEL[k] for k in ("vocab_size", "max_seq_len", "n_layer", "n_head", "n_kv_head",
+                                 "d_model")}
+_TO_V2 = (("embed.", "transformer.wte."), ("final_norm.", "transformer.ln_f."),
+          ("blocks.", "transformer.h."), (".attn_norm.", ".ln1."), (".mlp_norm.", ".ln2."),
+          (".attn.o_proj.", ".attn.out_proj."))
+
 
 def _v2_run(output_dir: Path) -> dict[str, str]:
-    """2.0's layout, with a state of the kinds 2.0 pickled; returns every file's sha256."""
+    """2.0's layout and file: a pickle of its model (2.0's tensor names), optimizer, config and
+    numpy RNG state (numpy arrays: 2.0 wrote them); returns every file's sha256."""
+    from speedtronic.models import build_model
+
+    torch.manual_seed(5)
+    model = build_model(load_config({"model": {**HERE, "d_ff": 32}}).model)
+    state_v2 = collections.OrderedDict()
+    for name, tensor in model.state_dict().items():
+        for new, old in _TO_V2:
+            name = name.replace(new, old)
+        state_v2[name] = tensor
     folder = output_dir / "checkpoints"
     folder.mkdir(parents=True)
-    state = {"model": collections.OrderedDict(w=torch.zeros(2)), "optimizer": {}, "scaler": None,
-             "step": 4, "config": {"run": {"name": "smoke"}}, "coordinator": None}
+    state = {"model": state_v2, "optimizer": {}, "scaler": None, "step": 4,
+             "config": {"run": {"name": "smoke"}, "model": V2_MODEL}, "coordinator": None,
+             "rng": {"numpy": np.random.RandomState(0).get_state()}}
     for step in (2, 4):
         torch.save(state, folder / f"step_{step:012d}.pt")
     (folder / "latest.json").write_text(json.dumps({"step": 4, "file": "step_000000000004.pt"}))
@@ -83,17 +107,49 @@ def test_a_fresh_run_moving_a_2_0_run_aside_does_not_suggest_resuming_it(tmp_pat
 def test_a_2_0_checkpoint_file_or_folder_is_named_as_such(tmp_path):
     before = _v2_run(tmp_path)
     ckpt = tmp_path / "checkpoints" / "step_000000000004.pt"
-    with pytest.raises(CheckpointError, match="is a speedtronic 2.0 checkpoint"):
+    with pytest.raises(CheckpointError, match="is a speedtronic 2.0 checkpoint: .*init_from"):
         CheckpointManager(ckpt.parent).load(ckpt, verify=False)
     with pytest.raises(ConfigError, match="holds speedtronic 2.0 checkpoints"):
         run_checkpoint(tmp_path)  # sample / export of a 2.0 run folder
-    cfg = load_config(tiny_raw(tmp_path / "new", model={"init_from": str(tmp_path)}))
+    assert _digests(tmp_path) == before
+
+
+@pytest.mark.parametrize("point_at", ["file", "run folder"])
+def test_init_from_loads_a_2_0_checkpoints_weights_under_the_new_names(tmp_path, point_at):
     from speedtronic.models import build_model
     from speedtronic.train.run_model import init_from
 
-    with pytest.raises(ConfigError, match="model.init_from: .* holds speedtronic 2.0"):
+    before = _v2_run(tmp_path / "v2")
+    source = (tmp_path / "v2" / "checkpoints" / "step_000000000004.pt" if point_at == "file"
+              else tmp_path / "v2")
+    cfg = load_config(tiny_raw(tmp_path / "new", model={**HERE, "d_ff": 32,
+                                                        "init_from": str(source)}))
+    model = build_model(cfg.model)
+    assert "speedtronic 2.0 checkpoint" in init_from(model, cfg)
+    torch.manual_seed(5)  # the model _v2_run saved
+    expected = build_model(load_config({"model": {**HERE, "d_ff": 32}}).model).state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+    assert _digests(tmp_path / "v2") == before
+
+
+def test_init_from_a_2_0_checkpoint_names_the_d_ff_to_set_and_refuses_other_objects(tmp_path):
+    from speedtronic.models import build_model
+    from speedtronic.train.run_model import init_from
+
+    _v2_run(tmp_path / "v2")
+    cfg = load_config(tiny_raw(tmp_path / "new", model={**HERE, "d_ff": 48,
+                                                        "init_from": str(tmp_path / "v2")}))
+    # 2.0's d_ff: 48 built a 32-wide MLP; here d_ff is the width itself
+    with pytest.raises(ConfigError, match="model.d_ff is 48 here but 32 in the 2.0 checkpoint"):
         init_from(build_model(cfg.model), cfg)
-    assert _digests(tmp_path) == before
+    odd = tmp_path / "odd" / "checkpoints"
+    odd.mkdir(parents=True)
+    torch.save({"model": {}, "extra": Path("x")}, odd / "step_000000000001.pt")
+    cfg = load_config(tiny_raw(tmp_path / "new2", model={**HERE, "d_ff": 32,
+                                                         "init_from": str(tmp_path / "odd")}))
+    with pytest.raises(ConfigError, match="refused unopened"):
+        init_from(build_model(cfg.model), cfg)
 
 
 def test_this_versions_own_checkpoints_are_not_taken_for_2_0_ones(tmp_path):
