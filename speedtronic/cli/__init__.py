@@ -150,11 +150,12 @@ def _cmd_validate(args: argparse.Namespace) -> int:
 
     from ..config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    with console_for_output():  # stdout holds the config alone (a bundled name logs a line)
+        cfg = load_config(args.config, args.overrides)
     if not args.config_only:
         from ..train.preflight import preflight
 
-        with console_for_output():  # stdout holds the config alone
+        with console_for_output():
             lines = preflight(cfg)
         for line in lines:
             print(f"ok: {line}", file=sys.stderr)

@@ -145,6 +145,17 @@ def _device_type(cfg: SpeedtronicConfig) -> str:
     return "cuda" if Path("/proc/driver/nvidia/version").exists() else "cpu"
 
 
+def _check_requested_device(cfg: SpeedtronicConfig) -> None:
+    """An explicit ``run.device`` other than cpu exists here (train's own check, run early):
+    ``validate`` passed ``device: cuda`` on a machine without CUDA, which ``train`` then
+    refused. Only such a config imports torch (``auto`` and ``cpu`` never fail)."""
+    if cfg.run.device in ("auto", "cpu"):
+        return
+    from .precision import resolve_device  # imports torch
+
+    resolve_device(cfg.run.device)
+
+
 def _check_data_files(cfg: SpeedtronicConfig) -> str:
     """Token files open and fit the vocabulary, a tokenizer loads, text files exist; a text
     source is not tokenized (``train`` does that, once)."""
@@ -194,6 +205,7 @@ def preflight(cfg: SpeedtronicConfig) -> list[str]:
     """Every check ``train`` makes before touching a device (``validate`` runs this); raises
     :class:`ConfigError` naming the key. Returns one line per check."""
     _check_model_name(cfg)
+    _check_requested_device(cfg)
     check_fsdp(cfg)  # data_parallel.fsdp's combinations: the config alone decides
     lines = [_check_data_files(cfg)]  # first: it may set model.vocab_size from the tokenizer
     lines.insert(0, check_model_size(cfg, _device_type(cfg)))

@@ -143,3 +143,21 @@ def test_a_resumed_config_does_not_need_its_init_from_weights(tmp_path, capsys):
     """init_from only starts a fresh run; a resume loads its checkpoint instead."""
     cfg = _cfg(tmp_path, model={"init_from": "/no/such/run"}, checkpoint={"resume": True})
     assert main(["validate", "--config", str(cfg)]) == 0
+
+
+def test_a_device_this_machine_lacks_is_refused_as_train_refuses_it(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    # validate returned 0 for a cuda config on a CPU machine; train refused it at once
+    assert main(["validate", "--config", str(_cfg(tmp_path, run={"device": "cuda"}))]) == 2
+    assert "device 'cuda' requested but CUDA is not available" in capsys.readouterr().err
+
+
+def test_json_output_by_bundled_name_is_json_alone(tmp_path, capsys, monkeypatch):
+    import json
+
+    monkeypatch.chdir(tmp_path)  # no quickstart.yaml here: the bundled one is read
+    assert main(["validate", "--config", "quickstart", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"]["name"] == "quickstart"
