@@ -166,6 +166,7 @@ class Worker(GlobalInstall, DeltaUploads, ConsistentBase):
         self._warn_about_checkpoint_cadence(trainer)
         deadline = time.monotonic() + cfg.start_timeout
         last = ""  # the last reason no global could be installed, said once until it changes
+        said_waiting = False
         while self._candidate is None:  # every node starts from the published global
             try:
                 self._poll_once()
@@ -182,6 +183,11 @@ class Worker(GlobalInstall, DeltaUploads, ConsistentBase):
                 raise StoreError(f"diloco worker {self.node_id}: cannot read the store: "
                                  f"{exc}") from None
             if self._candidate is None:
+                if not said_waiting and not last:  # a worker started alone waited 10 min mute
+                    logger.info("diloco worker %s: waiting up to %gs (distributed.start_timeout)"
+                                " for the master's first global at %s", self.node_id,
+                                cfg.start_timeout, self.store.url)
+                    said_waiting = True
                 if time.monotonic() >= deadline:
                     why = (f"the published one cannot be used: {last}" if last else
                            "is the master up?")

@@ -143,7 +143,9 @@ class MasterNode:
             self.thread.join(30)
             return
         if self.thread is not None:
-            logger.info("diloco master: training done; aggregating until every node is done")
+            logger.info("diloco master: training done; aggregating until every node is done "
+                        "(or none sends a delta for %gs: distributed.master_idle_timeout)",
+                        self.cfg.master_idle_timeout)
             self.thread.join()
             if self.thread.error is None:
                 self.worker.final_sync(trainer, timeout=max(5.0, self.cfg.poll_interval * 4))

@@ -180,6 +180,24 @@ def test_a_damaged_global_is_named_once_and_in_the_start_error(tmp_path, caplog)
     assert len(said) == 1
 
 
+def test_a_worker_without_a_master_says_once_what_it_waits_for(tmp_path, caplog):
+    """A bundled diloco_worker config started alone waited start_timeout (600 s) without a
+    word after its first line."""
+    import logging
+
+    from speedtronic.diloco.store import StoreError
+
+    worker = Worker(make_cfg(f"file://{tmp_path}/store", start_timeout=0.3, poll_interval=0.05),
+                    node_id="w0")
+    with caplog.at_level(logging.INFO, logger="speedtronic.diloco"):
+        with pytest.raises(StoreError, match=r"is the master up\?"):
+            worker.on_train_start(FakeTrainer(TinyModel(0)))
+    worker.close()
+    said = [r.getMessage() for r in caplog.records if "waiting up to" in r.getMessage()]
+    assert said == [f"diloco worker w0: waiting up to 0.3s (distributed.start_timeout) for the "
+                    f"master's first global at file://{tmp_path}/store"]
+
+
 def test_a_dead_master_thread_fails_the_run_with_one_line(tmp_path, monkeypatch):
     """role: master trains as a worker and aggregates in a thread; when that thread dies the
     run must stop with the cause, not train on and exit 0."""
