@@ -43,6 +43,7 @@ def run_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
         raise ConfigError(f"{str(run)!r} is not a run directory (no config.yaml); give the "
                           "folder `speedtronic train` wrote, e.g. runs/quickstart")
     cfg = load_config(cfg_path)
+    _rebase_tokenizer(run, cfg)
     manager = CheckpointManager(run / cfg.checkpoint.directory, keep_last=None)
     if checkpoint is not None:
         return cfg, manager.load(Path(checkpoint)), Path(checkpoint)
@@ -52,6 +53,22 @@ def run_checkpoint(run_dir: str | Path, checkpoint: str | Path | None = None
                           "yet (checkpoint.enabled: false, or the run stopped before its "
                           "first save)")
     return cfg, found[0], found[1]
+
+
+def _rebase_tokenizer(run: Path, cfg: SpeedtronicConfig) -> None:
+    """A relative ``data.tokenizer`` in ``config.yaml`` is relative to where ``train`` ran;
+    ``sample`` and ``export`` from any other folder failed with "file not found". That folder
+    is the run directory less its relative ``run.output_dir`` / ``run.name`` parts."""
+    spec = cfg.data.tokenizer
+    out, name = Path(cfg.run.output_dir), Path(cfg.run.name)
+    if (not spec or Path(spec).is_absolute() or Path(spec).exists() or out.is_absolute()
+            or ".." in out.parts or ".." in name.parts):
+        return
+    trained_in = run.resolve()
+    for _ in range(len(out.parts) + len(name.parts)):
+        trained_in = trained_in.parent
+    if (trained_in / spec).is_file():
+        cfg.data.tokenizer = str(trained_in / spec)
 
 
 def _refuse_v2(folder: Path, prefix: str) -> None:

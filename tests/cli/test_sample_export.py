@@ -72,6 +72,38 @@ def test_export_writes_the_runs_end_of_text_token(tmp_path, capsys):
     assert loaded.eos_token == "<|endoftext|>" and loaded.eos_token_id == eos
 
 
+def test_a_run_with_a_relative_tokenizer_samples_and_exports_from_any_folder(
+        tmp_path, capsys, monkeypatch):
+    """config.yaml keeps data.tokenizer as given (relative to where train ran): sample and
+    export from another folder failed with "data.tokenizer: file not found"."""
+    pytest.importorskip("tokenizers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["some text to learn from"] * 10, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    project = tmp_path / "project"
+    (project / "texts").mkdir(parents=True)
+    tok.save(str(project / "tokenizer.json"))
+    (project / "texts" / "a.txt").write_text("some text to learn from\n" * 400)
+    monkeypatch.chdir(project)
+    raw = tiny_raw(Path("runs/exp"), "t", model={"d_model": 32, "n_layer": 1, "n_head": 2},
+                   run={"max_steps": 2, "eval_every": 0},
+                   data={"tokenizer": "tokenizer.json", "text_path": "texts",
+                         "prepare_dir": "prepared", "prepare_workers": 1})
+    train_from_config(load_config(raw), plot=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    run = str(project / "runs" / "exp" / "t")
+    assert main(["export", run, "-o", "hf"]) == 0
+    assert "tokenizer.json copied" in capsys.readouterr().out
+    assert main(["sample", run, "--prompt", "some", "--max-new-tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("some")
+
+
 def test_greedy_sampling_matches_transformers_generate(run_dir, tmp_path):
     ours, cfg, _ = load_run_model(run_dir)
     export_hf(ours, cfg.model, tmp_path / "hf")
