@@ -91,7 +91,8 @@ def load_tokenizer(spec: str) -> Any:
     except Exception as exc:  # noqa: BLE001 - any loader failure is the user's input
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"data.tokenizer: cannot load {spec!r}: {first} (a local "
-                          "tokenizer.json works offline)") from None
+                          "tokenizer.json works offline; HF_HUB_OFFLINE=1 reads the Hugging "
+                          "Face cache without the Hub's retries)") from None
 
 
 def _prepends(tokenizer: Any) -> bool:

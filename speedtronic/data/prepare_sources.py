@@ -193,8 +193,11 @@ def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[tuple[str, str]]:
                               f"rows, which the datasets library fails on "
                               f"({type(exc).__name__}); remove or fill it") from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        offline = "" if path.exists() else (
+            " (offline: HF_HUB_OFFLINE=1 reads the Hugging Face cache without the Hub's "
+            "retries; a local data file or folder needs no network)")
         raise ConfigError(f"data.hf_dataset: cannot load {d.hf_dataset!r} (split "
-                          f"{d.hf_split!r}): {first}") from None
+                          f"{d.hf_split!r}): {first}{offline}") from None
     columns = getattr(ds, "column_names", None)
     if columns is not None and d.text_field not in columns:
         raise ConfigError(f"data.text_field: {d.text_field!r} is not a column of "
