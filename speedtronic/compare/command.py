@@ -87,6 +87,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"speedtronic: compare interrupted; rerun the same command to resume (finished "
               f"runs in {args.output_dir} are kept)", file=sys.stderr)
         return 130
-    print(result.table, end="")
-    print("wrote " + ", ".join(str(p) for p in result.files.values()), flush=True)
+    print(result.table, end="", flush=True)  # run_compare logged the files it wrote
     return 0

@@ -116,7 +116,7 @@ def _warn_about_schedule(cfg: SpeedtronicConfig, horizon: int) -> None:
                        "its peak learning rate (it ends at %.0f%% of it); set "
                        "scheduler.warmup_steps to at most %d, e.g. %d (10%% of the run)",
                        s.warmup_steps, steps, 100.0 * steps / max(1, s.warmup_steps), steps,
-                       steps // 10)
+                       max(1, steps // 10))
     elif s.name == "cosine" and horizon < steps:
         logger.warning("scheduler: the cosine ends at scheduler.max_steps=%d but the run lasts "
                        "run.max_steps=%d, so the last %d steps stay at min_lr_ratio=%g; set "
