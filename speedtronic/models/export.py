@@ -13,6 +13,7 @@ its own ``save_pretrained``. Any other model is refused with the reason.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -192,3 +193,10 @@ def _write_folder(model: nn.Module, cfg: ModelConfig, out: Path, tokenizer: str 
                 settings["eos_token"] = eos[0]
             (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2) + "\n")
     (out / EXPORT_MARKER).write_text(json.dumps({"tokenizer": copied}, indent=2) + "\n")
+    # safetensors writes its file 0600 whatever the umask; the folder is made to be shared
+    # (copied, uploaded, served), so every file gets the mode the umask gives new files
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in out.iterdir():
+        if f.is_file():
+            f.chmod(0o666 & ~umask)

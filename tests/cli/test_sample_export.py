@@ -42,6 +42,12 @@ def test_export_loads_in_transformers_with_equal_logits(run_dir, tmp_path, capsy
     assert type(hf).__name__ == "LlamaForCausalLM" and diff <= 1e-5
     # a byte-level run has no end-of-text id: null, not Llama's defaults (eos 2 is a byte here)
     assert (hf.config.bos_token_id, hf.config.eos_token_id) == (None, None)
+    # every file as the umask makes new files (safetensors alone wrote model.safetensors 0600)
+    import os
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert {f.stat().st_mode & 0o777 for f in (tmp_path / "hf").iterdir()} == {0o666 & ~umask}
 
 
 def test_export_writes_the_runs_end_of_text_token(tmp_path, capsys):
