@@ -218,6 +218,10 @@ def _sigterm_raises() -> Iterator[None]:
         signal.signal(term, previous)
 
 
+_SAID_CACHED: set[Path] = set()
+"""Prepared folders whose "already in" line this process has logged."""
+
+
 def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
             progress: bool | None = None) -> PreparedTokens:
     """Tokenize ``cfg``'s text source into shards (or find them); returns their ``meta.json``."""
@@ -237,7 +241,10 @@ def prepare(cfg: SpeedtronicConfig, *, workers: int | None = None,
     meta_path = out / "meta.json"
     if meta_path.is_file():
         meta = PreparedTokens(json.loads(meta_path.read_text()))
-        logger.info("prepare: %s tokens already in %s", f"{meta['tokens']:,}", out)
+        # said once per process: train's preflight and its data build both ask (twice in a log)
+        (logger.debug if out in _SAID_CACHED else logger.info)(
+            "prepare: %s tokens already in %s", f"{meta['tokens']:,}", out)
+        _SAID_CACHED.add(out)
         return meta
     vocab = int(tokenizer.get_vocab_size(with_added_tokens=True))
     dtype = np.uint16 if vocab <= 1 << 16 else np.uint32
