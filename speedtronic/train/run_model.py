@@ -11,6 +11,7 @@ resolved), builds the model and loads the newest verified checkpoint (or the one
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +65,12 @@ def _rebase_tokenizer(run: Path, cfg: SpeedtronicConfig) -> None:
     if (not spec or Path(spec).is_absolute() or Path(spec).exists() or out.is_absolute()
             or ".." in out.parts or ".." in name.parts):
         return
-    trained_in = run.resolve()
-    for _ in range(len(out.parts) + len(name.parts)):
+    # absolute without resolving links: a symlinked output_dir must not climb out of the
+    # folder it is linked from; cfg.run_dir counts every level (a torchft replica_group_N too)
+    trained_in = Path(os.path.abspath(run))
+    for _ in range(len(cfg.run_dir.parts)):
         trained_in = trained_in.parent
-    if (trained_in / spec).is_file():
+    if (trained_in / spec).exists():  # a tokenizer.json, or a folder holding one
         cfg.data.tokenizer = str(trained_in / spec)
 
 

@@ -122,11 +122,23 @@ def load_v2_weights(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]
                           f"arrays ({', '.join(sorted(unsafe - _NUMPY_GLOBALS))}), refused "
                           "unopened: not a speedtronic 2.0 checkpoint")
     core = getattr(np, "_core", None) or np.core
-    # numpy >= 1.25 pickles an array's dtype as its class (numpy.dtypes.UInt32DType, ...)
-    dtype_classes = {type(np.dtype(t)) for t in ("u1", "u4", "u8", "i4", "i8", "f4", "f8", "?")}
-    with torch.serialization.safe_globals([np.ndarray, np.dtype, core.multiarray._reconstruct,
-                                           *dtype_classes]):
-        state = torch.load(path, map_location="cpu", weights_only=True)
+    reconstruct = core.multiarray._reconstruct
+    # numpy >= 1.25 pickles an array's dtype as its class (numpy.dtypes.UInt32DType, ...);
+    # numpy 1.x named the array builder numpy.core.multiarray._reconstruct
+    dtype_classes = [getattr(np.dtypes, n) for n in dir(getattr(np, "dtypes", None))
+                     if n.endswith("DType")]
+    allowed = [np.ndarray, np.dtype, reconstruct, *dtype_classes,
+               (reconstruct, "numpy.core.multiarray._reconstruct"),
+               (reconstruct, "numpy._core.multiarray._reconstruct")]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - an unpickling refusal, a torn file: one line
+        lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+        why = next((ln for ln in lines if "global" in ln or "Can only build" in ln),
+                   lines[0] if lines else type(exc).__name__)
+        raise ConfigError(f"model.init_from: {path} cannot be read as a speedtronic 2.0 "
+                          f"checkpoint: {why[:300]}") from None
     if not isinstance(state, dict) or not isinstance(state.get("model"), dict):
         raise ConfigError(f"model.init_from: {path} has no model weights (not a speedtronic "
                           "2.0 checkpoint)")

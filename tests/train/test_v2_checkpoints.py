@@ -160,3 +160,30 @@ def test_this_versions_own_checkpoints_are_not_taken_for_2_0_ones(tmp_path):
     # a 12-digit name that carries this version's digest is ours (a run past 10^8 steps)
     big = manager.save(123_456_789_012, {"model": {"w": torch.zeros(2)}, "step": 1})
     assert find_v2_checkpoints(tmp_path) is None and manager.load(big)["step"] == 1
+
+
+def test_2_0_checkpoints_with_any_numpy_array_or_numpy_1_names_load(tmp_path):
+    """2.0 pickled numpy's RNG state: arrays of any dtype, and numpy 1.x's module names
+    (numpy.core.multiarray), were a raw UnpicklingError traceback."""
+    import zipfile
+
+    from speedtronic.train.v2_checkpoints import load_v2_weights
+
+    weights = {"transformer.wte.weight": torch.ones(4, 2)}
+    arrays = {d: np.zeros(3, dtype=d) for d in ("f2", "i1", "u2", "c8", "M8[s]", "U3")}
+    path = tmp_path / "step_000000000001.pt"
+    torch.save({"model": weights, "config": {"model": {}}, "rng": arrays}, path)
+    tensors, _ = load_v2_weights(path)
+    assert torch.equal(tensors["embed.weight"], torch.ones(4, 2))
+    # the same file as numpy 1.x wrote it: its array builder under numpy.core
+    old = tmp_path / "old" / "step_000000000001.pt"
+    old.parent.mkdir()
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(old, "w", zipfile.ZIP_STORED) as dst:
+        for item in src.infolist():
+            data = src.read(item)
+            if item.filename.endswith("data.pkl"):
+                assert b"numpy._core.multiarray" in data
+                data = data.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+            dst.writestr(item, data)
+    tensors, _ = load_v2_weights(old)
+    assert torch.equal(tensors["embed.weight"], torch.ones(4, 2))
