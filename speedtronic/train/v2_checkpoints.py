@@ -4,9 +4,9 @@ is instead of failing on a detail.
 2.0 wrote ``<output_dir>/checkpoints/step_<12 digits>.pt`` beside a ``latest.json`` pointer,
 with no digest files, as a pickle of Python objects; this version writes
 ``<output_dir>/<run.name>/checkpoints/step_<8 digits>.pt`` with a ``.sha256`` each and a
-``latest`` pointer, loaded with ``weights_only=True``. Neither the layout nor the weights carry
-over: 2.0's reference model names and shapes its tensors differently (for 2.0's own smoke
-config, ``d_ff: 128``, its MLP is 88 wide and this version's 128). Met with a 2.0 checkpoint,
+``latest`` pointer, loaded with ``weights_only=True``. A 2.0 run cannot be resumed: the layout,
+the optimizer state and the tensor names differ, and so does what ``d_ff`` means (for 2.0's own
+smoke config, ``d_ff: 128``, its MLP is 88 wide, here 128). Met with a 2.0 checkpoint,
 ``--resume`` started a fresh run without naming it (it looked one folder deeper), and
 ``model.init_from`` asked for a digest file 2.0 never wrote and then called the file "written
 by something else".
