@@ -50,9 +50,8 @@ def test_export_loads_in_transformers_with_equal_logits(run_dir, tmp_path, capsy
     assert {f.stat().st_mode & 0o777 for f in (tmp_path / "hf").iterdir()} == {0o666 & ~umask}
 
 
-def test_export_writes_the_runs_end_of_text_token(tmp_path, capsys):
-    """config.json had no special-token ids (transformers then said eos 2, a '"' in that run's
-    vocabulary) and the copied tokenizer no eos_token."""
+def _bpe_with_end_of_text():
+    """A byte-level BPE of 300 ids with an <|endoftext|> token, trained here in a blink."""
     pytest.importorskip("tokenizers")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
@@ -61,6 +60,13 @@ def test_export_writes_the_runs_end_of_text_token(tmp_path, capsys):
     tok.train_from_iterator(["some text to learn from"] * 10, trainers.BpeTrainer(
         vocab_size=300, special_tokens=["<|endoftext|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def test_export_writes_the_runs_end_of_text_token(tmp_path, capsys):
+    """config.json had no special-token ids (transformers then said eos 2, a '"' in that run's
+    vocabulary) and the copied tokenizer no eos_token."""
+    tok = _bpe_with_end_of_text()
     tok.save(str(tmp_path / "tokenizer.json"))
     texts = tmp_path / "texts"
     texts.mkdir()
@@ -82,14 +88,7 @@ def test_a_run_with_a_relative_tokenizer_samples_and_exports_from_any_folder(
         tmp_path, capsys, monkeypatch):
     """config.yaml keeps data.tokenizer as given (relative to where train ran): sample and
     export from another folder failed with "data.tokenizer: file not found"."""
-    pytest.importorskip("tokenizers")
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(["some text to learn from"] * 10, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = _bpe_with_end_of_text()
     project = tmp_path / "project"
     (project / "texts").mkdir(parents=True)
     tok.save(str(project / "tokenizer.json"))
