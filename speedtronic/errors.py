@@ -119,6 +119,28 @@ def brief(value: object) -> str:
     return text if len(text) <= _BRIEF_MAX else text[:_BRIEF_MAX - 3] + "..."
 
 
+def import_factory(spec: str, key: str) -> object:
+    """The callable ``spec`` (``"package.module:name"``) names, for config key ``key``
+    (``model.name``, ``data.dataset``); one ConfigError naming the key when the module does not
+    import or holds no such callable."""
+    import importlib
+
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"{key}: cannot import module {module_name!r} from {spec!r}: {exc} "
+                          "(the module must be importable: installed, in the working "
+                          "directory, or on PYTHONPATH)") from exc
+    try:  # a lazy module's __getattr__ may raise ImportError (speedtronic's for 2.0 names)
+        factory = getattr(module, attr, None)
+    except ImportError as exc:
+        raise ConfigError(f"{key}: {spec!r}: {exc}") from None
+    if not callable(factory):
+        raise ConfigError(f"{key}: {spec!r}: module {module_name!r} has no callable {attr!r}")
+    return factory
+
+
 def check_factory_call(factory: object, key: str, spec: str, expected: str) -> None:
     """ConfigError unless ``factory(cfg)`` binds: one positional argument. Checked before the
     call, so a TypeError raised inside a correct factory's body still surfaces as that bug.

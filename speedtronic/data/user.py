@@ -13,7 +13,6 @@ re-reads and skips the consumed batches (logged), which is exact if the dataset 
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import logging
 import math
@@ -26,7 +25,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from ..config import ConfigError, SpeedtronicConfig
-from ..errors import SpeedtronicError, check_factory_call
+from ..errors import SpeedtronicError, check_factory_call, import_factory
 from .sources import _u64
 from .worker_signals import WorkerShield, start_forkserver_shielded
 
@@ -87,18 +86,7 @@ def resolve_user_dataset(spec: Any, cfg: SpeedtronicConfig) -> tuple[Any, Any | 
         module_name, sep, attr = spec.partition(":")
         if not sep or not module_name or not attr:
             raise ConfigError(f"data.dataset: expected 'package.module:factory', got {spec!r}")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise ConfigError(f"data.dataset: cannot import {module_name!r}: {exc} (the module "
-                              "must be importable: installed, in the working directory, or on "
-                              "PYTHONPATH)") from exc
-        try:  # a lazy module's __getattr__ may raise ImportError
-            factory = getattr(module, attr, None)
-        except ImportError as exc:
-            raise ConfigError(f"data.dataset: {spec!r}: {exc}") from None
-        if not callable(factory):
-            raise ConfigError(f"data.dataset: {module_name!r} has no callable {attr!r}")
+        factory = import_factory(spec, "data.dataset")
         check_factory_call(factory, "data.dataset", spec, "a Dataset, an IterableDataset, a "
                            "(train, eval) pair or a {'train': ..., 'eval': ...} dict")
         obj = factory(cfg)

@@ -10,7 +10,6 @@ its registry was process-local only).
 
 from __future__ import annotations
 
-import importlib
 import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -18,7 +17,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from ..config import ConfigError, ModelConfig, SpeedtronicConfig
-from ..errors import SpeedtronicError, check_factory_call
+from ..errors import SpeedtronicError, check_factory_call, import_factory
 from .builtin import BUILTIN_MODELS, unknown_model_error
 from .hf import adapt_model
 from .loss import extract_loss
@@ -58,21 +57,7 @@ def registered_models() -> list[str]:
 
 
 def _import_factory(spec: str) -> ModelFactory:
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"model.name: cannot import module {module_name!r} from {spec!r}: "
-                          f"{exc} (the module must be importable: installed, in the working "
-                          "directory, or on PYTHONPATH)") from exc
-    try:  # a lazy module's __getattr__ may raise ImportError (speedtronic's for 2.0 names)
-        factory = getattr(module, attr, None)
-    except ImportError as exc:
-        raise ConfigError(f"model.name: {spec!r}: {exc}") from None
-    if not callable(factory):
-        raise ConfigError(f"model.name: {spec!r}: module {module_name!r} has no callable "
-                          f"{attr!r}")
-    return factory
+    return import_factory(spec, "model.name")  # type: ignore[return-value]
 
 
 def build_model(cfg: SpeedtronicConfig | ModelConfig) -> nn.Module:
