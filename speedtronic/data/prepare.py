@@ -37,7 +37,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
+from pathlib import Path, PureWindowsPath
 from typing import Any
 
 import numpy as np
@@ -80,19 +80,36 @@ def load_tokenizer(spec: str) -> Any:
             raise ConfigError(f"data.tokenizer: folder {spec!r} holds no tokenizer.json (give "
                               "the tokenizer.json file, or a folder that has one)")
         path = path / "tokenizer.json"
-    try:
-        if path.is_file():
+    if path.is_file():
+        try:
             return Tokenizer.from_file(str(path))
-        if path.suffix == ".json" or os.sep in spec:
-            raise ConfigError(f"data.tokenizer: file not found: {spec!r}")
+        except Exception as exc:  # noqa: BLE001 - any loader failure is the user's input
+            raise ConfigError(f"data.tokenizer: cannot load {spec!r}: {_first_line(exc)}") \
+                from None
+    if _names_a_local_tokenizer(spec):
+        raise ConfigError(f"data.tokenizer: file not found: {spec!r}")
+    try:
         return Tokenizer.from_pretrained(spec)
-    except ConfigError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any loader failure is the user's input
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"data.tokenizer: cannot load {spec!r}: {first} (a local "
+    except Exception as exc:  # noqa: BLE001 - the Hub's answer names what is wrong
+        raise ConfigError(f"data.tokenizer: cannot load {spec!r}: no local file or folder of "
+                          f"that name, and the Hub gave: {_first_line(exc)} (a local "
                           "tokenizer.json works offline; HF_HUB_OFFLINE=1 reads the Hugging "
                           "Face cache without the Hub's retries)") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _names_a_local_tokenizer(spec: str) -> bool:
+    """Whether a ``data.tokenizer`` that is no existing file or folder can only have meant a
+    local path. A Hub id is ``name`` or ``owner/name``: never absolute, never more than one
+    ``/``, never a backslash, never a ``.json`` file. (Testing ``os.sep in spec`` refused every
+    ``owner/name`` id on Linux and macOS and let ``C:\\tok`` through to the Hub on Windows.)"""
+    return (spec.startswith(("/", "./", "../", "~", ".\\", "..\\"))
+            or PureWindowsPath(spec).is_absolute() or "\\" in spec or spec.count("/") > 1
+            or Path(spec).suffix == ".json")
 
 
 def _prepends(tokenizer: Any) -> bool:

@@ -535,3 +535,34 @@ def test_a_normalizer_that_prepends_to_every_call_is_named_when_files_are_cut(
         prepare(cfg(tmp_path, {"tokenizer": str(tmp_path / "llama2.json"),
                                "text_path": str(texts)}), workers=1)
     assert any("prepends to every call" in r.getMessage() for r in caplog.records)
+
+
+def test_a_hub_tokenizer_id_with_an_owner_goes_to_the_hub_and_paths_do_not(tmp_path, monkeypatch,
+                                                                           tokenizer_json):
+    """``owner/name`` is how most Hub tokenizers are named; ``os.sep in spec`` sent every one of
+    them to "file not found" on Linux and macOS. What can only be a path never reaches the Hub."""
+    from tokenizers import Tokenizer
+
+    from speedtronic.data.prepare import load_tokenizer
+
+    asked: list[str] = []
+
+    def from_pretrained(name: str, *args, **kwargs):
+        asked.append(name)
+        if name == "owner/missing":
+            raise RuntimeError("Repository Not Found for url: https://huggingface.co/...")
+        return Tokenizer.from_file(str(tokenizer_json))
+
+    monkeypatch.setattr(Tokenizer, "from_pretrained", staticmethod(from_pretrained))
+    assert load_tokenizer("openai-community/gpt2").get_vocab_size() == 400
+    assert load_tokenizer("gpt2").get_vocab_size() == 400
+    assert asked == ["openai-community/gpt2", "gpt2"]
+    monkeypatch.chdir(tmp_path)
+    for path in ("tok/a/tokenizer.json", "tokenizers/a/b", "./tok", "../tok", "/abs/tok",
+                 "~/tok", "C:\\tok", "tok\\a", "mine.json"):
+        with pytest.raises(ConfigError, match="data.tokenizer: file not found"):
+            load_tokenizer(path)
+    assert asked == ["openai-community/gpt2", "gpt2"]
+    with pytest.raises(ConfigError, match="no local file or folder of that name, and the Hub "
+                                          "gave: Repository Not Found"):
+        load_tokenizer("owner/missing")
