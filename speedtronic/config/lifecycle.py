@@ -18,6 +18,7 @@ from .rules import require
 
 __all__ = [
     "MAX_THREADS",
+    "PORTABLE_SIGNALS",
     "PREEMPTION_SIGNALS",
     "RUN_FILES",
     "CheckpointConfig",
@@ -129,6 +130,11 @@ class CheckpointConfig:
 #: preemption and ``--signal=USR1@90``, Kubernetes' and systemd's stop, Ctrl-C, a closed
 #: terminal (SIGHUP), a CPU-time limit (SIGXCPU) and the user signal left for schedulers.
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU")
+#: Names valid in any config, whether or not this platform has them: a run skips the ones it
+#: lacks (Windows has only SIGTERM, SIGINT and SIGBREAK, its Ctrl-Break), so one config file
+#: serves Linux, macOS and Windows; refusing them here stopped every run on Windows, the
+#: defaults included.
+PORTABLE_SIGNALS = PREEMPTION_SIGNALS + ("SIGBREAK",)
 
 
 @dataclass
@@ -147,7 +153,8 @@ class TrainConfig:
     preemption_signals: list[str] = field(default_factory=lambda: list(PREEMPTION_SIGNALS))
     """Signals that save a checkpoint at the next step boundary and exit with 128 + the signal
     number (143 for SIGTERM, 130 for SIGINT); a second one exits at once. [] keeps Python's
-    default handling."""
+    default handling. Names this platform lacks (Windows: all but SIGTERM, SIGINT, SIGBREAK)
+    are skipped, so the defaults and one config file work everywhere."""
     requeue: bool = False
     """Inside a SLURM job (``SLURM_JOB_ID`` set): after a preemption save, run ``scontrol
     requeue $SLURM_JOB_ID`` and exit 0, so the job comes back and resumes (with
@@ -161,10 +168,11 @@ class TrainConfig:
         import signal as _signal
 
         for name in self.preemption_signals:
-            ok = isinstance(name, str) and name.startswith("SIG") and hasattr(_signal, name) \
-                and name not in ("SIGKILL", "SIGSTOP") and not name.startswith("SIG_")
+            ok = isinstance(name, str) and (name in PORTABLE_SIGNALS or (
+                name.startswith("SIG") and hasattr(_signal, name)
+                and name not in ("SIGKILL", "SIGSTOP") and not name.startswith("SIG_")))
             require(ok, f"{p}.preemption_signals", f"{str(name)[:40]!r} is not a signal this "
-                   "machine can catch; valid: " + ", ".join(PREEMPTION_SIGNALS) + ", ...")
+                   "machine can catch; valid: " + ", ".join(PORTABLE_SIGNALS) + ", ...")
 
 
 @dataclass

@@ -46,6 +46,8 @@ class PreemptionGuard:
 
     def __init__(self, signals: Sequence[str]) -> None:
         self.signals = [getattr(signal, name) for name in signals if hasattr(signal, name)]
+        self.absent = [name for name in signals if not hasattr(signal, name)]
+        """Names this platform lacks (Windows: SIGUSR1, SIGHUP, ...), skipped."""
         self.requested: int | None = None
         self._first_at = 0.0  # when the first signal came
         self._previous: dict[int, Any] = {}
@@ -58,6 +60,9 @@ class PreemptionGuard:
                 logger.info("preemption: signals not handled (the run is not on the main "
                             "thread); a signal stops it without a save")
             return self
+        if self.absent:
+            logger.info("preemption: %s not on this platform: not handled",
+                        ", ".join(self.absent))
         for signum in self.signals:
             try:
                 self._previous[signum] = signal.signal(signum, self._handle)

@@ -11,7 +11,11 @@ taken, with a log line naming the previous holder. Deleting a lock file races wi
 that opened it just before: after locking, the holder checks that its descriptor is still the
 file at the path (same inode) and starts over if not.
 
-Where ``fcntl`` does not exist (Windows) runs are not locked, and the start says so once.
+Where ``fcntl`` does not exist (Windows) the lock file itself is the lock: created exclusively,
+it names its holder, and a run finding one refuses while that pid lives on this host (or the
+holder is on another host, whose pids cannot be checked from here); one whose holder is gone is
+taken over. Without it a second run moved a live run's folder aside and the two mixed their
+checkpoints (the live run's ``keep_last`` deleted the newcomer's).
 """
 
 from __future__ import annotations
@@ -48,7 +52,8 @@ def held_by(run_dir: Path) -> str | None:
     when no live run does: ``validate`` reports it, since ``train`` would be refused. Probes
     with a shared lock, released at once."""
     if fcntl is None:
-        return None
+        holder = _pid_file_holder(lock_path_for(Path(run_dir)))
+        return _describe(holder) if holder is not None and _holder_may_live(holder) else None
     try:
         f = open(lock_path_for(Path(run_dir)), encoding="utf-8")  # noqa: SIM115
     except OSError:  # no lock file: no run holds it
@@ -75,13 +80,13 @@ class RunLock:
         self.path = lock_path_for(self.run_dir)
         self._file: Any = None
         self._made_parent = False
-        if fcntl is None:
-            logger.info("run lock: off (no fcntl on this platform): do not start two runs "
-                        "into %s", self.run_dir)
-            return
+        self._pid_file = False
         parent = self.path.parent
         self._made_parent = not parent.exists()  # removed again on release if still empty
         parent.mkdir(parents=True, exist_ok=True)
+        if fcntl is None:
+            self._take_pid_file(purpose)
+            return
         while True:
             f = open(self.path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the run's life
             try:
@@ -106,19 +111,54 @@ class RunLock:
                            "without releasing it)", self.path, _describe(previous))
         f.seek(0)
         f.truncate()
-        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                            "since": time.strftime("%Y-%m-%d %H:%M:%S"), "purpose": purpose}))
+        f.write(_holder_json(purpose))
         f.flush()
         self._file = f
 
+    def _take_pid_file(self, purpose: str) -> None:
+        """No ``fcntl``: create the lock file exclusively; refuse while its holder may live."""
+        for _ in range(3):  # a holder that releases while we look: try again
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = _pid_file_holder(self.path)
+                if holder is None:  # released meanwhile
+                    continue
+                if _holder_may_live(holder):
+                    raise RunLockedError(
+                        f"run directory {self.run_dir} is in use by {_describe(holder)} (lock "
+                        f"{self.path}); wait for that run to end or stop it, or train under "
+                        "another run.name / run.output_dir (no fcntl on this platform: if "
+                        "that run is gone, delete the lock file)") from None
+                if _pid_file_holder(self.path) != holder:  # another starter took it over
+                    continue
+                logger.warning("run lock: taking over %s from %s, which is gone (its run "
+                               "ended without releasing it)", self.path, _describe(holder))
+                with contextlib.suppress(FileNotFoundError):
+                    self.path.unlink()
+                continue
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(_holder_json(purpose))
+            self._pid_file = True
+            return
+        raise RunLockedError(f"run directory {self.run_dir}: its lock {self.path} changed "
+                             "hands while this run started; start it again")
+
     @property
     def held(self) -> bool:
-        return self._file is not None
+        return self._file is not None or self._pid_file
 
     def release(self) -> None:
         """Delete the lock file and unlock it (idempotent)."""
+        if self._pid_file:
+            self._pid_file = False
+            holder = _pid_file_holder(self.path)
+            if holder is not None and holder.get("pid") == os.getpid():
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
         f, self._file = self._file, None
         if f is None:
+            self._remove_made_parent()
             return
         try:
             self.path.unlink(missing_ok=True)  # while still locked: see the module docstring
@@ -126,7 +166,11 @@ class RunLock:
             pass
         finally:
             f.close()  # closing the descriptor releases the flock
+        self._remove_made_parent()
+
+    def _remove_made_parent(self) -> None:
         if self._made_parent:
+            self._made_parent = False
             with contextlib.suppress(OSError):  # only if empty: a failed first start
                 self.path.parent.rmdir()
 
@@ -135,6 +179,31 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _holder_json(purpose: str) -> str:
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                       "since": time.strftime("%Y-%m-%d %H:%M:%S"), "purpose": purpose})
+
+
+def _pid_file_holder(path: Path) -> dict[str, Any] | None:
+    """The holder named by a lock file (no ``fcntl``), or None when there is no file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return _read_holder(f)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return {"unreadable": True}
+
+
+def _holder_may_live(holder: dict[str, Any]) -> bool:
+    """A pid-file holder is gone only when it is on this host and its pid is not running (a
+    file being written, unreadable or half-written, counts as live)."""
+    pid = holder.get("pid")
+    if holder.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return True
+    return pid == os.getpid() or pid_alive(pid)
 
 
 def _read_holder(f: Any) -> dict[str, Any]:

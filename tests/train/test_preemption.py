@@ -5,9 +5,11 @@ is refused to a second run."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +20,11 @@ import yaml
 from _engine_fixtures import one_thread, tiny_raw  # noqa: F401
 from _process_fixtures import launch_cli, resume_run, wait_for_pause
 
-from speedtronic.config import load_config
+from speedtronic.config import ConfigError, load_config
+from speedtronic.train import run_lock
 from speedtronic.train.checkpoint import CheckpointManager
 from speedtronic.train.metrics import read_metrics
-from speedtronic.train.run_lock import RunLock, RunLockedError, lock_path_for
+from speedtronic.train.run_lock import RunLock, RunLockedError, held_by, lock_path_for
 from speedtronic.train.runtime import train_from_config
 
 N = 8
@@ -182,7 +185,7 @@ def test_a_python_api_run_with_dataloader_workers_exits(tmp_path):
     cfg["run"]["max_steps"] = 3
     (tmp_path / "api.yaml").write_text(yaml.safe_dump(cfg))
     script = f"""
-from speedtronic.config import load_config
+from speedtronic.config import ConfigError, load_config
 from speedtronic.train.runtime import build_trainer
 trainer = build_trainer(load_config({str(tmp_path / "api.yaml")!r}))
 trainer.fit()
@@ -233,6 +236,23 @@ def test_checkpoint_every_seconds_saves_by_the_clock(tmp_path):
     assert steps == list(range(N, 0, -1))
 
 
+def test_the_default_signals_work_where_some_do_not_exist(tmp_path, monkeypatch, caplog):
+    """Windows has no SIGUSR1/SIGUSR2/SIGHUP/SIGXCPU: validation refused the default list, so
+    every run there stopped with exit 2 before training. Simulated by removing them here."""
+    for name in ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGXCPU"):
+        monkeypatch.delattr(signal, name)
+    raw = tiny_raw(tmp_path, "nosig", run={"max_steps": 2, "eval_every": 2},
+                   checkpoint={"every_steps": 2})
+    cfg = load_config(raw)  # the defaults, all six names
+    assert "SIGUSR1" in cfg.train.preemption_signals
+    load_config({**raw, "train": {"preemption_signals": ["SIGTERM", "SIGBREAK"]}})
+    with caplog.at_level("INFO", logger="speedtronic"):
+        assert train_from_config(cfg, plot=False).steps == 2
+    assert "SIGUSR1, SIGUSR2, SIGHUP, SIGXCPU not on this platform: not handled" in caplog.text
+    with pytest.raises(ConfigError, match="train.preemption_signals: 'SIGNOPE'"):
+        load_config({**raw, "train": {"preemption_signals": ["SIGNOPE"]}})
+
+
 # ----------------------------------------------------------------------------- the run lock
 def test_a_live_runs_directory_is_refused_to_a_second_run_and_resume(tmp_path):
     holder = _launch(tmp_path, "live", 2, PAUSE="1", stdin=subprocess.PIPE)
@@ -274,6 +294,45 @@ def test_one_process_cannot_take_a_lock_twice(tmp_path):
             RunLock(tmp_path / "r")
     with RunLock(tmp_path / "r") as again:  # released: free again
         assert again.held
+
+
+def test_without_fcntl_the_lock_file_refuses_while_its_holder_lives(tmp_path, monkeypatch,
+                                                                      caplog):
+    """Windows has no fcntl: runs were not locked, and a second run moved a live run's folder
+    aside (the two then mixed checkpoints). The lock file itself is the lock there."""
+    monkeypatch.setattr(run_lock, "fcntl", None)
+    run_dir, host = tmp_path / "r", socket.gethostname()
+    lock = lock_path_for(run_dir)
+
+    def name_holder(pid: int, on: str = host) -> None:
+        lock.write_text(json.dumps({"pid": pid, "host": on, "since": "then", "purpose": "train"}))
+
+    with RunLock(run_dir) as mine:
+        assert mine.held and json.loads(lock.read_text())["pid"] == os.getpid()
+        with pytest.raises(RunLockedError, match=f"pid {os.getpid()}"):
+            RunLock(run_dir)
+        assert held_by(run_dir).startswith(f"pid {os.getpid()} on host")
+    assert not lock.exists() and held_by(run_dir) is None
+    live = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                            stdin=subprocess.PIPE)
+    try:
+        name_holder(live.pid)
+        with pytest.raises(RunLockedError, match=f"pid {live.pid} .*delete the lock file"):
+            RunLock(run_dir)
+        (run_dir / "checkpoints").mkdir(parents=True)  # the live run's folder
+        raw = tiny_raw(tmp_path, "r", run={"max_steps": 2, "eval_every": 2})
+        with pytest.raises(RunLockedError, match=f"in use by pid {live.pid}"):
+            train_from_config(load_config(raw), plot=False)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".r.lock", "r"]  # nothing moved
+        name_holder(os.getpid(), on="another-host")  # its pids cannot be checked from here
+        with pytest.raises(RunLockedError, match="on host another-host"):
+            RunLock(run_dir)
+    finally:
+        live.communicate(b"", timeout=60)
+    name_holder(live.pid)  # gone now: taken over, with a line naming it
+    with caplog.at_level("WARNING", logger="speedtronic"), RunLock(run_dir) as taken:
+        assert taken.held and json.loads(lock.read_text())["pid"] == os.getpid()
+    assert f"from pid {live.pid}" in caplog.text and not lock.exists()
 
 
 def test_temp_files_of_a_live_writer_are_left_alone(tmp_path):
