@@ -100,8 +100,22 @@ def cmd_sample(args: argparse.Namespace) -> int:
     ids = generate(model, prompt, args.max_new_tokens, temperature=args.temperature,
                    top_k=args.top_k or None, max_seq_len=cfg.model.max_seq_len, seed=args.seed,
                    device=args.device, stop_id=stop)
-    print(args.prompt + decode(ids), flush=True)
+    _print_text(args.prompt + decode(ids))
     return 0
+
+
+def _print_text(text: str) -> None:
+    """Print sampled text whatever stdout's encoding: a byte-level model emits U+FFFD, and a
+    Windows pipe or file is cp1252, where print raised "'charmap' codec can't encode" (exit 2
+    after the whole sample ran); what the encoding lacks becomes ``?``."""
+    encoding = getattr(sys.stdout, "encoding", None) or "utf-8"
+    try:
+        text.encode(encoding)
+    except UnicodeEncodeError:
+        text = text.encode(encoding, errors="replace").decode(encoding)
+    except LookupError:  # a stream naming no codec Python knows: print as it is
+        pass
+    print(text, flush=True)
 
 
 def add_export(sub: argparse._SubParsersAction) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..train.precision import max_memory_bytes
+from ..train.precision import max_memory_bytes, synchronize
 from .spectrum import model_spectrum
 
 __all__ = ["CompareRecorder", "state_hash"]
@@ -127,10 +127,10 @@ class CompareRecorder:
         cfg = trainer.config
         boundary = (step >= cfg.run.max_steps or (cfg.run.eval_every and step % cfg.run.eval_every
                     == 0) or step % cfg.checkpoint.every_steps == 0)
-        if boundary and self._device.type == "cuda":
+        if boundary:
             # An eval or checkpoint follows and is excluded from the clock: let the queued
             # training work finish first so it is counted as training, not as eval.
-            torch.cuda.synchronize(self._device)
+            synchronize(self._device)
         now = time.perf_counter()
         # torch.compile's compile is not training time (the trainer's ms/step leaves it out
         # too): a compile variant once read 24 s "to adamw" on CPU against 0.0 s. It is
@@ -171,7 +171,8 @@ class CompareRecorder:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             self._pending_events.append((start, None))
-        else:
+        else:  # MPS queues work: time it from an empty queue to an empty queue
+            synchronize(self._device)
             self._t_pre = time.perf_counter()
 
     def _post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -180,6 +181,7 @@ class CompareRecorder:
             end.record()
             self._pending_events[-1] = (self._pending_events[-1][0], end)
         else:
+            synchronize(self._device)
             self._add_step_times([time.perf_counter() - self._t_pre])
 
     def _add_step_times(self, seconds: list[float]) -> None:

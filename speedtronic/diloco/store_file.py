@@ -7,11 +7,15 @@ atomic, create-only and compare-and-swap writes.
 from __future__ import annotations
 
 import errno
-import fcntl
 import hashlib
 import os
 import uuid
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: this store is refused when made, the package still imports
+    fcntl = None  # type: ignore[assignment]
 
 from .faults import crash_point
 from .store_contract import (
@@ -42,6 +46,10 @@ class DirectoryStore(Store):
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
+        if fcntl is None:
+            raise StoreError("distributed.store: a file:// store needs POSIX file locks "
+                             "(fcntl), which this platform lacks; run this node on Linux or "
+                             "macOS, or use an s3:// store")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:

@@ -260,6 +260,17 @@ def _auto(X: Tensor, coeffs: list[tuple[float, ...]], restarts: Sequence[int], t
     return ns_standard(X, coeffs, transpose_out=tall, ws=ws)
 
 
+def frobenius_norm(X: Tensor, *, fp64: bool = True) -> Tensor:
+    """``||X||_F`` over the last two dims, ``(b, 1, 1)``, without overflow: accumulated in fp64,
+    or, where the device has no fp64 (MPS: "Cannot convert a MPS Tensor to float64"), in fp32
+    after dividing by the largest magnitude, so the sum of squares stays below m*n."""
+    if fp64:
+        return torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
+    scale = X.abs().amax(dim=(-2, -1), keepdim=True).float()                  # (b, 1, 1)
+    scale = scale.clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.linalg.vector_norm(X.float() / scale, dim=(-2, -1), keepdim=True) * scale
+
+
 def orthogonalize(G: Tensor, steps: int, coefficients: Sequence[float], eps: float,
                   compute_dtype: torch.dtype | None, method: str = "auto",
                   normalized: bool = False) -> Tensor:
@@ -285,7 +296,7 @@ def orthogonalize(G: Tensor, steps: int, coefficients: Sequence[float], eps: flo
         # bits. The norm accumulates in fp64: in fp32 its sum of squares overflowed once
         # ||G||_F passed ~1.8e19 and a finite matrix came out as zeros.
         norm_dtype = torch.float64 if torch.float64 in (dtype, G.dtype) else torch.float32
-        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=torch.float64)
+        norm = frobenius_norm(X, fp64=X.device.type != "mps")              # (b, 1, 1)
         X = (X.to(norm_dtype) / norm.clamp(min=eps).to(norm_dtype)).to(dtype)  # G untouched
     coeffs = _iter_coefficients(coefficients, steps)
     m, n = X.size(-2), X.size(-1)

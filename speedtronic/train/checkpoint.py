@@ -372,7 +372,8 @@ class CheckpointManager:
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """Python, NumPy, torch CPU and (if initialized) every CUDA generator, as load-safe values."""
+    """Python, NumPy, torch CPU, (if initialized) every CUDA generator and, on a Mac, the MPS
+    generator, as load-safe values."""
     np_state = np.random.get_state()
     state: dict[str, Any] = {
         "python": random.getstate(),
@@ -383,7 +384,14 @@ def capture_rng_state() -> dict[str, Any]:
     }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    if _mps_available():  # dropout on MPS draws from its own generator
+        state["mps"] = torch.mps.get_rng_state()
     return state
+
+
+def _mps_available() -> bool:
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:
@@ -400,6 +408,8 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             logger.warning("checkpoint: saved %d CUDA RNG states but %d devices exist; CUDA RNG "
                            "not restored (dropout masks will differ)", len(cuda),
                            torch.cuda.device_count())
+    if state.get("mps") is not None and _mps_available():
+        torch.mps.set_rng_state(state["mps"])
 
 
 def _tuples(value: Any) -> Any:

@@ -94,6 +94,16 @@ def resolve_device(requested: str | torch.device | None) -> torch.device:
     return device
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA, MPS; a no-op on CPU), before a wall-clock
+    reading that must count it: MPS queues work as CUDA does, and the CUDA-only sync left its
+    queued training inside the eval's or save's excluded time."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
 def _cuda_bf16_ok(device: torch.device) -> bool:
     try:
         with torch.cuda.device(device):

@@ -34,7 +34,7 @@ from .accumulation import IGNORE_INDEX
 from .checkpoint import CheckpointManager
 from .metrics import Heartbeat, MetricsLogger, format_step_line
 from .mfu import MfuMeter
-from .precision import PrecisionPlan
+from .precision import PrecisionPlan, synchronize
 from .preemption import PreemptionGuard
 from .step import OptimizerStep
 from .step_boundary import StepBoundary
@@ -337,10 +337,10 @@ class Trainer(OptimizerStep, StepLog, TrainerState, TrainerFeatures, StepBoundar
                     and time.perf_counter() - self._last_save_time >= every_seconds)
                 save_due = (self.checkpoints is not None or self.saves_on_rank0) and (
                     self.step % ckpt_every == 0 or last or signum is not None or time_due)
-                if (eval_due or save_due) and self.device.type == "cuda":
+                if eval_due or save_due:
                     # Training work still queued belongs to the interval; the eval's or save's
                     # own read would wait for it inside the excluded time below.
-                    torch.cuda.synchronize(self.device)
+                    synchronize(self.device)
                 t_pause = time.perf_counter()
                 if save_due:  # before the eval: an eval that fails must not cost the checkpoint
                     self.metrics.doing = f"saving the checkpoint of step {self.step}"

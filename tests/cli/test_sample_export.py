@@ -3,6 +3,8 @@ LlamaForCausalLM folder whose logits (and greedy decode) match ours."""
 
 from __future__ import annotations
 
+import io
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,6 +130,17 @@ def test_sample_is_deterministic_for_a_seed(run_dir, capsys):
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and texts[0].startswith("import ")
     assert texts[0] != texts[2]
+
+
+def test_sample_prints_to_a_stdout_that_cannot_encode_the_text(run_dir, monkeypatch):
+    """A Windows pipe or file is cp1252: printing a U+FFFD or a check mark raised UnicodeEncodeError
+    (exit 2, after the whole sample ran). What the encoding lacks becomes '?'."""
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="cp1252"))
+    assert main(["sample", str(run_dir), "--prompt", "ok = '\u2713' ", "--max-new-tokens",
+                 "8", "--seed", "1"]) == 0
+    sys.stdout.flush()
+    assert raw.getvalue().startswith(b"ok = '?' ")
 
 
 @pytest.mark.parametrize("temperature", [1e-45, 5e-324])

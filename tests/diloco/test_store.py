@@ -254,3 +254,21 @@ def test_file_store_turns_an_os_error_on_the_key_path_into_a_store_error(tmp_pat
         store.put("nodes/w0/s/d1", b"x")
     with pytest.raises(StoreError):
         store.swap("nodes/w0/pointer", b"x", None)
+
+
+def test_without_fcntl_the_package_imports_and_a_file_store_is_one_user_error(tmp_path):
+    """Windows has no fcntl: ``import speedtronic.diloco`` failed with ModuleNotFoundError
+    (store_file imported it at the top), for every user of the package, DiLoCo or not."""
+    import subprocess
+
+    code = ("import sys; sys.modules['fcntl'] = None\n"
+            "import speedtronic.diloco\n"
+            "from speedtronic.diloco.__main__ import main\n"
+            f"open({str(tmp_path / 'm.yaml')!r}, 'w').write(\"distributed: {{enabled: true, "
+            f"role: master, store: 'file://{tmp_path}/s'}}\\n\")\n"
+            f"sys.exit(main(['master', '--config', {str(tmp_path / 'm.yaml')!r}]))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "file:// store needs POSIX file locks (fcntl)" in done.stderr
+    assert "Traceback" not in done.stderr

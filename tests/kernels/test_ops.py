@@ -169,6 +169,39 @@ def test_newton_schulz_of_a_huge_finite_matrix_is_its_polar_factor() -> None:
     assert _rel(ops.newton_schulz(G), ref) < 1e-5
 
 
+def test_the_norm_without_fp64_matches_and_never_overflows(monkeypatch) -> None:
+    """MPS has no float64, and the op's norm accumulated in it ("Cannot convert a MPS Tensor to
+    float64"): there it divides by the largest magnitude first and sums in fp32."""
+    from speedtronic.kernels.newton_schulz import frobenius_norm
+
+    for scale in (1.0, 1e-30, 1e18, 1e36):
+        G = torch.stack([_randn(16, 32, seed=8), _randn(16, 32, seed=9)]) * scale   # (2, 16, 32)
+        fp32 = frobenius_norm(G, fp64=False)
+        assert fp32.dtype == torch.float32 and fp32.shape == (2, 1, 1)
+        assert torch.allclose(fp32.double(), frobenius_norm(G), rtol=1e-6), scale
+    assert frobenius_norm(torch.zeros(1, 4, 4), fp64=False).item() == 0.0
+    # the op as an MPS tensor runs it (no MPS here: the fp32 route forced), on the huge
+    # matrix above: no float64 op anywhere, and still its polar factor
+    G = _randn(16, 32, seed=8) * 1e18
+    seen: list[torch.dtype] = []
+
+    class NoFloat64(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                seen.append(out.dtype)
+            return out
+
+    from speedtronic.kernels import newton_schulz as ns
+
+    real = ns.frobenius_norm
+    monkeypatch.setattr(ns, "frobenius_norm", lambda X, fp64=True: real(X, fp64=False))
+    with NoFloat64():
+        out = ns.orthogonalize(G, 5, list(ops.QUINTIC), 1e-7, torch.float32)
+    assert torch.float64 not in seen
+    assert _rel(out, ref_newton_schulz(G, list(ops.QUINTIC), 5)) < 1e-5
+
+
 def test_fake_kernels_refuse_what_the_real_ones_refuse() -> None:
     # Under torch.compile the fake kernels run at trace time: a bad call must fail there too.
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -112,3 +112,16 @@ def test_a_run_that_fails_leaves_no_plot_preload_thread_running(tmp_path, monkey
     with pytest.raises(RuntimeError, match="planted failure"):
         runtime.train_from_config(cfg, data=FixedData(), callbacks=[FailAtFirstStep()])
     assert not [t for t in threading.enumerate() if t.name == "speedtronic-plot-preload"]
+
+
+def test_timing_waits_for_queued_work_on_cuda_and_mps_and_never_on_cpu(monkeypatch):
+    """The clock excluded an eval or save only after a CUDA-only sync: MPS queues work too, and
+    its training steps were counted as eval time (and compare timed only their dispatch)."""
+    from speedtronic.train.precision import synchronize
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append("cuda"))
+    monkeypatch.setattr(torch.mps, "synchronize", lambda: calls.append("mps"))
+    for device in ("cpu", "mps", "cuda:0"):
+        synchronize(torch.device(device))
+    assert calls == ["mps", "cuda"]
