@@ -182,6 +182,7 @@ class ReplicaGroups:
                 "--min_replicas 1 --bind [::]:29510) and check torchft.lighthouse / "
                 "TORCHFT_LIGHTHOUSE") from None
         self._flat: dict[torch.dtype, torch.Tensor] = {}  # ddp: gradient all-reduce buffers
+        self._at_begin: tuple[int, int, int] | None = None  # (step, tokens, samples), ddp
         self._diloco: Any = None
         if ft.mode == "diloco":
             from torchft.local_sgd import DiLoCo
@@ -238,12 +239,23 @@ class ReplicaGroups:
             init_sync=False)
 
     # -- healing state (called by torchft: sent from a live peer, loaded by a healing group) --
+    def _counters(self) -> tuple[int, int, int]:
+        """``(step, tokens, samples)`` as they stood when this step began: under ``ddp`` the
+        asynchronous quorum sends the healing state from torchft's thread while the trainer's
+        thread counts this step's micro-batches (a healed group once ended one micro-batch,
+        128 tokens, short of its peer). Weights and step change only after the commit."""
+        t = self.trainer
+        if self._at_begin is not None and self._at_begin[0] == t.step:
+            return self._at_begin
+        return t.step, t.tokens, t.samples
+
     def _peer_state(self) -> dict[str, Any]:
         t = self.trainer
+        step, tokens, samples = self._counters()
         return {"model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
                 "scheduler": t.scheduler.state_dict() if t.scheduler is not None else None,
                 "scaler": t.scaler.state_dict() if t.scaler is not None else None,
-                "step": t.step, "tokens": t.tokens, "samples": t.samples}
+                "step": step, "tokens": tokens, "samples": samples}
 
     def _load_peer_state(self, state: dict[str, Any]) -> None:
         t = self.trainer
@@ -255,8 +267,14 @@ class ReplicaGroups:
             t.scheduler.load_state_dict(state["scheduler"])
         if t.scaler is not None and state["scaler"] is not None:
             t.scaler.load_state_dict(state["scaler"])
-        # the counters follow the step: two groups at one step once logged 896 and 1920 tokens
-        t.jump_to_step(state["step"], state.get("tokens"), state.get("samples"))
+        # the counters follow the step: two groups at one step once logged 896 and 1920 tokens;
+        # the peer's stand at the start of the step, and this group's micro-batches of the
+        # step it is healed inside count on top, as the peer's own will
+        _, own_tokens, own_samples = self._counters()
+        tokens, samples = state.get("tokens"), state.get("samples")
+        t.jump_to_step(state["step"],
+                       None if tokens is None else tokens + t.tokens - own_tokens,
+                       None if samples is None else samples + t.samples - own_samples)
         self.heals += 1
         logger.warning("torchft: replica group %d healed from a live peer at step %d (%+d "
                        "steps; loaded in %.3f s)", self.group, t.step, behind,
@@ -266,6 +284,8 @@ class ReplicaGroups:
     # -- ddp: the trainer's per-step calls ------------------------------------------------------
     def begin_step(self) -> None:
         """Start this step's quorum (asynchronous under ``ddp``: it overlaps the forward)."""
+        t = self.trainer
+        self._at_begin = (t.step, t.tokens, t.samples)
         if self.mode == "ddp":
             self.manager.start_quorum()
 

@@ -239,6 +239,50 @@ def test_a_killed_group_is_survived_and_a_restarted_one_heals(tmp_path, lighthou
     assert quorum[-2][1] == 1 and quorum[-1] == (together, 2), (quorum, healed_at)
 
 
+def test_healing_state_counts_from_the_start_of_the_step_whatever_thread_sends_it():
+    """Under ddp the asynchronous quorum sends the healing state from torchft's thread while
+    the trainer counts the step's micro-batches: a healed group once ended 128 tokens (one
+    micro-batch) short of its peer. The peer sends its counters as the step began, and the
+    healed group adds its own micro-batches of that step, as the peer will."""
+    from types import SimpleNamespace
+
+    from speedtronic.distributed.torchft_groups import ReplicaGroups
+
+    def trainer(step: int, tokens: int, samples: int) -> SimpleNamespace:
+        model = torch.nn.Linear(2, 2)
+        t = SimpleNamespace(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            scheduler=None, scaler=None, step=step, tokens=tokens,
+                            samples=samples, metrics=SimpleNamespace(emit=lambda *a: None))
+
+        def jump_to_step(step: int, tokens: int | None, samples: int | None) -> None:
+            t.step, t.tokens, t.samples = step, tokens, samples
+
+        t.jump_to_step = jump_to_step
+        return t
+
+    def groups(t: SimpleNamespace) -> ReplicaGroups:
+        g = object.__new__(ReplicaGroups)
+        g.mode, g.trainer, g.group, g.heals, g._at_begin = "ddp", t, 1, 0, None
+        g.manager = SimpleNamespace(start_quorum=lambda: None)
+        return g
+
+    peer, healer = groups(trainer(20, 20 * 256, 20 * 8)), groups(trainer(8, 8 * 256, 8 * 8))
+    for g in (peer, healer):
+        g.begin_step()
+        g.trainer.tokens, g.trainer.samples = g.trainer.tokens + 128, g.trainer.samples + 4
+    sent = peer._peer_state()  # torchft's thread, the peer one micro-batch of two into step 21
+    assert (sent["step"], sent["tokens"], sent["samples"]) == (20, 20 * 256, 20 * 8)
+    healer.trainer.tokens, healer.trainer.samples = healer.trainer.tokens + 128, \
+        healer.trainer.samples + 4  # the healer's second micro-batch
+    healer._load_peer_state(sent)
+    peer.trainer.tokens, peer.trainer.samples = peer.trainer.tokens + 128, \
+        peer.trainer.samples + 4  # the peer's second micro-batch
+    for g in (peer, healer):
+        assert (g.trainer.step, g.trainer.tokens, g.trainer.samples) == (20, 21 * 256, 21 * 8)
+    # outside a step's quorum (or where begin_step never ran) the live counters are sent
+    assert groups(trainer(3, 30, 3))._peer_state()["tokens"] == 30
+
+
 def test_a_group_that_can_never_commit_stops_with_an_error(tmp_path, lighthouse):
     raw = _raw(tmp_path, "alone", 0, torchft={"min_replica_size": 2, "max_commit_failures": 3})
     proc = _train(_write(tmp_path, raw), lighthouse)
