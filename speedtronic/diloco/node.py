@@ -136,6 +136,7 @@ class Worker(GlobalInstall, DeltaUploads, ConsistentBase):
         self._carry = Carry()
         self._global: tuple[Pointer, dict[str, torch.Tensor]] | None = None
         self._residual: dict[str, torch.Tensor] | None = None  # codec error, sent next delta
+        self.upload_error: BaseException | None = None  # the upload thread's, raised on ours
         self._poll_soon = threading.Event()  # wakes the poll thread early (boundary waits)
         self._round_start: float | None = None
         self._round_s = 0.0   # EMA of the wall-clock seconds of a round
@@ -244,6 +245,7 @@ class Worker(GlobalInstall, DeltaUploads, ConsistentBase):
         """Count the step; at the end of an inner round, queue the round's delta for upload and
         install the newest global (with ``consistent_base``: after waiting for the master as
         configured), then adapt the round length."""
+        self.raise_upload_error()
         t0 = time.perf_counter()
         self._time_step()
         if self._reset_due:

@@ -87,7 +87,8 @@ class GlobalInstall:
             pointer = Pointer.from_bytes(self.store.get(POINTER_KEY))
         except ObjectNotFound:
             return
-        current = self._candidate[0].version if self._candidate else self.version
+        staged = self._candidate  # read once: a boundary's install sets it to None meanwhile
+        current = staged[0].version if staged is not None else self.version
         if pointer.version <= current:
             return
         self._stage(pointer)
@@ -121,7 +122,11 @@ class GlobalInstall:
                                   f"{tuple(param.shape)}; not installed")
         tensors = {k: v.float() for k, v in tensors.items()}
         with self._lock:
-            self._candidate = (pointer, tensors)
+            # The poll thread and the end of a run both stage: a slower download of an older
+            # pointer finishing last made a worker end on the global before the newest.
+            newest = self._candidate[0].version if self._candidate is not None else self.version
+            if pointer.version >= newest:
+                self._candidate = (pointer, tensors)
             self._lock.notify_all()  # a boundary may be waiting for this global
 
     def _poll_loop(self) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..errors import SpeedtronicError
 from . import codec
 from .faults import crash_point
 from .store import ObjectExists, StoreError
@@ -93,7 +94,19 @@ class DeltaUploads:
                 if self._inflight is None and not self._pending:
                     return
                 if self._inflight is None:
-                    self._inflight = self._prepare(self._pending.pop(min(self._pending)))
+                    snap = self._pending.pop(min(self._pending))
+                    try:
+                        self._inflight = self._prepare(snap)
+                    except Exception as exc:  # noqa: BLE001 - reported on the training thread
+                        # The snapshot is half consumed (its delta made in place, its seq
+                        # taken): it cannot be queued again, and no later delta could follow
+                        # it. This thread used to die here unseen while training went on
+                        # without sending anything; the training thread raises it instead.
+                        logger.exception("diloco worker %s: preparing delta %s for upload "
+                                         "failed", self.node_id, snap.seq)
+                        self.upload_error = exc
+                        self._lock.notify_all()
+                        return
                 job = self._inflight
             try:
                 self._put(job)
@@ -132,7 +145,13 @@ class DeltaUploads:
             if snap.seq is not None:
                 # The master applies the decoded values: carry those, and send the rounding
                 # error with the next delta (what moving the reference does in the other mode).
-                self._residual = {k: snap.tensors[k] - decoded[k] for k in decoded}
+                # Added to an error not yet sent: with two deltas queued (an upload slower than
+                # a round) the first one's error was overwritten and never reached the global.
+                residual = {k: snap.tensors[k] - decoded[k] for k in decoded}
+                if self._residual is not None:
+                    for k, t in residual.items():
+                        t.add_(self._residual[k])
+                self._residual = residual
                 for k, t in snap.tensors.items():
                     t.copy_(decoded[k])
         return _Upload(snap.gen, header.key, data, decoded, snap, header.seq)
@@ -174,12 +193,22 @@ class DeltaUploads:
         """Wait until every snapshot has been uploaded (or ``timeout``)."""
         deadline = time.monotonic() + timeout
         with self._lock:
-            while self._pending or self._inflight is not None:
+            while (self._pending or self._inflight is not None) and self.upload_error is None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._lock.wait(min(left, 0.2))
-        return True
+        return self.upload_error is None
+
+    def raise_upload_error(self) -> None:
+        """The upload thread's failure, on the training thread: training on would send nothing."""
+        err = self.upload_error
+        if err is not None:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise SpeedtronicError(f"diloco worker {self.node_id}: the upload thread failed "
+                                   f"({type(err).__name__}: {first}); no later round could be "
+                                   "sent, so the run stops (the log above has the details; "
+                                   "--resume continues from the last checkpoint)")
 
     def _write_done_marker(self, timeout: float) -> bool:
         """Write ``done.json`` within ``timeout`` (what is left of ``shutdown_timeout``).

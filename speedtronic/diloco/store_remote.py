@@ -20,6 +20,7 @@ import hashlib
 import io
 import logging
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -263,13 +264,17 @@ class HfStore(Store):
             raise TransientStoreError(f"put {key}: concurrent commit, retrying") from exc
 
     def get(self, key: str) -> bytes:
-        path = self._call(f"get {key}", self.api.hf_hub_download, self.repo_id,
-                          check_key(key), repo_type=self.repo_type,
-                          local_dir=str(self._tmp), force_download=True)
+        # A folder per call: hf_hub_download writes <local_dir>/<key>, and the poll thread and
+        # the end of a run may fetch the pointer at once; one deleted the other's file before
+        # it was read (FileNotFoundError, past every except that expects a StoreError).
+        folder = tempfile.mkdtemp(dir=self._tmp)
         try:
+            path = self._call(f"get {key}", self.api.hf_hub_download, self.repo_id,
+                              check_key(key), repo_type=self.repo_type, local_dir=folder,
+                              force_download=True)
             return Path(path).read_bytes()
         finally:
-            Path(path).unlink(missing_ok=True)
+            shutil.rmtree(folder, ignore_errors=True)
 
     def stat(self, key: str) -> ObjectInfo | None:
         try:

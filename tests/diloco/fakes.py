@@ -82,9 +82,14 @@ class FakeHfApi:
             if filename not in self.files:
                 raise FakeHTTPError(404)
             data = self.files[filename]
-        path = Path(local_dir) / f"{filename.replace('/', '_')}.{threading.get_ident()}"
+        path = Path(local_dir) / filename  # the real layout: one path per key and folder
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(data)
+        self.downloaded(path)
         return str(path)
+
+    def downloaded(self, path: Path) -> None:
+        """Called once each download is written (a test may hold one back here)."""
 
     def get_paths_info(self, repo_id: str, paths: list[str], **kw: Any) -> list:
         self._enter("get_paths_info")

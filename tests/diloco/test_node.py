@@ -18,6 +18,7 @@ from harness import (  # noqa: E402
     TinyModel,
     applied_keys,
     assert_consistent,
+    batch,
     eval_loss,
     initial_weights,
     make_cfg,
@@ -340,6 +341,140 @@ def test_the_upload_thread_survives_an_unexpected_error(tmp_path, monkeypatch, c
     assert w.m["upload_failures"] == 1 and w.m["deltas_sent"] >= 1
     assert "failed unexpectedly" in caplog.text
     assert any(k.endswith("done.json") for k in open_store(url).list("nodes/"))
+
+
+def _master(url: str, cfg):
+    from speedtronic.diloco.master import Master
+
+    master = Master(open_store(url), cfg, "m", lambda: initial_weights())
+    assert master.acquire_lease(threading.Event(), timeout=5)
+    master.load_or_bootstrap()
+    return master
+
+
+def _steps(w: Worker, t: FakeTrainer, n: int) -> None:
+    for _ in range(n):
+        x, y = batch(t.step, 0)
+        t.optimizer.zero_grad()
+        torch.nn.functional.mse_loss(t.model(x), y).backward()
+        t.optimizer.step()
+        t.step += 1
+        w.after_optimizer_step(t, t.step)
+
+
+def test_the_codec_error_of_queued_deltas_is_all_sent(tmp_path):
+    """Consistent base + int8: each upload's rounding error goes out with the next delta. With
+    two deltas queued (an upload slower than a round) the upload thread prepared both before
+    the next boundary, and the first one's error was overwritten: never sent."""
+    url, H = f"file://{tmp_path}/store", 3
+    cfg = make_cfg(url, inner_steps=H, poll_interval=1e6, lease_ttl=1e7, compression="int8",
+                   max_unapplied=100, push_pull_timeout=0.0, reset_inner_optimizer=False)
+    _master(url, cfg)
+    entered, release = threading.Event(), threading.Event()
+
+    class SlowFirstPut:  # the first delta's upload stalls (a slow link, a short outage)
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def put(self, key, data, **kw):
+            if "/d00000000-" in key:
+                entered.set()
+                assert release.wait(30)
+            return self.inner.put(key, data, **kw)
+
+    w = Worker(cfg, store=SlowFirstPut(open_store(url)), node_id="w0")
+    t = FakeTrainer(TinyModel(0))
+    w.on_train_start(t)
+    work, sent = [], []
+    snapshot, confirm = w._snapshot_delta, w._confirm_delta
+
+    def measure_work():
+        work.append({k: w._refs[w.gen][k] - p.detach() for k, p in w._params.items()})
+        snapshot()
+
+    def record_sent(job):
+        sent.append(job.decoded)
+        confirm(job)
+
+    w._snapshot_delta, w._confirm_delta = measure_work, record_sent
+    try:
+        _steps(w, t, H)          # delta 0 is prepared; its upload stalls
+        assert entered.wait(30)
+        _steps(w, t, 2 * H)      # deltas 1 and 2 queue behind it
+        release.set()
+        assert w.flush(30)       # 1 and 2 are prepared back to back
+        _steps(w, t, H)          # delta 3 carries what error is left
+        assert w.flush(30)
+    finally:
+        release.set()
+        w.close()
+    assert len(sent) == 4
+    left = w._residual or {k: torch.zeros_like(v) for k, v in work[0].items()}
+    for k in left:  # all the work = what was sent + the error still to send
+        gap = (sum(d[k] for d in work) - sum(d[k] for d in sent) - left[k]).abs().max()
+        assert gap < 1e-6, (k, float(gap))
+
+
+def test_a_failed_delta_preparation_stops_the_run_instead_of_training_on_unsent(tmp_path,
+                                                                                 monkeypatch):
+    """One exception while encoding (a host MemoryError) ended the upload thread unseen: the
+    worker trained on for the rest of the run and sent nothing."""
+    from speedtronic.diloco import node_upload
+    from speedtronic.errors import SpeedtronicError
+
+    url, H = f"file://{tmp_path}/store", 3
+    cfg = make_cfg(url, inner_steps=H, poll_interval=1e6, lease_ttl=1e7, shutdown_timeout=30.0,
+                   push_pull_timeout=0.0, unapplied_wait=0.0)
+    _master(url, cfg)
+    real, calls = node_upload.codec.encode_delta, []
+
+    def encode_fails_once(delta, header):
+        calls.append(header.seq)
+        if len(calls) == 2:
+            raise MemoryError("one failed allocation while encoding")
+        return real(delta, header)
+
+    monkeypatch.setattr(node_upload.codec, "encode_delta", encode_fails_once)
+    w, t = Worker(cfg, node_id="w0"), FakeTrainer(TinyModel(0))
+    w.on_train_start(t)
+    try:
+        _steps(w, t, 2 * H)  # two rounds: the second delta's preparation fails
+        w._threads[0].join(30)  # the upload thread has ended, having recorded why
+        assert isinstance(w.upload_error, MemoryError)
+        start = time.monotonic()
+        assert not w.flush(30) and time.monotonic() - start < 5  # not a 30 s wait
+        with pytest.raises(SpeedtronicError, match="upload thread failed .MemoryError: one "
+                                                   "failed allocation"):
+            _steps(w, t, 1)
+    finally:
+        w.close()
+
+
+def test_a_slower_download_of_an_older_global_never_replaces_a_newer_staged_one(tmp_path):
+    """The poll thread and the end of a run both stage globals: an older pointer's download
+    finishing last made a worker end on the global before the newest."""
+    from speedtronic.diloco.codec import Pointer
+
+    url = f"file://{tmp_path}/store"
+    cfg = make_cfg(url, inner_steps=2, poll_interval=1e6, lease_ttl=1e7)
+    master = _master(url, cfg)
+    w, t = Worker(cfg, node_id="w0"), FakeTrainer(TinyModel(0))
+    w.on_train_start(t)
+    try:
+        older = Pointer.from_bytes(open_store(url).get("global/latest.json"))
+        _steps(w, t, 2)
+        assert w.flush(30)
+        master.run_once()
+        newer = Pointer.from_bytes(open_store(url).get("global/latest.json"))
+        assert newer.version > older.version
+        w._stage(newer)
+        w._stage(older)  # the slow one lands last
+        assert w._candidate[0].version == newer.version
+    finally:
+        w.close()
 
 
 def test_an_interrupted_run_writes_no_done_marker_and_skips_the_final_sync(tmp_path):

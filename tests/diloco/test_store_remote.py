@@ -138,6 +138,39 @@ def test_hf_publication_is_one_commit():
     assert {"global/latest.json", m.pointer.path, m.pointer.state_path} <= set(api.files)
 
 
+def test_hf_gets_of_one_key_on_two_threads_do_not_delete_each_others_file():
+    """The poll thread and the end of a run may fetch the pointer at once: hf_hub_download
+    writes <local_dir>/<key>, and one get deleted the other's file before it was read (a
+    FileNotFoundError past every except that expects a StoreError)."""
+    first_written, second_done = threading.Event(), threading.Event()
+
+    class HeldBack(FakeHfApi):
+        def downloaded(self, path: Path) -> None:
+            if threading.current_thread().name == "first":
+                first_written.set()
+                assert second_done.wait(30)  # the other get runs whole in between
+
+    api = HeldBack()
+    api.files["global/latest.json"] = b'{"version": 7}'
+    store = HfStore("hf://me/run", api=api)
+    got: dict[str, object] = {}
+
+    def first() -> None:
+        try:
+            got["first"] = store.get("global/latest.json")
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            got["first"] = exc
+
+    thread = threading.Thread(target=first, name="first")
+    thread.start()
+    assert first_written.wait(30)
+    assert store.get("global/latest.json") == b'{"version": 7}'
+    second_done.set()
+    thread.join(30)
+    assert got["first"] == b'{"version": 7}', got["first"]
+    assert not any(p.is_file() for p in store._tmp.rglob("*"))  # nothing left behind
+
+
 def test_hf_publication_whose_reply_is_lost_is_not_a_lost_lease():
     """The commit lands, its reply is lost, the retry finds the pointer already moved: the master
     must recognise its own publication (as on file:// and s3://), not step down."""
