@@ -279,6 +279,9 @@ class Worker(GlobalInstall, DeltaUploads, ConsistentBase):
             self._snapshot()  # the partial last round is sent too: no work is dropped
         deadline = time.monotonic() + self.cfg.shutdown_timeout
         flushed = self.flush(self.cfg.shutdown_timeout)
+        if self.upload_error is not None:  # the last rounds were not sent: not done
+            self.close()
+            self.raise_upload_error()
         if not flushed:
             logger.warning("diloco worker %s: uploads still pending after shutdown_timeout=%.0fs;"
                            " that work is lost", self.node_id, self.cfg.shutdown_timeout)

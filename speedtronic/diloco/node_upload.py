@@ -93,6 +93,7 @@ class DeltaUploads:
                     self._lock.wait()
                 if self._inflight is None and not self._pending:
                     return
+                failed: tuple[_Snapshot, Exception] | None = None
                 if self._inflight is None:
                     snap = self._pending.pop(min(self._pending))
                     try:
@@ -102,12 +103,16 @@ class DeltaUploads:
                         # taken): it cannot be queued again, and no later delta could follow
                         # it. This thread used to die here unseen while training went on
                         # without sending anything; the training thread raises it instead.
-                        logger.exception("diloco worker %s: preparing delta %s for upload "
-                                         "failed", self.node_id, snap.seq)
                         self.upload_error = exc
                         self._lock.notify_all()
-                        return
+                        failed = (snap, exc)
                 job = self._inflight
+            if failed is not None:  # logged outside the lock the training thread waits on
+                snap, exc = failed
+                logger.error("diloco worker %s: preparing the delta of round %s for upload "
+                             "failed", self.node_id, snap.seq if snap.seq is not None
+                             else f"generation {snap.gen}", exc_info=exc)
+                return
             try:
                 self._put(job)
             except Exception as exc:  # noqa: BLE001 - a dead upload thread loses every round

@@ -133,7 +133,13 @@ class MasterNode:
         """End the worker, keep aggregating until every node is done (or none sent a delta for
         ``master_idle_timeout``), then sync to the final global. A run stopped early stops the
         master thread instead; a master thread that died raises SpeedtronicError."""
-        self.worker.on_train_end(trainer)
+        try:
+            self.worker.on_train_end(trainer)
+        except BaseException:  # this node's last rounds failed to go out: stop aggregating too
+            if self.thread is not None:
+                self.thread.stop.set()
+                self.thread.join(30)
+            raise
         self._train_done = True
         if self.thread is not None and run_stopped_by(trainer) is not None:
             # Interrupted: stop aggregating now (the store holds its state; --resume restarts

@@ -12,10 +12,11 @@ that opened it just before: after locking, the holder checks that its descriptor
 file at the path (same inode) and starts over if not.
 
 Where ``fcntl`` does not exist (Windows) the lock file itself is the lock: created exclusively,
-it names its holder, and a run finding one refuses while that pid lives on this host (or the
-holder is on another host, whose pids cannot be checked from here); one whose holder is gone is
-taken over. Without it a second run moved a live run's folder aside and the two mixed their
-checkpoints (the live run's ``keep_last`` deleted the newcomer's).
+it names its holder, and a run finding one is refused, saying whether that pid still runs on
+this host; a killed run's file stays until deleted by hand (taking it over automatically let
+two runs starting at once both hold it). Without any lock a second run moved a live run's
+folder aside and the two mixed their checkpoints (the live run's ``keep_last`` deleted the
+newcomer's).
 """
 
 from __future__ import annotations
@@ -116,7 +117,10 @@ class RunLock:
         self._file = f
 
     def _take_pid_file(self, purpose: str) -> None:
-        """No ``fcntl``: create the lock file exclusively; refuse while its holder may live."""
+        """No ``fcntl``: create the lock file exclusively (atomic, so two starters never both
+        hold it); a file left by a run that was killed is not taken over automatically: two
+        runs starting at once both took one over (each deleted the other's new lock), so the
+        message says whether its holder still runs and to delete the file if not."""
         for _ in range(3):  # a holder that releases while we look: try again
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -124,19 +128,13 @@ class RunLock:
                 holder = _pid_file_holder(self.path)
                 if holder is None:  # released meanwhile
                     continue
-                if _holder_may_live(holder):
-                    raise RunLockedError(
-                        f"run directory {self.run_dir} is in use by {_describe(holder)} (lock "
-                        f"{self.path}); wait for that run to end or stop it, or train under "
-                        "another run.name / run.output_dir (no fcntl on this platform: if "
-                        "that run is gone, delete the lock file)") from None
-                if _pid_file_holder(self.path) != holder:  # another starter took it over
-                    continue
-                logger.warning("run lock: taking over %s from %s, which is gone (its run "
-                               "ended without releasing it)", self.path, _describe(holder))
-                with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()
-                continue
+                state = ("in use by" if _holder_may_live(holder) else
+                         "locked by a run that is gone:")
+                raise RunLockedError(
+                    f"run directory {self.run_dir} is {state} {_describe(holder)} (lock "
+                    f"{self.path}, no fcntl on this platform: a killed run's lock stays); "
+                    "wait for that run to end or stop it, or train under another run.name / "
+                    "run.output_dir; if that run is gone, delete the lock file") from None
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(_holder_json(purpose))
             self._pid_file = True

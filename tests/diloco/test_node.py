@@ -453,6 +453,35 @@ def test_a_failed_delta_preparation_stops_the_run_instead_of_training_on_unsent(
         w.close()
 
 
+@pytest.mark.parametrize("consistent_base", [True, False])
+def test_a_failed_preparation_of_the_last_round_fails_the_run_end(tmp_path, monkeypatch,
+                                                                  consistent_base):
+    """The last round's delta failing to encode: the run ended as a success, wrote its done
+    marker and said "still pending after shutdown_timeout" about work that was lost."""
+    from speedtronic.diloco import node_upload
+    from speedtronic.errors import SpeedtronicError
+
+    url, H = f"file://{tmp_path}/store", 3
+    cfg = make_cfg(url, inner_steps=H, poll_interval=1e6, lease_ttl=1e7, shutdown_timeout=30.0,
+                   push_pull_timeout=0.0, unapplied_wait=0.0, consistent_base=consistent_base)
+    _master(url, cfg)
+    real, calls = node_upload.codec.encode_delta, []
+
+    def encode_fails_second(delta, header):
+        calls.append(header.seq)
+        if len(calls) == 2:
+            raise MemoryError("boom")
+        return real(delta, header)
+
+    monkeypatch.setattr(node_upload.codec, "encode_delta", encode_fails_second)
+    w, t = Worker(cfg, node_id="w0"), FakeTrainer(TinyModel(0))
+    start = time.monotonic()
+    with pytest.raises(SpeedtronicError, match="upload thread failed .MemoryError: boom"):
+        train(w, t, 2 * H)  # the second and last round fails
+    assert time.monotonic() - start < 20  # not shutdown_timeout's 30 s
+    assert not any(k.endswith("done.json") for k in open_store(url).list("nodes/"))
+
+
 def test_a_slower_download_of_an_older_global_never_replaces_a_newer_staged_one(tmp_path):
     """The poll thread and the end of a run both stage globals: an older pointer's download
     finishing last made a worker end on the global before the newest."""

@@ -296,8 +296,7 @@ def test_one_process_cannot_take_a_lock_twice(tmp_path):
         assert again.held
 
 
-def test_without_fcntl_the_lock_file_refuses_while_its_holder_lives(tmp_path, monkeypatch,
-                                                                      caplog):
+def test_without_fcntl_the_lock_file_refuses_while_its_holder_lives(tmp_path, monkeypatch):
     """Windows has no fcntl: runs were not locked, and a second run moved a live run's folder
     aside (the two then mixed checkpoints). The lock file itself is the lock there."""
     monkeypatch.setattr(run_lock, "fcntl", None)
@@ -329,10 +328,14 @@ def test_without_fcntl_the_lock_file_refuses_while_its_holder_lives(tmp_path, mo
             RunLock(run_dir)
     finally:
         live.communicate(b"", timeout=60)
-    name_holder(live.pid)  # gone now: taken over, with a line naming it
-    with caplog.at_level("WARNING", logger="speedtronic"), RunLock(run_dir) as taken:
+    name_holder(live.pid)  # gone now: still refused (two starters both took one over),
+    with pytest.raises(RunLockedError, match=f"a run that is gone: pid {live.pid} .*delete"):
+        RunLock(run_dir)  # saying so
+    assert held_by(run_dir) is None  # validate: no live holder
+    lock.unlink()
+    with RunLock(run_dir) as taken:
         assert taken.held and json.loads(lock.read_text())["pid"] == os.getpid()
-    assert f"from pid {live.pid}" in caplog.text and not lock.exists()
+    assert not lock.exists()
 
 
 def test_temp_files_of_a_live_writer_are_left_alone(tmp_path):

@@ -125,3 +125,30 @@ def test_timing_waits_for_queued_work_on_cuda_and_mps_and_never_on_cpu(monkeypat
     for device in ("cpu", "mps", "cuda:0"):
         synchronize(torch.device(device))
     assert calls == ["mps", "cuda"]
+
+
+def test_the_trainer_and_compare_sync_the_device_before_excluding_eval_and_save(tmp_path,
+                                                                               monkeypatch):
+    """Both clocks must wait for queued training work before an eval or a save is excluded
+    from them; they called torch.cuda.synchronize only, never MPS's."""
+    from _engine_fixtures import tiny_raw
+
+    from speedtronic.compare import recorder
+    from speedtronic.config import load_config
+    from speedtronic.train import trainer
+    from speedtronic.train.runtime import train_from_config
+
+    synced: list[str] = []
+    monkeypatch.setattr(trainer, "synchronize", lambda device: synced.append(device.type))
+    raw = tiny_raw(tmp_path, "sync", run={"max_steps": 4, "eval_every": 2},
+                   checkpoint={"every_steps": 4})
+    train_from_config(load_config(raw), plot=False)
+    assert synced == ["cpu", "cpu"]  # the eval at step 2, the eval + save at step 4
+    monkeypatch.setattr(recorder, "synchronize", lambda device: synced.append(device.type))
+    rec = object.__new__(recorder.CompareRecorder)
+    rec._device, rec._pending_events = torch.device("mps"), []
+    rec.state = {"optimizer_step_s": []}
+    rec._pre_step(None, (), {})
+    rec._post_step(None, (), {})
+    assert synced[2:] == ["mps", "mps"]  # an MPS optimizer step is timed queue to queue
+    assert len(rec.state["optimizer_step_s"]) == 1
