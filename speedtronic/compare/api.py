@@ -244,7 +244,10 @@ def _write_outputs(out: Path, base: SpeedtronicConfig, parsed: list[Variant],
         "init_spectrum": first.get("init_spectrum"),
     }
     write_json(files["json"], payload)
-    files["table"].write_text(_markdown(meta, table, sweep, files), encoding="utf-8")
+    from ..train.checkpoint import atomic_write_text
+
+    # replaced whole: a rerun whose write failed once cut the previous report to 200 bytes
+    atomic_write_text(files["table"], _markdown(meta, table, sweep, files))
     logger.info("compare: wrote %s", ", ".join(str(p) for p in files.values()))
     return CompareResult(summary=summary, records=records, files=files, table=table)
 

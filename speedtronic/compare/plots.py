@@ -12,6 +12,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from ..train.plot import save_figure
+
 __all__ = ["plot_loss", "plot_spectrum", "matplotlib_available"]
 
 logger = logging.getLogger("speedtronic.compare")
@@ -77,8 +79,10 @@ def plot_loss(records: dict[str, list[dict[str, Any]]], target: float | None,
     ax_step.legend(fontsize=8)
     if title:
         fig.suptitle(title, fontsize=10)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=110)  # replaced whole: a failed write keeps the last plot
+    finally:
+        plt.close(fig)
     return True
 
 
@@ -139,8 +143,10 @@ def plot_spectrum(spectra: dict[str, dict[str, dict[str, Any]]],
     fig.legend(*ax_rank.get_legend_handles_labels(), loc="outside right upper", fontsize=7)
     ax_rank.set_title("hidden matrices: stable rank ||W||_F² / ||W||_2²", fontsize=9)
     ax_top.set_title("hidden matrices: top singular value", fontsize=9)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        save_figure(fig, path, dpi=100)
+    finally:
+        plt.close(fig)
     return True
 
 

@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import yaml
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SpeedtronicError
 from . import redaction
 from .lifecycle import (  # the constants: re-exported, their sections moved to lifecycle
     MAX_THREADS,  # noqa: F401
@@ -250,7 +250,16 @@ class SpeedtronicConfig:
             text = yaml.safe_dump(data, sort_keys=False)
         else:
             text = json.dumps(data, indent=2) + "\n"
-        path.write_text(text, encoding="utf-8")
+        # Replaced whole: a --resume rewrites config.yaml, and a full disk once cut it to 100
+        # bytes, after which sample, export and compare could not read the run.
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise SpeedtronicError(f"cannot write {path}: {exc.strerror or exc} (the previous "
+                                   "file, if any, is unchanged)") from None
 
 
 Config = SpeedtronicConfig

@@ -26,6 +26,7 @@ folder (stale ones, SIGTERM) and ``meta.json``. Reading and cutting the text is
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -322,9 +323,18 @@ def _prepare_into(tmp: Path, out: Path, key: str, cfg: SpeedtronicConfig,
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
             os.replace(tmp, out)  # the directory appears whole or not at all
-        except OSError:  # another process finished first: keep theirs
-            shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            if not meta_path.is_file():  # not a lost race: the real error, not "no meta.json"
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # another process finished first: theirs
             return PreparedTokens(json.loads(meta_path.read_text()))
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):  # name the folder
+            raise ConfigError(f"data.prepare_dir: writing the prepared tokens into "
+                              f"{out.parent} failed: {exc.strerror} (free space there, or set "
+                              "data.prepare_dir / SPEEDTRONIC_CACHE_DIR elsewhere)") from None
+        raise
     except BaseException:  # any failure, Ctrl-C and SIGTERM included: leave no half-written
         shutil.rmtree(tmp, ignore_errors=True)  # folder behind
         raise

@@ -253,13 +253,14 @@ def max_token_id(f: TokenFile) -> int:
     finally:
         reader.close()
     cache[key] = top
+    tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(cache))
         os.replace(tmp, cache_file)
-    except OSError:
-        pass  # a read-only cache only costs the pass again next time
+    except OSError:  # a read-only cache only costs the pass again next time
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)  # a full disk left one per run
     return top
 
 

@@ -92,8 +92,13 @@ class DirectoryStore(Store):
             while view:
                 view = view[os.write(fd, view):]
             os.fsync(fd)
-        finally:
+        except BaseException:
+            # A full disk (retried as transient) left each attempt's partial file behind: the
+            # space never came back, and nothing removes .tmp-* files later.
             os.close(fd)
+            tmp.unlink(missing_ok=True)
+            raise
+        os.close(fd)
         return tmp
 
     @staticmethod

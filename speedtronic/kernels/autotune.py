@@ -18,6 +18,7 @@ capture never time anything (the caller's default is used).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -136,6 +137,7 @@ class ShapeDispatch:
     def _save(self) -> None:
         if self.path is None:
             return
+        tmp: str | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             payload = json.dumps({"fingerprint": self.info, "entries": self.entries}, indent=1)
@@ -144,6 +146,9 @@ class ShapeDispatch:
                 fh.write(payload)
             os.replace(tmp, self.path)
         except OSError as exc:  # a read-only home must not stop training
+            if tmp is not None:  # a full disk left one .autotune-* file per attempt
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
             logger.warning("autotune: could not write %s (%s); keeping the table in memory",
                            self.path, exc)
 

@@ -6,10 +6,12 @@ compared in one picture. matplotlib is an optional extra (``speedtronic[plot]``)
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from ..errors import SpeedtronicError
 from .metrics import iter_metrics
@@ -120,5 +122,20 @@ def plot_runs(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> 
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_path)
+    save_figure(fig, out_path)
     return out_path
+
+
+def save_figure(fig: Any, path: Path, **kwargs: Any) -> None:
+    """``fig.savefig`` into a temp file beside ``path``, then replace it: written in place, a
+    full disk left a truncated PNG where the last good plot was. A failure names the file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        fig.savefig(tmp, **kwargs)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise SpeedtronicError(f"plot: cannot write {path}: {exc.strerror or exc} (the "
+                               "previous plot, if any, is unchanged)") from None

@@ -8,8 +8,10 @@ and hands over to a file handler. :func:`remove_log_handlers` detaches a run's h
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import logging.handlers
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -64,7 +66,7 @@ def open_log_file(buffer: HeldLogLines) -> logging.Handler:
     path = buffer.path
     path.parent.mkdir(parents=True, exist_ok=True)  # a folder inside the run directory
     try:
-        handler = logging.FileHandler(path, encoding="utf-8")
+        handler = _RunLogFile(path, encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"logging.file: cannot open {path} for appending "
                           f"({exc.strerror or exc}); give a writable file path") from None
@@ -79,9 +81,27 @@ def open_log_file(buffer: HeldLogLines) -> logging.Handler:
     return handler
 
 
+class _RunLogFile(logging.FileHandler):
+    """``logging.file``: a write that fails (a full disk) says so once and detaches the file;
+    the console and metrics.jsonl go on. logging's default printed a traceback for every
+    later line (97 in a 100-step run), and the close at the end turned a finished run into
+    exit 2."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        logging.getLogger("speedtronic").removeHandler(self)
+        with contextlib.suppress(OSError, ValueError):
+            self.close()
+        exc = sys.exc_info()[1]
+        logger = logging.getLogger("speedtronic.runtime")
+        logger.warning("logging.file: writing %s failed (%s); the rest of this run is not "
+                       "logged there (the console and metrics.jsonl go on)", self.baseFilename,
+                       getattr(exc, "strerror", None) or exc)
+
+
 def remove_log_handlers(handlers: Sequence[logging.Handler]) -> None:
     """Detach and close these handlers (only these: another run's log file keeps its own)."""
     root = logging.getLogger("speedtronic")
     for handler in handlers:
         root.removeHandler(handler)
-        handler.close()
+        with contextlib.suppress(OSError):  # a full disk: the run itself is done
+            handler.close()

@@ -298,7 +298,8 @@ def _write_plot(run_dir: Path) -> None:
         return
     try:
         out = plot.plot_runs([run_dir], run_dir / "loss.png")
-    except SpeedtronicError as exc:  # e.g. every loss was non-finite: the run itself is done
+    except (SpeedtronicError, OSError) as exc:  # e.g. every loss was non-finite, a full
+        # disk: the run itself is done, and its exit code says so
         logger.warning("loss plot: not written (%s)", exc)
         return
     logger.info("loss plot: %s", out)
