@@ -186,8 +186,12 @@ class CheckpointManager:
                 f.flush()
                 os.fsync(f.fileno())
         except OSError as exc:
+            import errno as _errno
+
+            fix = ("free space there (the disk is full)" if exc.errno in (
+                _errno.ENOSPC, _errno.EDQUOT) else "fix its permissions")
             raise CheckpointError(f"checkpoint folder {self.directory} is not writable "
-                                  f"({exc.strerror or exc}); fix its permissions or set "
+                                  f"({exc.strerror or exc}); {fix} or set "
                                   "checkpoint.directory / run.output_dir to a writable "
                                   "place, or checkpoint.enabled: false") from None
         finally:
@@ -241,7 +245,10 @@ class CheckpointManager:
         try:
             atomic_write_text(self.directory / "latest", final.name + "\n")
         except OSError as exc:  # the checkpoint is committed; a scan finds it without latest
-            raise self._save_failed(step, exc) from None
+            raise CheckpointError(
+                f"step {step} is saved ({final.name}), but updating "
+                f"{self.directory / 'latest'} failed: {exc.strerror or exc}; --resume finds "
+                f"{final.name} without it. Free space and train again with --resume") from None
         self.prune()
         return final
 

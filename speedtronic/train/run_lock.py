@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from .._process import pid_alive
-from ..errors import RunLockedError
+from ..errors import RunLockedError, SpeedtronicError
 
 try:
     import fcntl
@@ -110,10 +110,15 @@ class RunLock:
         if previous:  # a clean release empties the file: this holder died without releasing
             logger.warning("run lock: taking over %s from %s, which is gone (its run ended "
                            "without releasing it)", self.path, _describe(previous))
-        f.seek(0)
-        f.truncate()
-        f.write(_holder_json(purpose))
-        f.flush()
+        try:
+            f.seek(0)
+            f.truncate()
+            f.write(_holder_json(purpose))
+            f.flush()
+        except OSError as exc:  # a full disk: one line naming the file, not a bare errno
+            f.close()
+            raise SpeedtronicError(f"run lock: cannot write {self.path} ({exc.strerror or exc}); "
+                                 f"free space in {self.path.parent}") from None
         self._file = f
 
     def _take_pid_file(self, purpose: str) -> None:

@@ -107,3 +107,29 @@ def test_a_store_put_on_a_full_disk_leaves_no_partial_file(tmp_path, monkeypatch
     assert not [p for p in (tmp_path / "store").rglob("*") if p.is_file()]
     monkeypatch.undo()
     open_store(f"file://{tmp_path}/store").put("nodes/w0/s/delta-1", b"ok", if_absent=True)
+
+
+def test_a_full_disk_at_the_latest_pointer_says_the_step_is_saved(tmp_path, monkeypatch):
+    """Only the 'latest' pointer's write failed, and the error said the save of that step
+    failed while naming it as the intact newest one: it is saved, and --resume loads it."""
+    import torch
+
+    from speedtronic.train import checkpoint
+    from speedtronic.train.checkpoint import CheckpointError, CheckpointManager
+
+    mgr = CheckpointManager(tmp_path, keep_last=None)
+    mgr.save(1, {"step": 1, "model": {"w": torch.ones(2)}})
+    real = checkpoint.atomic_write_text
+
+    def pointer_fails(path: Path, text: str) -> None:
+        if path.name == "latest":
+            _full()
+        real(path, text)
+
+    monkeypatch.setattr(checkpoint, "atomic_write_text", pointer_fails)
+    with pytest.raises(CheckpointError, match=r"step 2 is saved \(step_00000002.pt\), but "
+                                              r"updating .*latest failed: No space left"):
+        mgr.save(2, {"step": 2, "model": {"w": torch.full((2,), 2.0)}})
+    monkeypatch.undo()
+    state, path = CheckpointManager(tmp_path, keep_last=None).load_latest()
+    assert state["step"] == 2 and path.name == "step_00000002.pt"
