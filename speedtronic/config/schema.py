@@ -256,8 +256,13 @@ class SpeedtronicConfig:
         try:
             tmp.write_text(text, encoding="utf-8")
             os.replace(tmp, path)
-        except OSError as exc:
-            tmp.unlink(missing_ok=True)
+        except BaseException as exc:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            if not isinstance(exc, OSError):
+                raise
             raise SpeedtronicError(f"cannot write {path}: {exc.strerror or exc} (the previous "
                                    "file, if any, is unchanged)") from None
 

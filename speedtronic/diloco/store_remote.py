@@ -267,7 +267,12 @@ class HfStore(Store):
         # A folder per call: hf_hub_download writes <local_dir>/<key>, and the poll thread and
         # the end of a run may fetch the pointer at once; one deleted the other's file before
         # it was read (FileNotFoundError, past every except that expects a StoreError).
-        folder = tempfile.mkdtemp(dir=self._tmp)
+        try:
+            self._tmp.mkdir(parents=True, exist_ok=True)
+            folder = tempfile.mkdtemp(dir=self._tmp)
+        except OSError as exc:  # a full /tmp: a store error the callers expect, not a raw one
+            raise TransientStoreError(f"get {key}: no local folder to download into ({exc})") \
+                from exc
         try:
             path = self._call(f"get {key}", self.api.hf_hub_download, self.repo_id,
                               check_key(key), repo_type=self.repo_type, local_dir=folder,

@@ -139,3 +139,7 @@ def save_figure(fig: Any, path: Path, **kwargs: Any) -> None:
             tmp.unlink(missing_ok=True)
         raise SpeedtronicError(f"plot: cannot write {path}: {exc.strerror or exc} (the "
                                "previous plot, if any, is unchanged)") from None
+    except BaseException:  # Ctrl-C mid-draw: svg/pdf had opened the temp file already
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise

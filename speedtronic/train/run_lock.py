@@ -140,8 +140,15 @@ class RunLock:
                     f"{self.path}, no fcntl on this platform: a killed run's lock stays); "
                     "wait for that run to end or stop it, or train under another run.name / "
                     "run.output_dir; if that run is gone, delete the lock file") from None
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(_holder_json(purpose))
+            try:
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    f.write(_holder_json(purpose))
+            except OSError as exc:  # an empty lock file would refuse every later start
+                with contextlib.suppress(OSError):
+                    self.path.unlink()
+                raise SpeedtronicError(f"run lock: cannot write {self.path} "
+                                       f"({exc.strerror or exc}); free space in "
+                                       f"{self.path.parent}") from None
             self._pid_file = True
             return
         raise RunLockedError(f"run directory {self.run_dir}: its lock {self.path} changed "

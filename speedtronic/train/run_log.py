@@ -73,9 +73,9 @@ def open_log_file(buffer: HeldLogLines) -> logging.Handler:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     handler.set_name(RUN_LOG_HANDLER)
     root = logging.getLogger("speedtronic")
+    root.removeHandler(buffer)  # first: a line logged while replaying must not land in it
     buffer.setTarget(handler)
     buffer.flush()  # the build's lines, in order, then the file handler takes over
-    root.removeHandler(buffer)
     buffer.close()
     root.addHandler(handler)
     return handler
@@ -87,15 +87,23 @@ class _RunLogFile(logging.FileHandler):
     later line (97 in a 100-step run), and the close at the end turned a finished run into
     exit 2."""
 
+    _failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not self._failed:  # closed after a failed write (reopening would fail again)
+            super().emit(record)
+
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
-        logging.getLogger("speedtronic").removeHandler(self)
+        exc = sys.exc_info()[1]
+        if not isinstance(exc, OSError):  # a bad format in one call: logging's own report
+            super().handleError(record)
+            return
+        self._failed = True  # stays attached: removing it here skipped the next handler
         with contextlib.suppress(OSError, ValueError):
             self.close()
-        exc = sys.exc_info()[1]
-        logger = logging.getLogger("speedtronic.runtime")
-        logger.warning("logging.file: writing %s failed (%s); the rest of this run is not "
-                       "logged there (the console and metrics.jsonl go on)", self.baseFilename,
-                       getattr(exc, "strerror", None) or exc)
+        logging.getLogger("speedtronic.runtime").warning(
+            "logging.file: writing %s failed (%s); the rest of this run is not logged there "
+            "(the console and metrics.jsonl go on)", self.baseFilename, exc.strerror or exc)
 
 
 def remove_log_handlers(handlers: Sequence[logging.Handler]) -> None:
