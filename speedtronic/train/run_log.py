@@ -82,8 +82,8 @@ def open_log_file(buffer: HeldLogLines) -> logging.Handler:
 
 
 class _RunLogFile(logging.FileHandler):
-    """``logging.file``: a write that fails (a full disk) says so once and detaches the file;
-    the console and metrics.jsonl go on. logging's default printed a traceback for every
+    """``logging.file``: a write that fails (a full disk) says so once and writes nothing more
+    there; the console and metrics.jsonl go on. logging's default printed a traceback for every
     later line (97 in a 100-step run), and the close at the end turned a finished run into
     exit 2."""
 
