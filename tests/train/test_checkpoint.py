@@ -200,18 +200,19 @@ def test_rng_state_round_trip():
 def test_the_mps_generator_is_saved_and_restored_where_mps_exists(monkeypatch):
     """Resume is bitwise with dropout on CUDA and CPU; on a Mac the MPS generator (dropout
     masks there) was neither saved nor restored. No MPS here: its generator is stood in for."""
-    from speedtronic.train import checkpoint as ckpt
+    from speedtronic.train import checkpoint as checkpoint_module
 
     generator = {"state": torch.tensor([1, 2, 3], dtype=torch.uint8)}
-    monkeypatch.setattr(ckpt, "_mps_available", lambda: True)
+    monkeypatch.setattr(checkpoint_module, "_mps_available", lambda: True)
     monkeypatch.setattr(torch.mps, "get_rng_state", lambda: generator["state"].clone())
     monkeypatch.setattr(torch.mps, "set_rng_state", lambda s: generator.update(state=s))
     state = capture_rng_state()
     generator["state"] = torch.tensor([9], dtype=torch.uint8)  # the generator moved on
     restore_rng_state(state)
     assert generator["state"].tolist() == [1, 2, 3]
-    monkeypatch.setattr(ckpt, "_mps_available", lambda: False)  # a checkpoint from a Mac,
-    restore_rng_state(state)  # resumed where there is no MPS: its stream is ignored
+    # a checkpoint from a Mac, resumed where there is no MPS: its stream is ignored
+    monkeypatch.setattr(checkpoint_module, "_mps_available", lambda: False)
+    restore_rng_state(state)
     assert "mps" not in capture_rng_state()
 
 
