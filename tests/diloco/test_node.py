@@ -418,27 +418,37 @@ def test_the_codec_error_of_queued_deltas_is_all_sent(tmp_path):
         assert gap < 1e-6, (k, float(gap))
 
 
+def _worker_whose_second_encode_fails(tmp_path, monkeypatch, H: int, message: str,
+                                      **cfg_changes) -> Worker:
+    """A worker (and its master) whose second delta raises MemoryError(message) when encoded."""
+    from speedtronic.diloco import node_upload
+
+    url = f"file://{tmp_path}/store"
+    cfg = make_cfg(url, inner_steps=H, poll_interval=1e6, lease_ttl=1e7, shutdown_timeout=30.0,
+                   push_pull_timeout=0.0, unapplied_wait=0.0, **cfg_changes)
+    _master(url, cfg)
+    real, calls = node_upload.codec.encode_delta, []
+
+    def encode_fails_second(delta, header):
+        calls.append(header.seq)
+        if len(calls) == 2:
+            raise MemoryError(message)
+        return real(delta, header)
+
+    monkeypatch.setattr(node_upload.codec, "encode_delta", encode_fails_second)
+    return Worker(cfg, node_id="w0")
+
+
 def test_a_failed_delta_preparation_stops_the_run_instead_of_training_on_unsent(tmp_path,
                                                                                  monkeypatch):
     """One exception while encoding (a host MemoryError) ended the upload thread unseen: the
     worker trained on for the rest of the run and sent nothing."""
-    from speedtronic.diloco import node_upload
     from speedtronic.errors import SpeedtronicError
 
-    url, H = f"file://{tmp_path}/store", 3
-    cfg = make_cfg(url, inner_steps=H, poll_interval=1e6, lease_ttl=1e7, shutdown_timeout=30.0,
-                   push_pull_timeout=0.0, unapplied_wait=0.0)
-    _master(url, cfg)
-    real, calls = node_upload.codec.encode_delta, []
-
-    def encode_fails_once(delta, header):
-        calls.append(header.seq)
-        if len(calls) == 2:
-            raise MemoryError("one failed allocation while encoding")
-        return real(delta, header)
-
-    monkeypatch.setattr(node_upload.codec, "encode_delta", encode_fails_once)
-    w, t = Worker(cfg, node_id="w0"), FakeTrainer(TinyModel(0))
+    H = 3
+    w = _worker_whose_second_encode_fails(tmp_path, monkeypatch, H,
+                                          "one failed allocation while encoding")
+    t = FakeTrainer(TinyModel(0))
     w.on_train_start(t)
     try:
         _steps(w, t, 2 * H)  # two rounds: the second delta's preparation fails
@@ -458,28 +468,17 @@ def test_a_failed_preparation_of_the_last_round_fails_the_run_end(tmp_path, monk
                                                                   consistent_base):
     """The last round's delta failing to encode: the run ended as a success, wrote its done
     marker and said "still pending after shutdown_timeout" about work that was lost."""
-    from speedtronic.diloco import node_upload
     from speedtronic.errors import SpeedtronicError
 
-    url, H = f"file://{tmp_path}/store", 3
-    cfg = make_cfg(url, inner_steps=H, poll_interval=1e6, lease_ttl=1e7, shutdown_timeout=30.0,
-                   push_pull_timeout=0.0, unapplied_wait=0.0, consistent_base=consistent_base)
-    _master(url, cfg)
-    real, calls = node_upload.codec.encode_delta, []
-
-    def encode_fails_second(delta, header):
-        calls.append(header.seq)
-        if len(calls) == 2:
-            raise MemoryError("boom")
-        return real(delta, header)
-
-    monkeypatch.setattr(node_upload.codec, "encode_delta", encode_fails_second)
-    w, t = Worker(cfg, node_id="w0"), FakeTrainer(TinyModel(0))
+    H = 3
+    w = _worker_whose_second_encode_fails(tmp_path, monkeypatch, H, "boom",
+                                          consistent_base=consistent_base)
+    t = FakeTrainer(TinyModel(0))
     start = time.monotonic()
     with pytest.raises(SpeedtronicError, match="upload thread failed .MemoryError: boom"):
         train(w, t, 2 * H)  # the second and last round fails
     assert time.monotonic() - start < 20  # not shutdown_timeout's 30 s
-    assert not any(k.endswith("done.json") for k in open_store(url).list("nodes/"))
+    assert not any(k.endswith("done.json") for k in open_store(f"file://{tmp_path}/store").list("nodes/"))
 
 
 def test_a_slower_download_of_an_older_global_never_replaces_a_newer_staged_one(tmp_path):
