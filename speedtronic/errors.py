@@ -111,6 +111,15 @@ def mask_secrets(text: str) -> str:
     return text
 
 
+def first_line(exc: BaseException, empty: str | None = None) -> str:
+    """The first line of ``exc``'s message (library errors run to pages), or ``empty`` (the
+    exception's type name when None) when it has none."""
+    text = str(exc).strip()
+    if text:
+        return text.splitlines()[0]
+    return type(exc).__name__ if empty is None else empty
+
+
 def brief(value: object) -> str:
     """A bounded, credential-masked ``repr`` for error messages (strings to 80 characters,
     6 items per container, 2 levels, 160 characters in all), so a huge or self-aliased value

@@ -45,7 +45,7 @@ import numpy as np
 
 from .._process import temp_owner_alive
 from ..config import ConfigError, SpeedtronicConfig
-from ..errors import Terminated
+from ..errors import Terminated, first_line
 from . import prepare_sources
 from .prepare_shards import SHARD_TOKENS, _write_shards  # noqa: F401 - SHARD_TOKENS: re-export
 from .prepare_sources import _file_blocks, _hf_rows, text_files
@@ -85,7 +85,7 @@ def load_tokenizer(spec: str) -> Any:
         try:
             return Tokenizer.from_file(str(path))
         except Exception as exc:  # noqa: BLE001 - any loader failure is the user's input
-            raise ConfigError(f"data.tokenizer: cannot load {spec!r}: {_first_line(exc)}") \
+            raise ConfigError(f"data.tokenizer: cannot load {spec!r}: {first_line(exc)}") \
                 from None
     if _names_a_local_tokenizer(spec):
         raise ConfigError(f"data.tokenizer: file not found: {spec!r}")
@@ -93,14 +93,9 @@ def load_tokenizer(spec: str) -> Any:
         return Tokenizer.from_pretrained(spec)
     except Exception as exc:  # noqa: BLE001 - the Hub's answer names what is wrong
         raise ConfigError(f"data.tokenizer: cannot load {spec!r}: no local file or folder of "
-                          f"that name, and the Hub gave: {_first_line(exc)} (a local "
+                          f"that name, and the Hub gave: {first_line(exc)} (a local "
                           "tokenizer.json works offline; HF_HUB_OFFLINE=1 reads the Hugging "
                           "Face cache without the Hub's retries)") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def _names_a_local_tokenizer(spec: str) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..config import ConfigError
+from ..errors import first_line
 from .token_files import write_shard
 
 SHARD_TOKENS = 1 << 26
@@ -73,7 +74,7 @@ def _encode(task: tuple[str, str]) -> np.ndarray:
     except Exception as exc:  # noqa: BLE001 - the tokenizer's own failures are plain Exception
         # A ConfigError (picklable: one message argument) crosses the worker pool as is, so the
         # CLI prints this one line whether or not workers were used.
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise ConfigError(f"data.tokenizer: {_worker_spec!r} failed to encode {where}: {first} "
                           "(use a tokenizer whose vocabulary covers every byte of the text or has "
                           "an unknown token, or remove the text it cannot represent)") from None

@@ -23,7 +23,7 @@ from pathlib import Path, PureWindowsPath
 from typing import Any
 
 from ..config import ConfigError, SpeedtronicConfig
-from ..errors import brief
+from ..errors import brief, first_line
 from .token_files import expand_paths
 
 logger = logging.getLogger("speedtronic.data")
@@ -192,7 +192,7 @@ def _hf_rows(cfg: SpeedtronicConfig) -> Iterator[tuple[str, str]]:
                               f"{', '.join(empty)} {'holds' if len(empty) == 1 else 'hold'} no "
                               f"rows, which the datasets library fails on "
                               f"({type(exc).__name__}); remove or fill it") from None
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         offline = "" if path.exists() else (
             " (offline: HF_HUB_OFFLINE=1 reads the Hugging Face cache without the Hub's "
             "retries; a local data file or folder needs no network)")

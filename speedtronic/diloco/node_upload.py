@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..errors import SpeedtronicError
+from ..errors import SpeedtronicError, first_line
 from . import codec
 from .faults import crash_point
 from .store import ObjectExists, StoreError
@@ -209,7 +209,7 @@ class DeltaUploads:
         """The upload thread's failure, on the training thread: training on would send nothing."""
         err = self.upload_error
         if err is not None:
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            first = first_line(err, empty="")
             raise SpeedtronicError(f"diloco worker {self.node_id}: the upload thread failed "
                                    f"({type(err).__name__}: {first}); no later round could be "
                                    "sent, so the run stops (the log above has the details; "

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from ..config import DistributedConfig, SpeedtronicConfig
-from ..errors import SpeedtronicError
+from ..errors import SpeedtronicError, first_line
 from .master import LeaseLost, Master
 from .node import Worker, default_node_id, run_stopped_by, sync_parameters
 from .store import open_configured_store, probe_conditional_writes
@@ -120,7 +120,7 @@ class MasterNode:
         if err is not None and not self._reported:
             self._reported = True
             raise SpeedtronicError(f"diloco master thread died: {type(err).__name__}: "
-                                   f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+                                   f"{first_line(err, empty='')}"
                                    " (the run stops; the log above has the details)")
 
     def after_optimizer_step(self, trainer: Any, step: int) -> None:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, ModelConfig
+from ..errors import first_line
 
 __all__ = ["HFCausalLM", "adapt_model", "build_hf_model", "check_forward", "is_hf_model"]
 
@@ -118,7 +119,7 @@ def build_hf_model(cfg: ModelConfig) -> HFCausalLM:
     except ConfigError:
         raise
     except (ValueError, KeyError, OSError, TypeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise ConfigError(f"model.hf_config: transformers cannot build a config from it: "
                           f"{first[:300]}") from None
     explicit = isinstance(spec, dict) and "vocab_size" in spec

@@ -38,6 +38,7 @@ import torch
 
 from .._process import temp_owner_alive
 from ..errors import SpeedtronicError
+from .precision import mps_available as _mps_available  # (a test stands one in)
 from .v2_checkpoints import V2_CHECKPOINT_ADVICE, is_v2_checkpoint_file
 
 logger = logging.getLogger("speedtronic.checkpoint")
@@ -394,11 +395,6 @@ def capture_rng_state() -> dict[str, Any]:
     if _mps_available():  # dropout on MPS draws from its own generator
         state["mps"] = torch.mps.get_rng_state()
     return state
-
-
-def _mps_available() -> bool:
-    backend = getattr(torch.backends, "mps", None)
-    return bool(backend is not None and backend.is_available())
 
 
 def restore_rng_state(state: dict[str, Any]) -> None:

@@ -86,12 +86,17 @@ def resolve_device(requested: str | torch.device | None) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise SpeedtronicError(f"device {text!r} requested but only "
                                    f"{torch.cuda.device_count()} CUDA device(s) exist")
-    if device.type == "mps" and not (hasattr(torch.backends, "mps")
-                                     and torch.backends.mps.is_available()):
+    if device.type == "mps" and not mps_available():
         raise SpeedtronicError(f"device {text!r} requested but MPS is not available")
     if device.type not in ("cpu", "cuda", "mps"):
         raise SpeedtronicError(f"unsupported device type {device.type!r}; use cpu, cuda or mps")
     return device
+
+
+def mps_available() -> bool:
+    """Whether this torch has Apple's MPS backend and a device for it."""
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
 
 
 def synchronize(device: torch.device) -> None:

@@ -25,6 +25,7 @@ import torch
 
 from ..distributed import ddp as dp_step
 from ..distributed import fsdp as fsdp_step
+from ..errors import first_line
 from ..models.loss import extract_loss
 from .accumulation import StepWeights, counted_tokens
 from .precision import compile_error_types
@@ -115,7 +116,7 @@ class OptimizerStep:
                         y: torch.Tensor, rel: float,
                         scale: torch.Tensor | float | None) -> torch.Tensor:
         """Say why the compiler failed, then run the micro-batch eagerly from the same RNG."""
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        reason = first_line(exc)
         logger.warning("torch.compile: off (compiler failed, running eager: %s: %s)",
                        type(exc).__name__, reason[:300])
         # train_start said compile: true before the first forward; the record says it ended
